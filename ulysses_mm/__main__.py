@@ -1,0 +1,3 @@
+from ulysses_mm.cli import main
+
+raise SystemExit(main())

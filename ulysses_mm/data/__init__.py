@@ -1,0 +1,1 @@
+"""Packing, shards, streaming and model inputs."""

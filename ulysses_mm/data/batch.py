@@ -1,0 +1,133 @@
+"""Model inputs from packed samples, and the sequence-parallel slice of them.
+
+A packed sample is ``tokens [N]`` plus a segment table (one row per document piece:
+start, length, modality, document id, position of the piece inside its document).
+:func:`make_batch` turns samples into model inputs: position ids that restart at each
+document, document ids for the attention mask, and labels shifted by one BEFORE any
+slicing, so the label at an SP slice boundary (token r·N/P predicts r·N/P + 1) is kept.
+A label is ignored where the next token starts another document (attention cannot see
+across, so it is unpredictable) and at the end of the sample.
+
+:func:`sp_slice` keeps rank r's tokens ``[r·N/P, (r+1)·N/P)`` of every per-token field but
+the full ``doc_ids``, which the attention kernel needs after the all-to-all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ulysses_mm.model.heads import IGNORE
+from ulysses_mm.tokenspace import PAD, TokenSpace, token_modalities
+
+# Segment table columns (int64 array [rows, 5]).
+SEG_START, SEG_LENGTH, SEG_MODALITY, SEG_DOC, SEG_POS = range(5)
+SEGMENT_COLUMNS = ("start", "length", "modality", "doc_id", "pos_offset")
+
+
+@dataclass
+class Batch:
+    """Model inputs. Per-token fields are [b, n] (n = N/P under SP); doc_ids is [b, N]."""
+
+    input_ids: Tensor
+    position_ids: Tensor
+    labels: Tensor
+    label_modality: Tensor
+    doc_ids: Tensor
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(
+            **{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)}
+        )
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.labels != IGNORE).sum())
+
+
+def segments_to_ids(segments: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(doc_ids [N], position_ids [N]) from a segment table. Tokens no segment covers
+    (tail padding) get doc id -1 and position 0."""
+    doc = np.full(seq_len, -1, dtype=np.int64)
+    pos = np.zeros(seq_len, dtype=np.int64)
+    seg = np.asarray(segments, dtype=np.int64).reshape(-1, len(SEGMENT_COLUMNS))
+    for i, row in enumerate(seg):
+        s, n = int(row[SEG_START]), int(row[SEG_LENGTH])
+        if s < 0 or n < 0 or s + n > seq_len:
+            raise ValueError(
+                f"segment {i} {row.tolist()} does not fit a sample of {seq_len} tokens"
+            )
+        doc[s : s + n] = i
+        pos[s : s + n] = row[SEG_POS] + np.arange(n)
+    return doc, pos
+
+
+def make_labels(
+    tokens: np.ndarray, doc_ids: np.ndarray, space: TokenSpace
+) -> tuple[np.ndarray, np.ndarray]:
+    """(labels, label_modality) for [b, N] arrays, shifted by one inside each document."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    doc_ids = np.asarray(doc_ids, dtype=np.int64)
+    mods = token_modalities(tokens, doc_ids, space)
+    labels = np.full_like(tokens, IGNORE)
+    label_mod = np.full_like(tokens, -1)
+    same_doc = (
+        (doc_ids[..., 1:] == doc_ids[..., :-1]) & (tokens[..., 1:] != PAD) & (mods[..., 1:] >= 0)
+    )
+    labels[..., :-1] = np.where(same_doc, tokens[..., 1:], IGNORE)
+    label_mod[..., :-1] = np.where(same_doc, mods[..., 1:], -1)
+    return labels, label_mod
+
+
+def make_batch(tokens: np.ndarray, segments: list[np.ndarray], space: TokenSpace) -> Batch:
+    """A batch from b packed samples: tokens [b, N] and one segment table per sample."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if tokens.ndim != 2 or len(segments) != tokens.shape[0]:
+        raise ValueError(
+            f"need tokens [b, N] and b segment tables; got {tokens.shape} and {len(segments)}"
+        )
+    n = tokens.shape[1]
+    doc, pos = zip(*(segments_to_ids(s, n) for s in segments))
+    doc_ids, position_ids = np.stack(doc), np.stack(pos)
+    labels, label_mod = make_labels(tokens, doc_ids, space)
+    return Batch(
+        input_ids=torch.from_numpy(tokens),
+        position_ids=torch.from_numpy(position_ids),
+        labels=torch.from_numpy(labels),
+        label_modality=torch.from_numpy(label_mod),
+        doc_ids=torch.from_numpy(doc_ids),
+    )
+
+
+def valid_sp_sizes(seq_len: int, num_heads: int, limit: int = 64) -> list[int]:
+    """SP sizes that divide both the sequence length and the query heads."""
+    return [
+        p
+        for p in range(1, min(limit, num_heads, seq_len) + 1)
+        if seq_len % p == 0 and num_heads % p == 0
+    ]
+
+
+def sp_slice(batch: Batch, sp_rank: int, sp: int) -> Batch:
+    """Rank ``sp_rank`` of ``sp``: its contiguous 1/sp of every per-token field; doc_ids
+    stay whole."""
+    n = batch.input_ids.shape[-1]
+    if n % sp:
+        divisors = [p for p in range(1, min(n, 64) + 1) if n % p == 0]
+        raise ValueError(
+            f"sequence length {n} is not divisible by sp={sp}; sp sizes that divide it: {divisors}"
+        )
+    if sp == 1:
+        return batch
+    chunk = n // sp
+    sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+    return replace(
+        batch,
+        input_ids=batch.input_ids[:, sl],
+        position_ids=batch.position_ids[:, sl],
+        labels=batch.labels[:, sl],
+        label_modality=batch.label_modality[:, sl],
+    )

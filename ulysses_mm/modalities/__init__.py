@@ -1,0 +1,1 @@
+"""Modality decoders and tokenizers (DNA, audio, video)."""

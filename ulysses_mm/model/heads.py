@@ -1,0 +1,93 @@
+"""One output head per modality, and the sequence-tiled loss.
+
+Each modality's head predicts over the shared specials plus its own id range: logits for
+modality m are ``cat(special(h), head_m(h))``. The special projection is shared, so the
+heads concatenated in token-id order (specials, then each range) are exactly one
+``lm_head`` over the whole token space (what ``ulysses-mm export`` writes).
+
+The loss never materialises ``[n, vocab]`` logits: tokens are processed in tiles of
+``tile_tokens``, each tile recomputed in backward (activation checkpointing), and each
+target goes through the head of its own modality only.
+
+Every head is called on every tile, even with no token of its modality, so hooks that
+gather parameters (ZeRO-3) fire identically on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from ulysses_mm.tokenspace import TokenSpace
+
+IGNORE = -100
+
+
+class ModalityHeads(nn.Module):
+    def __init__(self, hidden_size: int, space: TokenSpace, tile_tokens: int = 8192) -> None:
+        super().__init__()
+        self.space = space
+        self.tile_tokens = tile_tokens
+        self.special = nn.Linear(hidden_size, space.num_specials, bias=False)
+        self.heads = nn.ModuleDict(
+            {r.name: nn.Linear(hidden_size, r.size, bias=False) for r in space.ranges}
+        )
+
+    def logits(self, hidden: Tensor, modality: str) -> Tensor:
+        """[..., D] -> [..., specials + V_m]: modality m's head over its local vocabulary."""
+        return torch.cat([self.special(hidden), self.heads[modality](hidden)], dim=-1)
+
+    def lm_head_weight(self) -> Tensor:
+        """All heads as one [vocab, D] matrix in token-id order."""
+        weights: list[Tensor] = [self.special.weight]
+        weights += [self.heads[r.name].weight for r in self.space.ranges]  # type: ignore[misc]
+        return torch.cat(weights)
+
+    def _tile_loss(self, h: Tensor, labels: Tensor, mods: Tensor) -> Tensor:
+        # h [t, D], labels [t], mods [t] -> [M] summed cross-entropy per modality
+        sums = []
+        ns = self.space.num_specials
+        for i, r in enumerate(self.space.ranges):
+            sel = mods == i
+            hm = h[sel]  # [k, D]
+            target = labels[sel]
+            local = torch.where(target < ns, target, target - r.start + ns)  # id -> head index
+            logits = self.logits(hm, r.name).float()  # [k, ns + V_m]
+            sums.append(F.cross_entropy(logits, local, reduction="sum"))
+        return torch.stack(sums)
+
+    def loss_terms(
+        self, hidden: Tensor, labels: Tensor, label_modality: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """hidden [b, n, D], labels [b, n] (IGNORE where no target), label_modality [b, n]
+        (-1 where no target) -> (sum of CE per modality [M], target count per modality [M])."""
+        mods = torch.where(labels == IGNORE, torch.full_like(label_modality, -1), label_modality)
+        h = hidden.reshape(-1, hidden.shape[-1])  # [b, n, D] -> [b*n, D]
+        flat_labels, flat_mods = labels.reshape(-1), mods.reshape(-1)
+        bad = (flat_mods >= 0) & ~self._in_vocab(flat_labels, flat_mods)
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(
+                f"target token {int(flat_labels[i])} is neither a special nor in the range of "
+                f"modality {self.space.modalities[int(flat_mods[i])]!r}"
+            )
+        total = hidden.new_zeros(len(self.space.ranges), dtype=torch.float32)
+        for start in range(0, h.shape[0], self.tile_tokens):
+            sl = slice(start, start + self.tile_tokens)
+            args = (h[sl], flat_labels[sl], flat_mods[sl])
+            if torch.is_grad_enabled():
+                total = total + checkpoint(self._tile_loss, *args, use_reentrant=False)
+            else:
+                total = total + self._tile_loss(*args)
+        counts = torch.stack([(flat_mods == i).sum() for i in range(len(self.space.ranges))])
+        return total, counts.to(torch.float32)
+
+    def _in_vocab(self, labels: Tensor, mods: Tensor) -> Tensor:
+        starts = torch.tensor([r.start for r in self.space.ranges], device=labels.device)
+        stops = torch.tensor([r.stop for r in self.space.ranges], device=labels.device)
+        m = mods.clamp(min=0)
+        return (labels >= 0) & (
+            (labels < self.space.num_specials) | ((labels >= starts[m]) & (labels < stops[m]))
+        )

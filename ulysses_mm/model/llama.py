@@ -1,0 +1,198 @@
+"""A Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU) in plain PyTorch.
+
+Parameter names and maths match ``transformers.LlamaModel`` for the config
+:meth:`ModelConfig.to_llama_config_kwargs` gives, so the backbone's state dict loads there
+as is. The model knows nothing of process groups: attention calls an injected ``core``
+module (a :class:`LocalAttention`), which :func:`ulysses_mm.parallel.apply_ulysses`
+swaps for the sequence-parallel wrapper.
+
+Dims: b batch, n tokens held by this process (s/P under Ulysses), s full sequence,
+D hidden, hq/hk query/key-value heads, d head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from ulysses_mm.config import ModelConfig
+from ulysses_mm.model.attention import DocumentMask, LocalAttention
+from ulysses_mm.model.heads import ModalityHeads
+from ulysses_mm.tokenspace import TokenSpace
+
+
+class RMSNorm(nn.Module):
+    weight: nn.Parameter
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE as in Llama (rotate-half layout); positions come from the packed sample, so
+    they restart at every document."""
+
+    inv_freq: Tensor
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        # [b, n] x [d/2] -> [b, n, d/2] -> [b, n, d]
+        freqs = position_ids.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x [b, n, h, d]; cos/sin [b, n, d] -> [b, n, 1, d]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernel: str = "auto") -> None:
+        super().__init__()
+        assert cfg.head_dim is not None
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        d = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, cfg.hidden_size, bias=False)
+        self.core: nn.Module = LocalAttention(kernel)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)  # [b, n, hq, d]
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)  # [b, n, hk, d]
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)  # [b, n, hk, d]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = self.core(q, k, v, mask)  # [b, n, hq, d]
+        return self.o_proj(out.reshape(b, n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU. With ``tile_tokens`` > 0 the sequence is processed in tiles, each recomputed
+    in backward, so the [n, intermediate] activations exist for one tile at a time."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tile_tokens = cfg.mlp_tile_tokens
+
+    def _mlp(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def forward(self, x: Tensor) -> Tensor:
+        n = x.shape[1]
+        if not self.tile_tokens or n <= self.tile_tokens or not torch.is_grad_enabled():
+            return self._mlp(x)
+        tiles = [
+            checkpoint(self._mlp, t, use_reentrant=False)
+            for t in x.split(self.tile_tokens, dim=1)  # [b, n, D] -> tiles of [b, tile, D]
+        ]
+        return torch.cat(tiles, dim=1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernel: str = "auto") -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, kernel)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Embedding, decoder layers and final norm: ``transformers.LlamaModel``'s layout."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, kernel: str = "auto") -> None:
+        super().__init__()
+        assert cfg.head_dim is not None
+        self.embed_tokens = nn.Embedding(vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, kernel) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.gradient_checkpointing = cfg.activation_checkpointing
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor) -> Tensor:
+        """input_ids, position_ids: [b, n] (this process's tokens); doc_ids: [b, s] for the
+        FULL sequence (s = n without sequence parallelism). Returns [b, n, D]."""
+        mask = DocumentMask(doc_ids)
+        x = self.embed_tokens(input_ids)  # [b, n] -> [b, n, D]
+        cos, sin = self.rotary_emb(position_ids, x.dtype)  # [b, n, d] each
+        for layer in self.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+
+class MultimodalLM(nn.Module):
+    """The backbone plus one output head per modality of the token space."""
+
+    def __init__(self, cfg: ModelConfig, space: TokenSpace, kernel: str = "auto") -> None:
+        super().__init__()
+        self.config = cfg
+        self.space = space
+        self.model = Backbone(cfg, space.vocab_size, kernel)
+        self.heads = ModalityHeads(cfg.hidden_size, space, cfg.loss_tile_tokens)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor) -> Tensor:
+        return self.model(input_ids, position_ids, doc_ids)
+
+    def loss_terms(
+        self, hidden: Tensor, labels: Tensor, label_modality: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Per-modality (sum of cross-entropy, count of targets) over this process's tokens."""
+        return self.heads.loss_terms(hidden, labels, label_modality)
+
+
+def build_model(
+    cfg: ModelConfig, space: TokenSpace | None = None, kernel: str = "auto", seed: int | None = None
+) -> MultimodalLM:
+    """Build the model for ``cfg`` (token space from ``cfg.modalities`` unless given)."""
+    if space is None:
+        if not cfg.modalities:
+            raise ValueError("model.modalities is empty: give a token space (from a manifest)")
+        space = TokenSpace.from_vocab(cfg.modalities)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return MultimodalLM(cfg, space, kernel)

@@ -1,0 +1,1 @@
+"""DeepSpeed engine, training loop, checkpoints and logging."""
