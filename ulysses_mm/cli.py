@@ -8,12 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from ulysses_mm.config import ConfigError, RunConfig, describe, load_config
-
-Command = Callable[[argparse.Namespace], int]
-_COMMANDS: dict[str, Command] = {}
 
 
 def _overrides_help() -> str:
@@ -50,13 +47,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="ulysses-mm",
-        description="Train one transformer on million-token streams of video, audio and DNA.",
-    )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_verify(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify",
         help="check that dp × sp gives the loss and gradients of one process",
@@ -78,15 +69,31 @@ def build_parser() -> argparse.ArgumentParser:
         "--rtol", type=float, default=1e-4, help="tolerance relative to max |ref| (default 1e-4)"
     )
     p.add_argument("overrides", nargs="*", help=_overrides_help())
-    _COMMANDS["verify"] = _cmd_verify
+    p.set_defaults(func=_cmd_verify)
 
+
+def _add_config(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config", help="print a resolved run config, or every key with --keys")
     p.add_argument("config", nargs="?", default=None, help="run config YAML")
     p.add_argument("overrides", nargs="*", help=_overrides_help())
     p.add_argument(
         "--keys", action="store_true", help="list every config key with its type and help"
     )
-    _COMMANDS["config"] = _cmd_config
+    p.set_defaults(func=_cmd_config)
+
+
+# One entry per subcommand, in the order `--help` lists them.
+_SUBCOMMANDS = [_add_verify, _add_config]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ulysses-mm",
+        description="Train one transformer on million-token streams of video, audio and DNA.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(sub)
     return parser
 
 
@@ -94,7 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
+        return int(args.func(args))
     except ConfigError as e:
         print(f"ulysses-mm {args.command}: config error: {e}", file=sys.stderr)
         return 2

@@ -1,0 +1,141 @@
+"""The contract between modality tokenizers and the pipeline that packs their output.
+
+A tokenizer is described by a JSON spec in ``tokenizers/`` (data, never Python) and built
+by :func:`load_tokenizer`. It turns one input file into one or more
+:class:`TokenDocument` (a FASTA file with several records gives several), each already in
+the unified token space: ``<doc> <|m|> … </doc>``. A document may switch modality with
+another ``<|m|>`` (a clip interleaving video and audio). A bad input raises
+:class:`DecodeError` with a one-line reason; the pipeline records it and goes on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ulysses_mm.tokenspace import TokenSpace
+
+
+class DecodeError(Exception):
+    """An input cannot be turned into tokens; ``str(e)`` is the one-line reason."""
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """A parsed ``tokenizers/*.json`` file."""
+
+    name: str
+    modality: str
+    kind: str  # which implementation: see ulysses_mm.modalities.registry
+    vocab_size: int  # ids this tokenizer uses inside its modality range
+    params: dict[str, Any] = field(default_factory=dict)
+    artifact: str | None = None  # learned state (e.g. a codebook), relative to the spec
+    artifact_sha256: str | None = None
+    path: str = ""  # where the spec was read from
+    sha256: str = ""  # of the spec file's bytes (recorded in manifests)
+
+    @classmethod
+    def load(cls, path: str | Path) -> TokenizerSpec:
+        p = Path(path)
+        raw = p.read_bytes()
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{p}: tokenizer spec is not valid JSON: {e}") from e
+        required = {"name", "modality", "kind", "vocab_size"}
+        allowed = required | {"params", "artifact", "artifact_sha256", "description"}
+        if not isinstance(data, dict) or not required <= set(data):
+            raise ValueError(f"{p}: tokenizer spec needs keys {sorted(required)}")
+        unknown = set(data) - allowed
+        if unknown:
+            raise ValueError(
+                f"{p}: unknown tokenizer spec keys {sorted(unknown)}; allowed {sorted(allowed)}"
+            )
+        spec = cls(
+            name=str(data["name"]),
+            modality=str(data["modality"]),
+            kind=str(data["kind"]),
+            vocab_size=int(data["vocab_size"]),
+            params=dict(data.get("params") or {}),
+            artifact=data.get("artifact"),
+            artifact_sha256=data.get("artifact_sha256"),
+            path=str(p),
+            sha256=hashlib.sha256(raw).hexdigest(),
+        )
+        if spec.artifact is not None:
+            art = spec.artifact_path()
+            if not art.is_file():
+                raise ValueError(f"{p}: artifact {art} does not exist")
+            digest = hashlib.sha256(art.read_bytes()).hexdigest()
+            if spec.artifact_sha256 and digest != spec.artifact_sha256:
+                raise ValueError(
+                    f"{p}: artifact {art} has sha256 {digest[:16]}…, the spec expects "
+                    f"{spec.artifact_sha256[:16]}…"
+                )
+        return spec
+
+    def artifact_path(self) -> Path:
+        assert self.artifact is not None
+        return (Path(self.path).parent / self.artifact).resolve()
+
+    def manifest_entry(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "modality": self.modality,
+            "kind": self.kind,
+            "vocab_size": self.vocab_size,
+            "params": self.params,
+            "spec_sha256": self.sha256,
+            "artifact_sha256": self.artifact_sha256,
+        }
+
+
+@dataclass
+class TokenDocument:
+    """One document, ready to pack: ids in the unified space from ``<doc>`` to ``</doc>``."""
+
+    source: str  # the input file (path or URL)
+    key: str  # stable and unique in a dataset, e.g. "file.fa#chrI"
+    modality: str  # the primary modality (the segment table's modality column)
+    tokens: np.ndarray  # 1-D integer array
+
+
+class Tokenizer(ABC):
+    """Raw file -> token documents, and tokens -> something a person can inspect."""
+
+    def __init__(self, spec: TokenizerSpec) -> None:
+        self.spec = spec
+
+    @property
+    def modality(self) -> str:
+        return self.spec.modality
+
+    @abstractmethod
+    def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
+        """Decode and tokenize one file; raise DecodeError for a bad input."""
+
+    @abstractmethod
+    def decode(self, tokens: np.ndarray, space: TokenSpace) -> Any:
+        """Unified-space ids of this modality (specials allowed) back to data:
+        DNA a str, audio a float32 waveform, video uint8 frames [t, h, w, 3]."""
+
+
+def build_token_space(specs: Sequence[TokenizerSpec]) -> TokenSpace:
+    """The dataset's token space from the specs a pipeline names, in that order."""
+    vocab: dict[str, int] = {}
+    for s in specs:
+        if s.modality in vocab:
+            raise ValueError(f"two tokenizer specs for modality {s.modality!r} ({s.path})")
+        vocab[s.modality] = s.vocab_size
+    return TokenSpace.from_vocab(vocab)
+
+
+def spec_table(specs: Sequence[TokenizerSpec]) -> Mapping[str, dict[str, Any]]:
+    return {s.modality: s.manifest_entry() for s in specs}
