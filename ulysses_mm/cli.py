@@ -82,8 +82,21 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_config)
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from ulysses_mm.verify import VerifyOptions, run_verify
+
+    cfg = load_config(RunConfig, None, [], base={"model": {"num_key_value_heads": 2}})
+    print("ulysses-mm demo: Ulysses SP=2 on 2 CPU processes against one process\n")
+    return run_verify(cfg, VerifyOptions(sp=2, seq_len=2048))
+
+
+def _add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="the default job: a short end-to-end run on this machine")
+    p.set_defaults(func=_cmd_demo)
+
+
 # One entry per subcommand, in the order `--help` lists them.
-_SUBCOMMANDS = [_add_verify, _add_config]
+_SUBCOMMANDS = [_add_demo, _add_verify, _add_config]
 
 
 def build_parser() -> argparse.ArgumentParser:

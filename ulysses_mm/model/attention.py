@@ -120,16 +120,18 @@ def _sdpa_varlen(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     gqa = q.shape[2] != k.shape[2]
     rows = []
     for b, spans in enumerate(mask.spans):
-        # [s, h, d] -> [h, s, d] once per row; each document is a causal slice of it
-        qb, kb, vb = (t[b].transpose(0, 1) for t in (q, k, v))
+        # [b, s, h, d] -> [1, h, s, d] per row (a view), split into documents. split (not
+        # slicing) keeps the backward one concatenation instead of a zero-filled full-size
+        # gradient per document; 4-D inputs let SDPA use its fused flash kernel (O(doc)
+        # memory) on CPU and GPU.
+        lengths = [e - s for s, e in spans]
+        docs = zip(*(t[b : b + 1].transpose(1, 2).split(lengths, dim=2) for t in (q, k, v)))
         outs = [
-            F.scaled_dot_product_attention(
-                qb[:, s:e], kb[:, s:e], vb[:, s:e], is_causal=True, enable_gqa=gqa
-            )
-            for s, e in spans
+            F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=gqa)
+            for qd, kd, vd in docs
         ]
-        rows.append(torch.cat(outs, dim=1).transpose(0, 1))  # [h, s, d] -> [s, h, d]
-    return torch.stack(rows)  # [b, s, h, d]
+        rows.append(torch.cat(outs, dim=2))  # [1, h, s, d]
+    return torch.cat(rows).transpose(1, 2)  # [b, h, s, d] -> [b, s, h, d]
 
 
 @functools.cache

@@ -1,0 +1,113 @@
+"""All-to-all bytes one rank sends per layer, measured, against theory.
+
+The model runs one forward and one backward under ``torch.profiler`` with shapes recorded;
+every ``gloo:all_to_all`` the process group executed is read back from the trace, and the
+bytes it sent to OTHER ranks ((P−1)/P of its buffer) are summed per layer. Theory for
+multi-head attention: q, k, v in and the output back, each N/P × D per rank, so
+4·N·D/P·(P−1)/P elements per layer and direction; with GQA k and v carry e = lcm(kv, P)
+heads instead of H. Ulysses' own counter (``CommStats``) is printed beside the profiler.
+
+    python benchmarks/bench_a2a_bytes.py [--seq-len 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+CASES = [  # (P, heads, kv heads)
+    (2, 8, 8),
+    (4, 8, 8),
+    (4, 8, 2),
+    (4, 8, 1),
+]
+
+
+def worker(args: argparse.Namespace, P: int, heads: int, kv: int) -> dict:
+    import torch
+    from torch.profiler import profile
+
+    from ulysses_mm.config import ModelConfig
+    from ulysses_mm.data.batch import sp_slice
+    from ulysses_mm.data.synthetic import random_batch
+    from ulysses_mm.model import build_model
+    from ulysses_mm.parallel import CommStats, Mesh, apply_ulysses, global_loss, loss_weights
+    from ulysses_mm.parallel.mesh import init_distributed
+
+    torch.set_num_threads(1)
+    init_distributed("gloo")
+    mesh = Mesh.build(P)
+    cfg = ModelConfig(
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        modalities={"dna": 16, "audio": 256},
+    )
+    model = build_model(cfg, seed=0)
+    assert next(model.parameters()).dtype == torch.float32
+    stats = CommStats()
+    apply_ulysses(model, mesh, stats)
+    batch = sp_slice(random_batch(model.space, 1, args.seq_len, seed=0), mesh.sp_rank, P)
+
+    def sent(prof) -> int:
+        total = 0
+        for e in prof.events():
+            if e.name == "gloo:all_to_all":
+                numel = math.prod(e.input_shapes[0])
+                total += numel * 4 * (P - 1) // P  # fp32; 1/P of the buffer stays here
+        return total
+
+    with profile(record_shapes=True) as fwd:
+        hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
+        sums, counts = model.loss_terms(hidden, batch.labels, batch.label_modality)
+        share, _ = global_loss(
+            sums, counts, loss_weights(model.space.modalities, {}), mesh, model.space.modalities
+        )
+    with profile(record_shapes=True) as bwd:
+        share.backward()
+    return {
+        "fwd": sent(fwd),
+        "bwd": sent(bwd),
+        "counter_fwd": stats.forward_bytes,
+        "counter_bwd": stats.backward_bytes,
+    }
+
+
+def main() -> None:
+    from ulysses_mm.parallel.launch import launch_local
+
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seq-len", type=int, default=4096, help="tokens N")
+    ap.add_argument("--hidden", type=int, default=256, help="model width D")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers")
+    args = ap.parse_args()
+    N, D, L = args.seq_len, args.hidden, args.layers
+    print(f"all-to-all bytes sent per rank per layer, N={N}, D={D}, fp32 (4 bytes)")
+    print(
+        f"{'P':>2} {'heads':>5} {'kv':>3} {'e':>3} {'measured fwd':>13} {'measured bwd':>13} {'counter fwd':>12} {'theory':>11} {'4ND/P(P-1)/P':>13} {'fwd/theory':>10} {'bwd/theory':>10}"
+    )
+    for P, heads, kv in CASES:
+        res = launch_local(worker, P, args, P, heads, kv)
+        r = max(res.values(), key=lambda x: x["fwd"])
+        d = D // heads
+        e = math.lcm(kv, P)
+        theory = N * (2 * heads * d + 2 * e * d) // P * (P - 1) // P * 4
+        mha = 4 * N * D // P * (P - 1) // P * 4
+        print(
+            f"{P:>2} {heads:>5} {kv:>3} {e:>3} {r['fwd'] / L:>13,.0f} {r['bwd'] / L:>13,.0f} "
+            f"{r['counter_fwd'] / L:>12,.0f} {theory:>11,} {mha:>13,} {r['fwd'] / L / theory:>10.4f} {r['bwd'] / L / theory:>10.4f}"
+        )
+    print(
+        "theory = N·(2·H·d + 2·e·d)/P·(P−1)/P·4 bytes (equals 4·N·D/P·(P−1)/P·4 when e = H); goal: within 1 %"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Per-rank peak memory of one forward+backward at fixed N, for SP = 1, 2, 4.
+
+The whole model (embedding, decoder layers with Ulysses attention, tiled per-modality loss)
+runs on a packed sample of N tokens; each rank's peak tensor memory during forward+backward
+is measured with ``ulysses_mm.memory.TensorMemoryTracker`` (it tracks every
+tensor storage the process allocates: parameters, gradients, activations, temporaries), and
+printed as a ratio to SP=1. Ulysses keeps N/P tokens per rank everywhere except inside
+attention, where it holds all N tokens on H/P heads, so activations should scale as 1/P.
+
+    python benchmarks/bench_sp_memory.py [--seq-len 16384] [--sp 1 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def worker(args: argparse.Namespace) -> dict:
+    import torch
+
+    from ulysses_mm.config import ModelConfig
+    from ulysses_mm.data.batch import sp_slice
+    from ulysses_mm.data.synthetic import random_batch
+    from ulysses_mm.memory import TensorMemoryTracker
+    from ulysses_mm.model import build_model
+    from ulysses_mm.parallel import Mesh, apply_ulysses, global_loss, loss_weights
+    from ulysses_mm.parallel.mesh import in_launched_world, init_distributed
+
+    torch.set_num_threads(1)
+    if in_launched_world():
+        init_distributed("gloo")
+    mesh = Mesh.build(args.P)
+    cfg = ModelConfig(
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 8 // 3,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        modalities={"dna": 16, "audio": 256, "video": 512},
+        loss_tile_tokens=1024,
+    )
+    model = build_model(cfg, seed=0)
+    apply_ulysses(model, mesh)
+    batch = sp_slice(
+        random_batch(
+            model.space, 1, args.seq_len, seed=0, min_doc=args.doc_len, max_doc=args.doc_len
+        ),
+        mesh.sp_rank,
+        mesh.sp,
+    )
+    weights = loss_weights(model.space.modalities, {})
+
+    def step() -> None:
+        hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
+        sums, counts = model.loss_terms(hidden, batch.labels, batch.label_modality)
+        share, _ = global_loss(sums, counts, weights, mesh, model.space.modalities)
+        share.backward()
+
+    step()  # warm-up: gradients exist from here on, as in training
+    tracker = TensorMemoryTracker()
+    tracker.track_module(model)
+    tracker.track(vars(batch).values())
+    with tracker:
+        step()
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"P": args.P, "peak": tracker.peak, "params": params}
+
+
+def main() -> None:
+    from ulysses_mm.parallel.launch import launch_local
+
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--seq-len", type=int, default=16384, help="tokens per sample N (fixed across SP)"
+    )
+    ap.add_argument("--hidden", type=int, default=256, help="model width D")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers")
+    ap.add_argument("--doc-len", type=int, default=2048, help="packed document length")
+    ap.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP sizes")
+    args = ap.parse_args()
+    print(
+        f"per-rank peak memory, one forward+backward, N={args.seq_len}, D={args.hidden}, {args.layers} layers, fp32"
+    )
+    print(
+        f"{'SP':>3} {'peak MiB':>10} {'ratio to SP=1':>14} {'goal 1.15/P':>12} {'params+grads MiB':>17}"
+    )
+    base = None
+    for P in args.sp:
+        args.P = P
+        res = launch_local(worker, P, args) if P > 1 else {0: worker(args)}
+        peak = max(r["peak"] for r in res.values())
+        base = base or peak
+        fixed = 2 * res[0]["params"] / 2**20
+        print(f"{P:>3} {peak / 2**20:>10.1f} {peak / base:>14.3f} {1.15 / P:>12.3f} {fixed:>17.1f}")
+
+
+if __name__ == "__main__":
+    main()
