@@ -12,6 +12,7 @@ quantity the CUDA counter reports.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -39,9 +40,9 @@ class TensorMemoryTracker(TorchDispatchMode):
         self._sizes[key] = nbytes
         self.live += nbytes
         self.peak = max(self.peak, self.live)
-        self._refs[key] = weakref.ref(storage, lambda _r, k=key: self._free(k))
+        self._refs[key] = weakref.ref(storage, functools.partial(self._freed, key))
 
-    def _free(self, key: int) -> None:
+    def _freed(self, key: int, _ref: Any) -> None:
         self.live -= self._sizes.pop(key, 0)
         self._refs.pop(key, None)
 
