@@ -95,8 +95,75 @@ def _add_demo(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_demo)
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from ulysses_mm.train.loop import run_train
+
+    cfg = load_config(RunConfig, args.config, args.overrides)
+    result = run_train(cfg, args.nproc, args.resume)
+    print(
+        f"trained {result['steps']} steps; final loss {result['final_loss']:.4f}\n"
+        f"  run dir:    {result['run_dir']}\n"
+        f"  metrics:    {result['run_dir']}/metrics.jsonl\n"
+        f"  checkpoint: {result['checkpoint']}\n"
+        + (f"  wandb:      {result['wandb_dir']}\n" if result["wandb_dir"] else "")
+    )
+    return 0
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train from shards with DeepSpeed + Ulysses",
+        description=(
+            "Train the model of CONFIG on the shards its data.train manifest names. With "
+            "--nproc N it starts N local processes itself; under torchrun or the DeepSpeed "
+            "launcher it joins the world it is given."
+        ),
+    )
+    p.add_argument("config", help="run config YAML (see configs/)")
+    p.add_argument("overrides", nargs="*", help=_overrides_help())
+    p.add_argument(
+        "--nproc", type=int, default=None, help="start N local processes (torch elastic launcher)"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint of train.out_dir"
+    )
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from ulysses_mm.train.export import export
+
+    out = export(args.checkpoint, args.out)
+    print(f"wrote a transformers Llama checkpoint to {out} (AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as a transformers (safetensors) model")
+    p.add_argument(
+        "checkpoint", help="a run dir, its checkpoints/ dir, or one checkpoint (step_*) dir"
+    )
+    p.add_argument("out", help="output directory (config.json + model.safetensors)")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from ulysses_mm.train.report import plot
+
+    print(f"wrote {plot(args.run_dir, args.png)}")
+    return 0
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="plot a run's loss curves per modality")
+    p.add_argument("run_dir", help="the run directory (train.out_dir)")
+    p.add_argument("--png", required=True, help="where to write the plot")
+    p.set_defaults(func=_cmd_report)
+
+
 # One entry per subcommand, in the order `--help` lists them.
-_SUBCOMMANDS = [_add_demo, _add_verify, _add_config]
+_SUBCOMMANDS = [_add_demo, _add_verify, _add_train, _add_export, _add_report, _add_config]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -118,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ulysses-mm {args.command}: config error: {e}", file=sys.stderr)
         return 2
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"ulysses-mm {args.command}: {e}", file=sys.stderr)
         return 2
 

@@ -12,6 +12,8 @@ D hidden, hq/hk query/key-value heads, d head dim.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -175,8 +177,23 @@ class MultimodalLM(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor) -> Tensor:
-        return self.model(input_ids, position_ids, doc_ids)
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        doc_ids: Tensor,
+        labels: Tensor | None = None,
+        label_modality: Tensor | None = None,
+    ) -> Any:
+        """Hidden states [b, n, D]; with ``labels`` and ``label_modality``, the
+        per-modality (CE sums, target counts) of :meth:`loss_terms` instead (one call the
+        training engine can wrap)."""
+        hidden = self.model(input_ids, position_ids, doc_ids)
+        if labels is None:
+            return hidden
+        if label_modality is None:
+            raise ValueError("labels need label_modality (which head predicts each target)")
+        return self.loss_terms(hidden, labels, label_modality)
 
     def loss_terms(
         self, hidden: Tensor, labels: Tensor, label_modality: Tensor

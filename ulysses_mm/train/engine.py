@@ -1,0 +1,154 @@
+"""The DeepSpeed engine, built from the run config, with the sequence-parallel group
+handed to it.
+
+DeepSpeed learns about Ulysses through an ``mpu`` object (the interface of
+``deepspeed.runtime.sequence_parallel.parallel_state_sp``): gradients are then reduced
+and ZeRO partitions laid over the sequence-data-parallel group (all dp × sp ranks) and
+averaged by dp = world / sp. Our per-rank loss share (see ``parallel.loss``) adds up over
+all ranks to the global loss, so :func:`loss_scale` multiplies it by dp to undo that
+average: the optimizer then sees exactly the single-process gradient.
+
+Checkpoints are read back without unpickling arbitrary objects: the engine's checkpoint
+reader is replaced by one that calls ``torch.load(weights_only=True)`` with only the few
+DeepSpeed classes its state holds allow-listed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ulysses_mm.config import RunConfig
+from ulysses_mm.parallel.mesh import Mesh
+
+
+class SequenceParallelMPU:
+    """Our :class:`Mesh` in the shape DeepSpeed's engine and ZeRO query."""
+
+    initialize_sequence_parallel = True  # marks an SP-aware mpu for deepspeed.utils.groups
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def get_sequence_parallel_group(self):
+        return self.mesh.sp_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.mesh.sp
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.mesh.sp_rank
+
+    def get_sequence_data_parallel_group(self):
+        return self.mesh.world_group
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.mesh.world_size
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.mesh.rank
+
+    # DeepSpeed aliases model parallelism to SP for this kind of mpu
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank
+
+
+def loss_scale(mesh: Mesh) -> float:
+    """Factor on each rank's loss share so DeepSpeed's dp-average yields the global gradient."""
+    return float(mesh.dp)
+
+
+def ds_config(cfg: RunConfig) -> dict[str, Any]:
+    """The ds_config dict for this run (``deepspeed.extra`` merged last)."""
+    d = cfg.deepspeed
+    opt = d.optimizer
+    zero: dict[str, Any] = {"stage": d.zero_stage}
+    if d.offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": d.offload_optimizer}
+    if d.offload_param != "none":
+        if d.zero_stage != 3:
+            raise ValueError("deepspeed.offload_param needs deepspeed.zero_stage=3")
+        zero["offload_param"] = {"device": d.offload_param}
+    params: dict[str, Any] = {"lr": opt.lr, "eps": opt.eps, "weight_decay": opt.weight_decay}
+    if opt.type != "SGD":
+        params["betas"] = list(opt.betas)
+        # torch's Adam(W) inside DeepSpeed: no JIT-compiled op; CPU offload needs DeepSpeed's
+        params["torch_adam"] = opt.torch_adam and d.offload_optimizer == "none"
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.data.micro_batch_size,
+        "gradient_accumulation_steps": d.gradient_accumulation_steps,
+        "gradient_clipping": d.gradient_clipping,
+        "zero_optimization": zero,
+        "bf16": {"enabled": d.precision == "bf16"},
+        "fp16": {"enabled": d.precision == "fp16"},
+        "optimizer": {"type": opt.type, "params": params},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+        "checkpoint": {"use_node_local_storage": False},
+    }
+    s = d.scheduler
+    if s.type == "WarmupCosineLR":
+        config["scheduler"] = {
+            "type": "WarmupCosineLR",
+            "params": {
+                "total_num_steps": max(cfg.train.steps, s.warmup_steps + 1),
+                "warmup_num_steps": s.warmup_steps,
+                "cos_min_ratio": s.min_lr_ratio,
+                "warmup_min_ratio": 0.0,
+            },
+        }
+    elif s.type == "WarmupLR":
+        config["scheduler"] = {
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": opt.lr,
+                "warmup_num_steps": s.warmup_steps,
+            },
+        }
+    return _merge(config, d.extra)
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _safe_globals() -> list[Any]:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def _safe_engine_class():
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    class SafeTorchCheckpointEngine(TorchCheckpointEngine):
+        """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True``."""
+
+        def load(self, path: str, map_location=None):
+            with torch.serialization.safe_globals(_safe_globals()):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+    return SafeTorchCheckpointEngine
+
+
+def build_engine(model: torch.nn.Module, cfg: RunConfig, mesh: Mesh):
+    """``deepspeed.initialize`` for this run; returns (engine, optimizer, scheduler)."""
+    import deepspeed
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds_config(cfg),
+        mpu=SequenceParallelMPU(mesh) if mesh.sp > 1 else None,
+    )
+    engine.checkpoint_engine = _safe_engine_class()(engine._config)
+    return engine, optimizer, scheduler

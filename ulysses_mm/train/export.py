@@ -1,0 +1,67 @@
+"""``ulysses-mm export``: a checkpoint to a transformers Llama checkpoint.
+
+The backbone's parameter names are already ``LlamaModel``'s (under ``model.``); the
+per-modality heads, concatenated in token-id order (shared specials, then each modality's
+range), are exactly one ``lm_head`` over the whole token space. The result — config.json
+and model.safetensors — loads with ``AutoModelForCausalLM.from_pretrained`` and gives the
+backbone's hidden states. (A softmax over that ``lm_head`` is the joint distribution; the
+training objective was each modality's head over its own slice of it.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ulysses_mm.config import RunConfig, from_dict, read_yaml
+from ulysses_mm.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
+from ulysses_mm.train.checkpoint import CONFIG_FILE, MODEL_FILE, SPACE_FILE, read_checkpoint_dir
+
+
+def hf_state_dict(weights: dict[str, torch.Tensor], space: TokenSpace) -> dict[str, torch.Tensor]:
+    out = {k: v for k, v in weights.items() if k.startswith("model.") and "rotary_emb" not in k}
+    parts = [weights["heads.special.weight"]] + [
+        weights[f"heads.heads.{r.name}.weight"] for r in space.ranges
+    ]
+    out["lm_head.weight"] = torch.cat(parts).contiguous()
+    return out
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig
+
+    src = read_checkpoint_dir(Path(checkpoint))
+    cfg = from_dict(RunConfig, read_yaml(src / CONFIG_FILE))
+    space = TokenSpace.from_dict(json.loads((src / SPACE_FILE).read_text()))
+    weights = load_file(str(src / MODEL_FILE))
+    state = hf_state_dict(weights, space)
+    dtype = next(iter(state.values())).dtype
+    hf_config = LlamaConfig(
+        vocab_size=space.vocab_size,
+        pad_token_id=PAD,
+        bos_token_id=DOC_START,
+        eos_token_id=DOC_END,
+        architectures=["LlamaForCausalLM"],
+        torch_dtype=str(dtype).removeprefix("torch."),
+        **cfg.model.to_llama_config_kwargs(),
+    )
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        hf_config.save_pretrained(tmp)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "token_space.json").write_text(json.dumps(space.to_dict(), indent=1) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

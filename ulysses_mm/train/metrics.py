@@ -1,0 +1,149 @@
+"""Per-step metrics and where they go: Weights & Biases and a local JSONL file.
+
+Only rank 0 writes. W&B runs online, offline (the default when no API key is set: the run
+lands in RUN_DIR/wandb and can be ``wandb sync``-ed later) or not at all, as
+``logging.wandb`` says. ``metrics.jsonl`` gets one JSON object per logged step either way,
+so a run can be plotted (``ulysses-mm report``) without W&B.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ulysses_mm.config import RunConfig
+
+# dense bf16 peak TFLOP/s by device name (used when train.peak_tflops is 0)
+_GPU_PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100": 989.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "A10G": 125.0,
+    "4090": 165.0,
+}
+_CPU_PEAK_TFLOPS = 0.05  # per process (one core, fp32 AVX2-class); a rough guess
+
+
+def peak_tflops(cfg: RunConfig, device: torch.device) -> float:
+    if cfg.train.peak_tflops > 0:
+        return cfg.train.peak_tflops
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((v for k, v in _GPU_PEAK_TFLOPS.items() if k in name), 100.0)
+    return _CPU_PEAK_TFLOPS
+
+
+def train_flops(
+    model: torch.nn.Module, tokens: int, attn_pairs: float, head_targets: dict[str, int]
+) -> float:
+    """FLOPs of forward+backward: 6 per parameter per token in the decoder, 6·D per
+    (query, key) pair per layer for causal attention inside documents, and 6·D·vocab_m per
+    target in the head of its modality."""
+    cfg = model.config  # type: ignore[attr-defined]
+    space = model.space  # type: ignore[attr-defined]
+    backbone = model.model  # type: ignore[attr-defined]
+    dense = sum(
+        p.numel() for n, p in backbone.named_parameters() if not n.startswith("embed_tokens")
+    )
+    attn = 6.0 * 2 * cfg.num_attention_heads * cfg.head_dim * attn_pairs * cfg.num_hidden_layers
+    heads = sum(
+        6.0 * cfg.hidden_size * (space.num_specials + space.range(m).size) * n
+        for m, n in head_targets.items()
+    )
+    return 6.0 * dense * tokens + attn + heads
+
+
+def causal_pairs(doc_ids: torch.Tensor) -> float:
+    """Σ over documents of L·(L+1)/2: the (query, key) pairs causal attention computes."""
+    total = 0.0
+    for row in doc_ids:
+        _, counts = torch.unique_consecutive(row, return_counts=True)
+        c = counts.double()
+        total += float((c * (c + 1) / 2).sum())
+    return total
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
+
+
+def wandb_mode(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+class MetricsLogger:
+    """Rank 0 writes; other ranks hold a logger that does nothing."""
+
+    def __init__(self, cfg: RunConfig, run_dir: Path, active: bool, resume_step: int = 0) -> None:
+        self.active = active
+        self.jsonl = run_dir / "metrics.jsonl" if cfg.logging.jsonl else None
+        self.run: Any = None
+        if not active:
+            return
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if self.jsonl is not None:
+            self._truncate_after(resume_step)
+        mode = wandb_mode(cfg.logging.wandb)
+        if mode != "disabled":
+            import wandb
+
+            from ulysses_mm.config import to_dict
+
+            id_file = run_dir / "wandb_id.txt"
+            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            id_file.write_text(run_id + "\n")
+            self.run = wandb.init(
+                project=cfg.logging.project,
+                name=cfg.logging.run_name or run_dir.name,
+                id=run_id,
+                resume="allow",
+                mode=mode,
+                dir=str(run_dir),
+                config=to_dict(cfg),
+                settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
+            )
+
+    def _truncate_after(self, step: int) -> None:
+        """On resume, drop records past the checkpoint (they are about to be redone)."""
+        assert self.jsonl is not None
+        if not self.jsonl.exists():
+            return
+        keep = [
+            line
+            for line in self.jsonl.read_text().splitlines()
+            if line and json.loads(line)["step"] <= step
+        ]
+        tmp = self.jsonl.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in keep))
+        os.replace(tmp, self.jsonl)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.active:
+            return
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in metrics.items()
+        }
+        if self.jsonl is not None:
+            with self.jsonl.open("a") as f:
+                f.write(json.dumps({"step": step, **clean}) + "\n")
+        if self.run is not None:
+            self.run.log({k: v for k, v in metrics.items() if k != "kind"}, step=step)
+
+    def finish(self) -> str | None:
+        if self.run is None:
+            return None
+        directory = str(Path(self.run.dir).parent)
+        self.run.finish()
+        return directory
