@@ -10,7 +10,8 @@ pipeline config's ``tokenizer_kinds`` (so spawned workers and CLI subprocesses f
 - ``test-frames`` (video): the file's bytes in frames of ``frame_tokens`` tokens, each
   followed by ``<eof>``; optionally interleaved with ``<|audio|>`` runs.
 
-``expected_documents`` computes, independently of the pipeline, what each file should give.
+``expected_documents`` computes, independently of the pipeline, what each file should give;
+``make_inputs`` and ``write_pipeline`` lay out a small dataset and its pipeline spec.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -164,3 +166,53 @@ def expected_documents(
             out += [space.boundary_token("audio"), a.start + i % a.size, a.start]
             out += [space.boundary_token(modality)]
     return [np.array(out + [DOC_END])]
+
+
+VIDEO = {"frame_tokens": 16, "chunk_frames": 3}
+
+
+def make_inputs(root: Path, n_dna: int = 6, bad: bool = True, seed: int = 0) -> Path:
+    """Fake inputs: DNA lines (.seq), audio bytes (.snd), video frames (.vid), and bad ones."""
+    rng = np.random.default_rng(seed)
+    d = root / "data"
+    d.mkdir(parents=True, exist_ok=True)
+    for i in range(n_dna):
+        lines = [
+            "".join(rng.choice(list("ACGTN"), int(rng.integers(1, 400))))
+            for _ in range(int(rng.integers(1, 12)))
+        ]
+        (d / f"genome{i:02d}.seq").write_text("\n".join(lines) + "\n")
+    (d / "speech.snd").write_bytes(rng.integers(0, 256, 3000, dtype=np.uint8).tobytes())
+    (d / "clip.vid").write_bytes(rng.integers(0, 256, 16 * 20, dtype=np.uint8).tobytes())
+    if bad:
+        (d / "corrupt.seq").write_text("ACGT\nACGXT\n")
+        (d / "empty.seq").write_text("")
+        (d / "truncated.vid").write_bytes(b"\x01" * 37)
+        (d / "notes.txt").write_text("not an input\n")
+        (d / "buggy.seq").write_text("RAISE\n")
+    return d
+
+
+def write_pipeline(
+    root: Path, output: str, seq_len: int = 512, delay_s: float = 0.0, **extra
+) -> Path:
+    tok = root / "tok"
+    write_spec(tok, "lines", "dna", "test-lines", 5, delay_s=delay_s)
+    write_spec(tok, "bytes", "audio", "test-bytes", 256)
+    write_spec(tok, "frames", "video", "test-frames", 64, **VIDEO)
+    spec: dict[str, Any] = {
+        "name": "fake",
+        "sources": ["data/*", "missing/*.seq"],
+        "tokenizers": ["tok/lines.json", "tok/bytes.json", "tok/frames.json"],
+        "suffixes": {"dna": [".seq"], "audio": [".snd"], "video": [".vid"]},
+        "tokenizer_kinds": KINDS,
+        "pack": {"seq_len": seq_len},
+        "shards": {"max_bytes": 20480},
+        "output": output,
+        "workers": 2,
+        "progress": False,
+        **extra,
+    }
+    path = root / "pipeline.yaml"
+    path.write_text(json.dumps(spec))  # JSON is YAML
+    return path
