@@ -129,10 +129,16 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
+    import yaml
+
     from ulysses_mm.data.inspect import run_inspect
 
+    options = yaml.safe_load(args.storage_options) if args.storage_options else {}
+    if not isinstance(options, dict):
+        print("ulysses-mm inspect: --storage-options must be a mapping", file=sys.stderr)
+        return 2
     try:
-        return run_inspect(args.target, sample=args.sample, png=args.png)
+        return run_inspect(args.target, sample=args.sample, png=args.png, storage_options=options)
     except (OSError, IndexError, KeyError) as e:
         print(f"ulysses-mm inspect: {e}", file=sys.stderr)
         return 1
@@ -161,6 +167,12 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
         "shard for a .tar (default 0)",
     )
     p.add_argument("--png", default=None, metavar="FILE", help="also render the sample to FILE")
+    p.add_argument(
+        "--storage-options",
+        default=None,
+        metavar="JSON",
+        help='fsspec options for a remote target, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
     p.set_defaults(func=_cmd_inspect)
 
 

@@ -106,7 +106,7 @@ class Packer:
         self.dtype = np.dtype(dtype)
         self.next_doc = int(first_doc_id)
         self.next_sample = int(first_sample)
-        self._buf = np.full(self.seq_len, PAD, dtype=self.dtype)
+        self._buf = np.empty(self.seq_len, dtype=self.dtype)  # a fresh buffer per sample
         self._fill = 0
         self._rows: list[np.ndarray] = []
 
@@ -157,9 +157,10 @@ class Packer:
         segments = (
             np.concatenate(self._rows) if self._rows else np.zeros((0, NUM_COLUMNS), np.int64)
         )
+        self._buf[self._fill :] = PAD
         sample = PackedSample(self.next_sample, self._buf, segments)
         self.next_sample += 1
-        self._buf = np.full(self.seq_len, PAD, dtype=self.dtype)
+        self._buf = np.empty(self.seq_len, dtype=self.dtype)
         self._fill = 0
         self._rows = []
         return sample

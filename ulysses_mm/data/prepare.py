@@ -450,6 +450,10 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
             raise PrepareError(
                 f"tokenizer spec {p}: unknown kind {specs[-1].kind!r}; known: {registry.kinds()}"
             )
+        try:  # fail here, once, rather than once per input in the workers
+            registry.load_tokenizer(specs[-1])
+        except Exception as e:
+            raise PrepareError(f"tokenizer spec {p}: cannot load: {type(e).__name__}: {e}") from e
     try:
         space = build_token_space(specs)
     except ValueError as e:

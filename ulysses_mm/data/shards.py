@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -172,6 +173,7 @@ class ShardWriter:
         assert self._tar is not None and self._hw is not None and self._file is not None
         self._tar.close()
         self._file.flush()
+        os.fsync(self._file.fileno())  # durable before it is renamed into place
         self._file.close()
         expected = _tar_size(self._members)
         if self._hw.size != expected:  # the rollover arithmetic relies on this
