@@ -421,17 +421,8 @@ class _Output:
                 storage.remove(storage.join(self.url, name), self.so)
 
 
-def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
-    """Run a pipeline; returns the manifest written. Raises PrepareError when no dataset
-    can be made (every input failed, no inputs matched, a bad spec)."""
-    from tqdm import tqdm
-
-    from ulysses_mm.data.packing import Packer
-    from ulysses_mm.data.shards import ShardWriter
-
-    out = out or sys.stdout
-    t0 = time.perf_counter()
-    so = dict(cfg.storage_options)
+def _load_specs(cfg: PipelineConfig) -> tuple[list[TokenizerSpec], TokenSpace]:
+    """The pipeline's tokenizer specs (each checked to load) and their token space."""
     if not cfg.output:
         raise PrepareError("no output: set output=DIR_OR_URL")
     if not cfg.sources:
@@ -443,32 +434,41 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
     specs = []
     for p in cfg.tokenizers:
         try:
-            specs.append(TokenizerSpec.load(p))
+            spec = TokenizerSpec.load(p)
         except (OSError, ValueError) as e:
             raise PrepareError(f"tokenizer spec {p}: {e}") from e
-        if specs[-1].kind not in registry.kinds():
+        if spec.kind not in registry.kinds():
             raise PrepareError(
-                f"tokenizer spec {p}: unknown kind {specs[-1].kind!r}; known: {registry.kinds()}"
+                f"tokenizer spec {p}: unknown kind {spec.kind!r}; known: {registry.kinds()}"
             )
         try:  # fail here, once, rather than once per input in the workers
-            registry.load_tokenizer(specs[-1])
+            registry.load_tokenizer(spec)
         except Exception as e:
             raise PrepareError(f"tokenizer spec {p}: cannot load: {type(e).__name__}: {e}") from e
+        specs.append(spec)
     try:
         space = build_token_space(specs)
     except ValueError as e:
         raise PrepareError(str(e)) from e
-    by_modality = {s.modality: s for s in specs}
-    unknown_suffix_mods = set(cfg.suffixes) - set(by_modality)
-    if unknown_suffix_mods:
+    unknown = set(cfg.suffixes) - set(space.modalities)
+    if unknown:
         raise PrepareError(
-            f"suffixes names modalities {sorted(unknown_suffix_mods)} without a tokenizer "
-            f"(have {list(by_modality)})"
+            f"suffixes names modalities {sorted(unknown)} without a tokenizer "
+            f"(have {list(space.modalities)})"
         )
+    return specs, space
 
-    # ---- plan: every input in sorted order, routed, cached or to do
-    files, unmatched = storage.expand_sources(cfg.sources, so)
-    staging = _staging_dir(cfg)
+
+def _plan(
+    cfg: PipelineConfig,
+    files: list[str],
+    specs: list[TokenizerSpec],
+    space: TokenSpace,
+    staging: Path,
+) -> tuple[dict[int, dict[str, Any]], list[_Task]]:
+    """Route every input; (results known already — unsupported or cached — by input
+    index, tasks for the workers)."""
+    by_modality = {s.modality: s for s in specs}
     cache_dir = staging / "cache"
     cache_dir.mkdir(parents=True, exist_ok=True)
     storage.remove_stale_temps(str(cache_dir))
@@ -486,7 +486,7 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
             }
             continue
         try:
-            key = _cache_key(source, modality, by_modality[modality], space, so)
+            key = _cache_key(source, modality, by_modality[modality], space, cfg.storage_options)
         except OSError as e:
             results[i] = {"source": source, "status": "skipped", "reason": f"cannot stat: {e}"}
             continue
@@ -497,6 +497,24 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
                 results[i] = {**done, "cached": True, "cache": stem}
                 continue
         tasks.append(_Task(i, source, modality, stem, str(staging / "fetch" / key)))
+    return results, tasks
+
+
+def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
+    """Run a pipeline; returns the manifest written. Raises PrepareError when no dataset
+    can be made (every input failed, no inputs matched, a bad spec)."""
+    from tqdm import tqdm
+
+    from ulysses_mm.data.packing import Packer
+    from ulysses_mm.data.shards import ShardWriter
+
+    out = out or sys.stdout
+    t0 = time.perf_counter()
+    so = dict(cfg.storage_options)
+    specs, space = _load_specs(cfg)
+    staging = _staging_dir(cfg)
+    files, unmatched = storage.expand_sources(cfg.sources, so)
+    results, tasks = _plan(cfg, files, specs, space, staging)
     n_inputs = len(files)
     reused = sum(1 for r in results.values() if r.get("cached"))
 
