@@ -162,8 +162,111 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_report)
 
 
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from ulysses_mm.data.prepare import PrepareError, load_pipeline_config, prepare
+
+    cfg = load_pipeline_config(args.pipeline, args.overrides)
+    if args.print_config:
+        import yaml
+
+        from ulysses_mm.config import to_dict
+
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+        return 0
+    try:
+        prepare(cfg)
+    except PrepareError as e:
+        print(f"ulysses-mm prepare: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepare",
+        help="tokenize raw files, pack them and write WebDataset shards + manifest.json",
+        description=(
+            "Run a pipeline spec (pipelines/*.yaml): expand the sources, tokenize each file "
+            "in worker processes, pack the documents into samples of pack.seq_len tokens and "
+            "write shards and manifest.json to the output (a directory or fsspec URL). "
+            "Undecodable inputs are skipped and recorded; the run fails only if every input "
+            "fails. A killed run, started again, reuses finished work and ends with the same "
+            "bytes. Relative paths in the file resolve against the file's directory, those "
+            "given here against the current directory."
+        ),
+    )
+    p.add_argument("pipeline", help="pipeline spec YAML (e.g. pipelines/dna.yaml)")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help=_overrides_help()
+        + ", e.g. output=out/dna 'sources=[data/*.fa.gz]' pack.seq_len=65536",
+    )
+    p.add_argument(
+        "--print-config", action="store_true", help="print the resolved pipeline config and exit"
+    )
+    p.set_defaults(func=_cmd_prepare)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    import yaml
+
+    from ulysses_mm.data.inspect import run_inspect
+
+    options = yaml.safe_load(args.storage_options) if args.storage_options else {}
+    if not isinstance(options, dict):
+        print("ulysses-mm inspect: --storage-options must be a mapping", file=sys.stderr)
+        return 2
+    try:
+        return run_inspect(args.target, sample=args.sample, png=args.png, storage_options=options)
+    except (OSError, IndexError, KeyError) as e:
+        print(f"ulysses-mm inspect: {e}", file=sys.stderr)
+        return 1
+
+
+def _add_inspect(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="print a dataset's manifest summary and one sample's segment table; --png draws it",
+        description=(
+            "Print the manifest summary (token space, tokenizers, counts, skipped inputs, "
+            "shards) and the segment table of one packed sample. With --png, render the "
+            "sample: a modality ribbon, then video frames, audio waveform and DNA GC content "
+            "decoded through the tokenizers the manifest names."
+        ),
+    )
+    p.add_argument(
+        "target",
+        help="manifest.json, a dataset directory, or one shard .tar (path or fsspec URL)",
+    )
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=0,
+        help="sample to show: global index for a manifest/directory, position inside the "
+        "shard for a .tar (default 0)",
+    )
+    p.add_argument("--png", default=None, metavar="FILE", help="also render the sample to FILE")
+    p.add_argument(
+        "--storage-options",
+        default=None,
+        metavar="JSON",
+        help='fsspec options for a remote target, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+    )
+    p.set_defaults(func=_cmd_inspect)
+
+
 # One entry per subcommand, in the order `--help` lists them.
-_SUBCOMMANDS = [_add_demo, _add_verify, _add_train, _add_export, _add_report, _add_config]
+_SUBCOMMANDS = [
+    _add_demo,
+    _add_prepare,
+    _add_inspect,
+    _add_train,
+    _add_export,
+    _add_report,
+    _add_verify,
+    _add_config,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

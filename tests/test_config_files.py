@@ -1,0 +1,96 @@
+"""Every shipped YAML loads into its schema (litgpt test_config_hub style): configs/ into
+RunConfig, pipelines/ into PipelineConfig, so hand-edited files cannot drift from the code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ulysses_mm.config import ConfigError, PipelineConfig, RunConfig, load_config, read_yaml
+from ulysses_mm.data.prepare import DEFAULT_SUFFIXES, load_pipeline_config, route
+from ulysses_mm.data.storage import expand_braces
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+PIPELINES = sorted((REPO / "pipelines").glob("*.yaml"))
+
+
+def test_there_are_files_to_check():
+    assert CONFIGS, "configs/*.yaml missing"
+    names = {p.stem for p in PIPELINES}
+    assert {"dna", "audio", "video", "mixed"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_run_config_loads(path: Path):
+    cfg = load_config(RunConfig, path)
+    assert isinstance(cfg, RunConfig)
+
+
+@pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.name)
+def test_pipeline_config_loads(path: Path):
+    cfg = load_config(PipelineConfig, path)
+    assert cfg.sources and cfg.tokenizers and cfg.output
+    assert cfg.pack.seq_len >= 1
+    # every tokenizer spec is a JSON file in the repository's tokenizers/ directory
+    resolved = load_pipeline_config(path, cwd=Path("/nonexistent-cwd"))
+    for spec in resolved.tokenizers:
+        p = Path(spec)
+        assert p.suffix == ".json" and p.parent == REPO / "tokenizers", spec
+    # sources point into the repository (paths relative to the pipeline file)
+    for src in resolved.sources:
+        assert Path(src).is_relative_to(REPO), src
+    assert Path(resolved.output).is_relative_to(REPO / "build")
+
+
+@pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.name)
+def test_pipeline_sources_route_to_their_tokenizers(path: Path):
+    """Each source glob's suffixes reach a tokenizer the pipeline names."""
+    cfg = load_config(PipelineConfig, path)
+    modalities = [Path(t).stem.split("-")[0] for t in cfg.tokenizers]
+    assert set(modalities) <= set(DEFAULT_SUFFIXES), modalities
+    for pattern in cfg.sources:
+        for alt in expand_braces(pattern):
+            name = Path(alt).name.replace("*", "x")
+            assert route(name, modalities, cfg.suffixes) is not None, (path.name, alt)
+
+
+def test_pipeline_paths_resolve_against_file_and_cwd(tmp_path: Path):
+    sub = tmp_path / "specs"
+    sub.mkdir()
+    (sub / "p.yaml").write_text(
+        "sources: [data/*.fa, s3://bucket/x/*.fa]\ntokenizers: [../tok/dna.json]\noutput: out\n"
+    )
+    cfg = load_pipeline_config(sub / "p.yaml", cwd=tmp_path / "elsewhere")
+    assert cfg.sources == [str(sub / "data/*.fa"), "s3://bucket/x/*.fa"]
+    assert cfg.tokenizers == [str(tmp_path / "tok/dna.json")]
+    assert cfg.output == str(sub / "out")
+    cfg = load_pipeline_config(
+        sub / "p.yaml", ["output=o2", "sources=[in/a.fa]"], cwd=tmp_path / "elsewhere"
+    )
+    assert cfg.output == str(tmp_path / "elsewhere" / "o2")
+    assert cfg.sources == [str(tmp_path / "elsewhere" / "in/a.fa")]
+    assert cfg.tokenizers == [str(tmp_path / "tok/dna.json")]  # untouched by overrides
+
+
+def test_pipeline_config_rejects_bad_keys_and_values(tmp_path: Path):
+    p = tmp_path / "p.yaml"
+    p.write_text("sources: [a]\npack: {seq_lenn: 4}\n")
+    with pytest.raises(ConfigError, match=r"pack\.seq_lenn.*did you mean 'pack\.seq_len'"):
+        load_pipeline_config(p)
+    p.write_text("pack: {seq_len: 0}\n")
+    with pytest.raises(ConfigError, match=r"pack\.seq_len must be >= 1"):
+        load_pipeline_config(p)
+    p.write_text("workers: many\n")
+    with pytest.raises(ConfigError, match="workers: expected an integer"):
+        load_pipeline_config(p)
+    with pytest.raises(ConfigError, match=r"shards\.max_bytes must be >= 1"):
+        load_pipeline_config(None, ["shards.max_bytes=0"])
+
+
+def test_yaml_is_read_safely(tmp_path: Path):
+    p = tmp_path / "evil.yaml"
+    p.write_text("sources: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        read_yaml(p)

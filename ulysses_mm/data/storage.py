@@ -1,0 +1,318 @@
+"""Where datasets live: local paths or fsspec URLs, written so nothing partial is ever visible.
+
+Every write goes to a temporary name in the destination's own directory (``.NAME.XXXX.tmp``)
+and is then renamed (local: ``os.replace``) or moved (object stores: upload to the temporary
+key, then ``fs.mv``, a server-side copy), so a reader listing the directory sees either the
+previous object or the complete new one. A run killed mid-write leaves only ``*.tmp`` names,
+which :func:`remove_stale_temps` clears on the next run.
+
+Inputs are expanded here too (paths, globs, directories, URL globs) so the pipeline works
+the same on a laptop and against a bucket.
+"""
+
+from __future__ import annotations
+
+import glob as _glob
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import fsspec
+
+_TEMP_RE = re.compile(r"^\..+\.[0-9a-z_]+\.tmp$")
+_CHUNK = 8 << 20
+
+
+def is_url(location: str) -> bool:
+    """True for ``proto://...`` (``file://`` included)."""
+    return "://" in location
+
+
+def url_to_fs(
+    location: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    fs, path = fsspec.core.url_to_fs(location, **dict(storage_options or {}))
+    return fs, path
+
+
+def is_local(location: str) -> bool:
+    """True for plain paths and ``file://`` URLs."""
+    if not is_url(location):
+        return True
+    return location.startswith("file://")
+
+
+def local_path(location: str) -> Path:
+    """The filesystem path of a local location (plain path or ``file://`` URL)."""
+    if location.startswith("file://"):
+        return Path(location[len("file://") :])
+    if is_url(location):
+        raise ValueError(f"{location} is not a local path")
+    return Path(location)
+
+
+def join(location: str, name: str) -> str:
+    """``location/name`` for paths and URLs alike."""
+    if is_url(location):
+        return location.rstrip("/") + "/" + name
+    return os.path.join(location, name)
+
+
+def temp_name(name: str) -> str:
+    """A temporary sibling name of ``name`` that :func:`remove_stale_temps` recognises."""
+    return f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+
+
+def is_temp_name(name: str) -> bool:
+    return bool(_TEMP_RE.match(name))
+
+
+def makedirs(location: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    if is_local(location):
+        local_path(location).mkdir(parents=True, exist_ok=True)
+        return
+    fs, path = url_to_fs(location, storage_options)
+    fs.makedirs(path, exist_ok=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_local(path: Path, data: bytes | memoryview) -> None:
+    """Write ``path`` through a temporary sibling and ``os.replace``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / temp_name(path.name)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def publish_file(
+    local_file: Path, location: str, storage_options: Mapping[str, Any] | None = None
+) -> None:
+    """Make the finished ``local_file`` visible at ``location`` in one step.
+
+    Local destinations are renamed into place (``local_file`` must be on the same
+    filesystem, e.g. a temporary name in the destination directory); remote ones are
+    uploaded to a temporary key, then moved, and the local file is removed."""
+    if is_local(location):
+        dest = local_path(location)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(local_file, dest)
+        _fsync_dir(dest.parent)
+        return
+    fs, path = url_to_fs(location, storage_options)
+    parent, _, name = path.rpartition("/")
+    tmp = f"{parent}/{temp_name(name)}" if parent else temp_name(name)
+    try:
+        fs.put_file(str(local_file), tmp)
+        fs.mv(tmp, path)
+    except BaseException:
+        try:
+            if fs.exists(tmp):
+                fs.rm(tmp)
+        except Exception:
+            pass
+        raise
+    local_file.unlink(missing_ok=True)
+
+
+def atomic_write(
+    location: str, data: bytes, storage_options: Mapping[str, Any] | None = None
+) -> None:
+    """Write ``data`` to a path or URL; the final name only ever holds complete bytes."""
+    if is_local(location):
+        atomic_write_local(local_path(location), data)
+        return
+    fd, tmp = tempfile.mkstemp(suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        publish_file(Path(tmp), location, storage_options)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def read_bytes(location: str, storage_options: Mapping[str, Any] | None = None) -> bytes:
+    if is_local(location):
+        return local_path(location).read_bytes()
+    fs, path = url_to_fs(location, storage_options)
+    return fs.cat_file(path)
+
+
+def exists(location: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    if is_local(location):
+        return local_path(location).exists()
+    fs, path = url_to_fs(location, storage_options)
+    return bool(fs.exists(path))
+
+
+def remove(location: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Delete a file or object if it exists."""
+    if is_local(location):
+        local_path(location).unlink(missing_ok=True)
+        return
+    fs, path = url_to_fs(location, storage_options)
+    if fs.exists(path):
+        fs.rm(path)
+
+
+def list_names(location: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Names of the files directly inside a directory or URL prefix ([] if absent)."""
+    if is_local(location):
+        d = local_path(location)
+        return sorted(p.name for p in d.iterdir() if p.is_file()) if d.is_dir() else []
+    fs, path = url_to_fs(location, storage_options)
+    if not fs.exists(path):
+        return []
+    names = []
+    for entry in fs.ls(path, detail=True):
+        if entry.get("type") == "file":
+            names.append(str(entry["name"]).rstrip("/").rsplit("/", 1)[-1])
+    return sorted(names)
+
+
+def remove_stale_temps(location: str, storage_options: Mapping[str, Any] | None = None) -> int:
+    """Remove temporary names a killed run left in ``location``; returns how many."""
+    stale = [n for n in list_names(location, storage_options) if is_temp_name(n)]
+    for name in stale:
+        remove(join(location, name), storage_options)
+    return len(stale)
+
+
+def sha256_file(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------------ inputs
+
+
+def expand_sources(
+    patterns: Iterable[str], storage_options: Mapping[str, Any] | None = None
+) -> tuple[list[str], list[str]]:
+    """(sorted unique input files, patterns that matched nothing).
+
+    A pattern is a path, a glob (``**`` recurses, ``{fa,gb}`` lists alternatives), a
+    directory (every file under it), or the same as an fsspec URL. Hidden files
+    (``.name``) found by globs or directories are ignored (editor or temporary files)."""
+    found: set[str] = set()
+    unmatched: list[str] = []
+    for pattern in patterns:
+        hits = [h for alt in expand_braces(pattern) for h in _expand_one(alt, storage_options)]
+        if hits:
+            found.update(hits)
+        else:
+            unmatched.append(pattern)
+    return sorted(found), unmatched
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``a.{fa,gb}`` -> ``[a.fa, a.gb]`` (nested and repeated groups too)."""
+    depth, start = 0, -1
+    for i, c in enumerate(pattern):
+        if c == "{":
+            if depth == 0:
+                start = i
+            depth += 1
+        elif c == "}" and depth:
+            depth -= 1
+            if depth == 0:
+                body, parts, level, last = pattern[start + 1 : i], [], 0, 0
+                for j, ch in enumerate(body):
+                    level += ch == "{"
+                    level -= ch == "}"
+                    if ch == "," and level == 0:
+                        parts.append(body[last:j])
+                        last = j + 1
+                parts.append(body[last:])
+                if len(parts) == 1:  # "{x}" is not a list of alternatives
+                    continue
+                head, tail = pattern[:start], pattern[i + 1 :]
+                return [e for p in parts for e in expand_braces(head + p + tail)]
+    return [pattern]
+
+
+def _expand_one(pattern: str, storage_options: Mapping[str, Any] | None) -> list[str]:
+    if is_local(pattern):
+        p = str(local_path(pattern))
+        if os.path.isdir(p):
+            return [
+                str(f)
+                for f in Path(p).rglob("*")
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            ]
+        if _glob.has_magic(p):
+            return [
+                f
+                for f in _glob.glob(p, recursive=True)
+                if os.path.isfile(f) and not os.path.basename(f).startswith(".")
+            ]
+        return [p] if os.path.isfile(p) else []
+    fs, path = url_to_fs(pattern, storage_options)
+    if _glob.has_magic(path):
+        paths = [q for q in fs.glob(path) if fs.isfile(q)]
+    elif fs.isdir(path):
+        paths = [q for q in fs.find(path)]
+    elif fs.exists(path):
+        paths = [path]
+    else:
+        paths = []
+    return [
+        fs.unstrip_protocol(q)
+        for q in paths
+        if not q.rstrip("/").rsplit("/", 1)[-1].startswith(".")
+    ]
+
+
+def input_identity(location: str, storage_options: Mapping[str, Any] | None = None) -> dict:
+    """What identifies an input's content cheaply: size and mtime (or ETag) — the cache key."""
+    if is_local(location):
+        st = local_path(location).stat()
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
+    fs, path = url_to_fs(location, storage_options)
+    info = fs.info(path)
+    ident: dict[str, Any] = {"size": int(info.get("size") or 0)}
+    for key in ("ETag", "etag", "md5Hash", "crc32c", "LastModified", "mtime", "created"):
+        if info.get(key) is not None:
+            ident[key] = str(info[key])
+    return ident
+
+
+def fetch(location: str, dest_dir: Path, storage_options: Mapping[str, Any] | None = None) -> Path:
+    """A local file with the content of ``location`` (itself when local; a copy in
+    ``dest_dir`` keeping the file name, so tokenizers can still route on the suffix)."""
+    if is_local(location):
+        return local_path(location)
+    fs, path = url_to_fs(location, storage_options)
+    dest_dir.mkdir(parents=True, exist_ok=True)
+    dest = dest_dir / path.rstrip("/").rsplit("/", 1)[-1]
+    with fs.open(path, "rb") as src, open(dest, "wb") as out:
+        shutil.copyfileobj(src, out, _CHUNK)
+    return dest
