@@ -160,6 +160,11 @@ class Backbone(nn.Module):
 class MultimodalLM(nn.Module):
     """The backbone plus one output head per modality of the token space."""
 
+    config: ModelConfig
+    space: TokenSpace
+    model: Backbone
+    heads: ModalityHeads
+
     def __init__(self, cfg: ModelConfig, space: TokenSpace, kernel: str = "auto") -> None:
         super().__init__()
         self.config = cfg

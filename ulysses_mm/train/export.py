@@ -48,7 +48,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         bos_token_id=DOC_START,
         eos_token_id=DOC_END,
         architectures=["LlamaForCausalLM"],
-        torch_dtype=str(dtype).removeprefix("torch."),
+        dtype=str(dtype).removeprefix("torch."),
         **cfg.model.to_llama_config_kwargs(),
     )
     out = Path(out)

@@ -12,12 +12,14 @@ import json
 import math
 import os
 import resource
+import uuid
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ulysses_mm.config import RunConfig
+from ulysses_mm.model import MultimodalLM
 
 # dense bf16 peak TFLOP/s by device name (used when train.peak_tflops is 0)
 _GPU_PEAK_TFLOPS = {
@@ -41,16 +43,15 @@ def peak_tflops(cfg: RunConfig, device: torch.device) -> float:
 
 
 def train_flops(
-    model: torch.nn.Module, tokens: int, attn_pairs: float, head_targets: dict[str, int]
+    model: MultimodalLM, tokens: int, attn_pairs: float, head_targets: dict[str, int]
 ) -> float:
     """FLOPs of forward+backward: 6 per parameter per token in the decoder, 6·D per
     (query, key) pair per layer for causal attention inside documents, and 6·D·vocab_m per
     target in the head of its modality."""
-    cfg = model.config  # type: ignore[attr-defined]
-    space = model.space  # type: ignore[attr-defined]
-    backbone = model.model  # type: ignore[attr-defined]
+    cfg, space = model.config, model.space
+    assert cfg.head_dim is not None
     dense = sum(
-        p.numel() for n, p in backbone.named_parameters() if not n.startswith("embed_tokens")
+        p.numel() for n, p in model.model.named_parameters() if not n.startswith("embed_tokens")
     )
     attn = 6.0 * 2 * cfg.num_attention_heads * cfg.head_dim * attn_pairs * cfg.num_hidden_layers
     heads = sum(
@@ -101,14 +102,14 @@ class MetricsLogger:
             from ulysses_mm.config import to_dict
 
             id_file = run_dir / "wandb_id.txt"
-            run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
             id_file.write_text(run_id + "\n")
             self.run = wandb.init(
                 project=cfg.logging.project,
                 name=cfg.logging.run_name or run_dir.name,
                 id=run_id,
                 resume="allow",
-                mode=mode,
+                mode=mode,  # type: ignore[arg-type]
                 dir=str(run_dir),
                 config=to_dict(cfg),
                 settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
