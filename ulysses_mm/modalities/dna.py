@@ -30,6 +30,7 @@ case-insensitive by convention and Biopython reads them uppercase.
 from __future__ import annotations
 
 import gzip
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -108,36 +109,51 @@ def open_text(path: str) -> IO[str]:
 
 
 def iter_records(path: str, fmt: str | None = None) -> Iterator[tuple[str, str]]:
-    """(record id, sequence) for every record of a FASTA/FASTQ/GenBank file (plain or gz)."""
+    """(record id, sequence) for every record of a FASTA/FASTQ/GenBank file (plain or gz).
+
+    The format is sniffed from the content; ``fmt`` (the spec's ``format``) must agree.
+    Parser and gzip failures become DecodeError with the parser's own reason."""
+    try:
+        with open_text(path) as handle:
+            head = handle.read(4096)
+            if not head.strip():
+                raise DecodeError(f"{path}: empty file (no sequence records)")
+            sniffed = sniff_format(path, head)
+            if fmt is not None and fmt != sniffed:
+                raise DecodeError(f"{path}: the spec says {fmt}, the file looks like {sniffed}")
+            fmt = sniffed
+            handle.seek(0)
+            yield from _parse(path, handle, fmt)
+    except (ValueError, EOFError, OSError, UnicodeError, AssertionError, zlib.error) as e:
+        # Biopython parse errors are ValueError/AssertionError; gzip gives EOFError
+        # (truncated) or BadGzipFile / zlib.error (OSError-like) for corrupt data.
+        text = str(e).strip()
+        reason = text.splitlines()[0] if text else type(e).__name__
+        raise DecodeError(f"{path}: cannot read as {fmt or 'a sequence file'}: {reason}") from None
+
+
+def _parse(path: str, handle: IO[str], fmt: str) -> Iterator[tuple[str, str]]:
     from Bio import SeqIO
     from Bio.Seq import UndefinedSequenceError
     from Bio.SeqIO.FastaIO import SimpleFastaParser
     from Bio.SeqIO.QualityIO import FastqGeneralIterator
 
-    with open_text(path) as handle:
-        head = handle.read(4096)
-        if not head.strip():
-            raise DecodeError(f"{path}: empty file (no sequence records)")
-        sniffed = sniff_format(path, head)
-        fmt = fmt or sniffed
-        if fmt != sniffed:
-            raise DecodeError(f"{path}: the spec says {fmt}, but the file looks like {sniffed}")
-        handle.seek(0)
-        if fmt == "fasta":
-            for title, seq in SimpleFastaParser(handle):
-                yield title.split(None, 1)[0] if title.strip() else "", seq
-        elif fmt == "fastq":
-            for title, seq, _qual in FastqGeneralIterator(handle):
-                yield title.split(None, 1)[0] if title.strip() else "", seq
-        else:
-            for rec in SeqIO.parse(handle, "genbank"):
-                try:
-                    seq = str(rec.seq)
-                except UndefinedSequenceError as e:
-                    raise DecodeError(
-                        f"{path}#{rec.id}: GenBank record has no sequence (CONTIG/WGS only)"
-                    ) from e
-                yield rec.id, seq
+    if fmt == "fasta":
+        for title, seq in SimpleFastaParser(handle):
+            yield title.split(None, 1)[0] if title.strip() else "", seq
+    elif fmt == "fastq":
+        for title, seq, _qual in FastqGeneralIterator(handle):
+            yield title.split(None, 1)[0] if title.strip() else "", seq
+    else:
+        for rec in SeqIO.parse(handle, "genbank"):
+            try:
+                seq = str(rec.seq)
+            except UndefinedSequenceError:
+                raise DecodeError(
+                    f"{path}#{rec.id}: GenBank record has no sequence data (empty or absent "
+                    "ORIGIN, e.g. a CONTIG-only record)"
+                ) from None
+            yield rec.id, seq
 
 
 class DnaTokenizer(Tokenizer):
@@ -184,23 +200,14 @@ class DnaTokenizer(Tokenizer):
         fmt = self.params["format"]
         seen: dict[str, int] = {}
         n = 0
-        try:
-            for rec_id, seq in iter_records(source, fmt):
-                rid = rec_id or f"record{n}"
-                k = seen.get(rid, 0)
-                seen[rid] = k + 1
-                key = f"{source}#{rid}" if k == 0 else f"{source}#{rid}~{k}"
-                ids = self.encode_sequence(seq, where=f"{source}#{rid}")
-                n += 1
-                yield TokenDocument(source, key, self.modality, frame(ids))
-        except (ValueError, EOFError, OSError, UnicodeError, AssertionError) as e:
-            # Biopython parse errors are ValueError/AssertionError; gzip gives EOFError
-            # (truncated) or BadGzipFile (an OSError).
-            text = str(e).strip()
-            reason = text.splitlines()[0] if text else type(e).__name__
-            raise DecodeError(
-                f"{source}: cannot read as {fmt or 'a sequence file'}: {reason}"
-            ) from None
+        for rec_id, seq in iter_records(source, fmt):
+            rid = rec_id or f"record{n}"
+            k = seen.get(rid, 0)
+            seen[rid] = k + 1
+            key = f"{source}#{rid}" if k == 0 else f"{source}#{rid}~{k}"
+            ids = self.encode_sequence(seq, where=f"{source}#{rid}")
+            n += 1
+            yield TokenDocument(source, key, self.modality, frame(ids))
         if n == 0:
             raise DecodeError(f"{source}: no sequence records")
 
