@@ -99,6 +99,15 @@ def first_error(logs: list[tuple[int, str, str]]) -> str | None:
     return None
 
 
+def check_file(path: str) -> None:
+    """DecodeError unless ``path`` is an existing, non-empty file."""
+    p = Path(path)
+    if not p.is_file():
+        raise DecodeError(f"{path}: no such file")
+    if p.stat().st_size == 0:
+        raise DecodeError(f"{path}: empty file")
+
+
 def check_container_complete(path: str) -> None:
     """Structural truncation checks FFmpeg does not make: RIFF/WAV size, Ogg last page."""
     size = Path(path).stat().st_size
@@ -142,10 +151,7 @@ def open_media(path: str) -> Any:
     import av
 
     p = Path(path)
-    if not p.is_file():
-        raise DecodeError(f"{path}: no such file")
-    if p.stat().st_size == 0:
-        raise DecodeError(f"{path}: empty file")
+    check_file(path)
     try:
         return av.open(str(p))
     except av.error.FFmpegError as e:
@@ -212,6 +218,7 @@ def load_waveform(path: str, rate: int, max_seconds: float | None = None) -> Wav
     """Decode the first audio stream of ``path``; mono float32 in [-1, 1) at ``rate``."""
     import av
 
+    check_file(path)
     check_container_complete(path)
     limit = None if max_seconds is None else round(max_seconds * rate)
     capped = False
