@@ -129,16 +129,21 @@ def read_index(frame: np.ndarray, bits: int = 8) -> int:
 def smooth_frames(
     rng: np.random.Generator, t: int, height: int = 96, width: int = 128
 ) -> np.ndarray:
-    """Natural-ish frames: moving blurred blobs (VQ-able, unlike white noise)."""
+    """Natural-ish frames: blurred coloured blobs orbiting inside the frame (VQ-able, unlike
+    white noise; any stretch of the clip shows the same kind of content)."""
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
     out = np.empty((t, height, width, 3), dtype=np.uint8)
-    centres = rng.uniform([0, 0], [height, width], size=(4, 2))
-    vel = rng.normal(0, 1.5, size=(4, 2))
+    centres = rng.uniform([0.3 * height, 0.3 * width], [0.7 * height, 0.7 * width], size=(4, 2))
+    radius = rng.uniform(10, 30, size=(4, 1))
+    speed = rng.uniform(0.05, 0.2, size=(4, 1))
+    phase = rng.uniform(0, 2 * np.pi, size=(4, 1))
     colours = rng.uniform(30, 230, size=(4, 3))
     for k in range(t):
+        a = phase + speed * k
+        pos = centres + radius * np.concatenate([np.sin(a), np.cos(a)], axis=1)
         img = np.full((height, width, 3), 60.0, dtype=np.float32)
-        for (cy, cx), col in zip(centres + k * vel, colours):
-            w = np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * 14.0**2))[..., None]
+        for (cy, cx), col in zip(pos, colours):
+            w = np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * 12.0**2))[..., None]
             img = img * (1 - w) + col * w
         out[k] = np.clip(img, 0, 255).astype(np.uint8)
     return out

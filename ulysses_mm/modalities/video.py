@@ -54,7 +54,10 @@ from ulysses_mm.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
 
 VIDEO_SUFFIXES = {".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi", ".mpg", ".mpeg", ".ogv", ".ts"}
 _NO_DECORD_CODECS = {"av1", "libdav1d", "libaom-av1", "libsvtav1"}
-_EPS = 1e-6  # seconds: sample times that land exactly on a frame start pick that frame
+# Seconds. Container timestamps are rounded (WebM/Matroska to the millisecond), so a sample
+# time up to 1 ms before a frame's start picks that frame: at exactly the native rate every
+# frame is taken once. (Frames are >= 4 ms apart below 250 fps, so this never skips one.)
+_EPS = 1e-3
 
 _SCHEMA: ParamSchema = {
     "fps": ((int, float), 8.0),
