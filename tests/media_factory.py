@@ -1,7 +1,7 @@
 """Small real inputs made in the test: sequences, tones, and clips encoded with PyAV.
 
-Everything is written by the real encoders (Biopython, soundfile/libsndfile, PyAV/FFmpeg),
-so the tokenizers are tested on genuine files, only small ones.
+Everything is written by the real encoders (Biopython for sequences, FFmpeg through PyAV
+for audio and video), so the tokenizers are tested on genuine files, only small ones.
 """
 
 from __future__ import annotations
@@ -87,17 +87,34 @@ def tone(seconds: float, rate: int, freq: float = 440.0, amp: float = 0.99) -> n
 
 
 def write_audio(path: Path, samples: np.ndarray, rate: int) -> Path:
-    """wav (16-bit), flac, ogg (Vorbis) or mp3 by suffix, via soundfile (libsndfile)."""
-    import soundfile as sf
+    """``samples`` [n] or [n, channels] float in [-1, 1] -> wav (16-bit PCM), flac,
+    ogg (Vorbis) or mp3 by suffix, encoded by FFmpeg through PyAV."""
+    import av
 
-    kinds = {
-        ".wav": ("WAV", "PCM_16"),
-        ".flac": ("FLAC", "PCM_16"),
-        ".ogg": ("OGG", "VORBIS"),
-        ".mp3": ("MP3", "MPEG_LAYER_III"),
-    }
-    fmt, subtype = kinds[path.suffix]
-    sf.write(str(path), samples, rate, format=fmt, subtype=subtype)
+    codecs = {".wav": "pcm_s16le", ".flac": "flac", ".ogg": "vorbis", ".mp3": "libmp3lame"}
+    data = np.asarray(samples, dtype=np.float32).reshape(len(samples), -1).T  # [ch, n]
+    layout = "mono" if data.shape[0] == 1 else "stereo"
+    options = {"strict": "experimental"} if path.suffix == ".ogg" else {}  # native vorbis
+    with av.open(str(path), "w") as c:
+        stream = c.add_stream(codecs[path.suffix], rate=rate, options=options)
+        stream.layout = layout
+        to_codec = av.AudioResampler(
+            format=stream.codec_context.format.name, layout=layout, rate=rate
+        )
+        step = stream.codec_context.frame_size or 1024
+        for i in range(0, data.shape[1], step):
+            frame = av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(data[:, i : i + step]), format="fltp", layout=layout
+            )
+            frame.sample_rate, frame.pts = rate, i
+            for f in to_codec.resample(frame):
+                for packet in stream.encode(f):
+                    c.mux(packet)
+        for f in to_codec.resample(None):
+            for packet in stream.encode(f):
+                c.mux(packet)
+        for packet in stream.encode(None):
+            c.mux(packet)
     return path
 
 
