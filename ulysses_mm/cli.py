@@ -135,7 +135,7 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     f.add_argument(
         "--chunk-frames",
         type=int,
-        default=8,
+        default=None,
         help="frames per interleaving chunk, with --audio-spec (default 8)",
     )
     f.add_argument(

@@ -104,6 +104,21 @@ def _rel(path: Path, start: Path) -> str:
     return Path(os.path.relpath(path.resolve(), start.resolve())).as_posix()
 
 
+def _check_flag_combinations(args: argparse.Namespace, opts: VideoFitOptions) -> None:
+    """No flag may silently do nothing."""
+    if args.chunk_frames is not None and not args.audio_spec:
+        raise ValueError("--chunk-frames only applies with --audio-spec")
+    if args.codebook:
+        if args.sources:
+            raise ValueError("--codebook reuses a fitted codebook: give no SOURCES with it")
+        defaults = VideoFitOptions()
+        fit_only = ["max_frames", "seed", "iters", "max_patches", "codebook_size"]
+        given = [f for f in fit_only if getattr(opts, f) != getattr(defaults, f)]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise ValueError(f"{flags} only apply when fitting, not with --codebook")
+
+
 def cli_fit(args: argparse.Namespace) -> int:
     """The ``tokenizer fit`` subcommand (see cli._add_tokenizer for its flags)."""
     from ulysses_mm.modalities.registry import load_tokenizer
@@ -125,6 +140,7 @@ def cli_fit(args: argparse.Namespace) -> int:
         max_patches=args.max_patches,
         backend=args.backend,
     )
+    _check_flag_combinations(args, opts)
     params: dict[str, Any] = {
         "fps": opts.fps,
         "size": opts.size,
@@ -136,7 +152,7 @@ def cli_fit(args: argparse.Namespace) -> int:
         audio = Path(args.audio_spec)
         TokenizerSpec.load(audio)  # fail now if it is not a spec
         params["audio"] = {"spec": _rel(audio, out.parent)}
-        params["chunk_frames"] = args.chunk_frames
+        params["chunk_frames"] = args.chunk_frames or 8
     if args.codebook:
         artifact = Path(args.codebook)
         codebook = np.load(artifact, allow_pickle=False)
