@@ -43,6 +43,7 @@ from ulysses_mm.modalities.audio import (
     MulawTokenizer,
     ffmpeg_log,
     first_error,
+    load_waveform,
     mulaw_decode,
     open_media,
     stream_summary,
@@ -276,16 +277,19 @@ def sample_frames(
     if use_decord:
         decord = _decord()
         if decord is None:
-            raise DecodeError(f"{path}: backend 'decord' asked for, but decord is not installed")
+            raise ValueError("backend 'decord' asked for, but decord is not installed here")
+        gen = _frames_decord(path, probe, fps, size, max_frames, batch)
         try:
-            gen = _frames_decord(path, probe, fps, size, max_frames, batch)
             first = next(gen)
         except decord.DECORDError as e:
             if backend == "decord":
                 raise DecodeError(f"{path}: decord cannot decode it: {str(e)[-200:]}") from None
-        else:
+        else:  # decord opened the file: it decodes the rest (no fallback mid-clip)
             yield first
-            yield from gen
+            try:
+                yield from gen
+            except decord.DECORDError as e:
+                raise DecodeError(f"{path}: corrupt video (decord): {str(e)[-200:]}") from None
             return
     yield from _frames_pyav(path, probe, fps, size, max_frames, batch)
 
@@ -345,6 +349,8 @@ class VqVideoTokenizer(Tokenizer):
         p = spec_params(spec, _SCHEMA)
         where = spec.path or spec.name
         check_choice(spec, "backend", p["backend"], ("auto", "decord", "pyav"))
+        if p["backend"] == "decord" and _decord() is None:
+            raise ValueError(f"{where}: backend 'decord' asked for, but decord is not installed")
         if not p["fps"] > 0:
             raise ValueError(f"{where}: param 'fps' must be > 0")
         if p["size"] < 1 or p["patch"] < 1 or p["size"] % p["patch"]:
@@ -428,8 +434,9 @@ class VqVideoTokenizer(Tokenizer):
     ) -> list[np.ndarray]:
         """Chunks of k frames, each followed by the audio of its k/fps seconds."""
         assert self.audio is not None
-        wave = self.audio.load(source)
         t, k = frames.shape[0], self.params["chunk_frames"]
+        # decode the audio the sampled frames cover (all of it unless max_frames cut the clip)
+        wave = load_waveform(source, self.audio.rate, probe.start_seconds + t / self.fps + 0.5)
         bounds = np.unique(np.minimum(np.arange(0, t + k, k), t))  # frame index per chunk edge
         # Audio sample i plays at wave.start_time + i/rate; frame j at probe.start + j/fps.
         at = probe.start_seconds + bounds / self.fps - wave.start_time
