@@ -27,7 +27,6 @@ A bad input raises :class:`DecodeError` with the reason that was actually observ
 
 from __future__ import annotations
 
-import contextlib
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,6 +36,13 @@ from typing import Any
 import numpy as np
 
 from ulysses_mm.modalities.base import DecodeError, TokenDocument, Tokenizer, TokenizerSpec
+from ulysses_mm.modalities.media import (
+    check_file,
+    ffmpeg_log,
+    first_error,
+    open_media,
+    stream_summary,
+)
 from ulysses_mm.modalities.util import DocumentFramer, ParamSchema, local_ids, spec_params
 from ulysses_mm.tokenspace import TokenSpace
 
@@ -76,38 +82,6 @@ class Waveform:
     declared_seconds: float | None  # what the header says the stream lasts, if it says
 
 
-@contextlib.contextmanager
-def ffmpeg_log() -> Iterator[list[tuple[int, str, str]]]:
-    """Collect FFmpeg's warnings and errors raised in this thread (level, name, message)."""
-    import av.logging
-
-    previous = av.logging.get_level()
-    av.logging.set_level(av.logging.WARNING)
-    try:
-        with av.logging.Capture(local=True) as logs:
-            yield logs
-    finally:
-        av.logging.set_level(previous)
-
-
-def first_error(logs: list[tuple[int, str, str]]) -> str | None:
-    import av.logging
-
-    for level, name, message in logs:
-        if level <= av.logging.ERROR:
-            return f"{name}: {message.strip()}"
-    return None
-
-
-def check_file(path: str) -> None:
-    """DecodeError unless ``path`` is an existing, non-empty file."""
-    p = Path(path)
-    if not p.is_file():
-        raise DecodeError(f"{path}: no such file")
-    if p.stat().st_size == 0:
-        raise DecodeError(f"{path}: empty file")
-
-
 def check_container_complete(path: str) -> None:
     """Structural truncation checks FFmpeg does not make: RIFF/WAV size, Ogg last page."""
     size = Path(path).stat().st_size
@@ -140,23 +114,6 @@ def check_container_complete(path: str) -> None:
                 raise DecodeError(
                     f"{path}: truncated Ogg: the last page does not carry the end-of-stream flag"
                 )
-
-
-def stream_summary(container: Any) -> str:
-    parts = [f"{s.type} {s.codec_context.name}" for s in container.streams]
-    return ", ".join(parts) if parts else "none"
-
-
-def open_media(path: str) -> Any:
-    """av.open with the failures turned into DecodeError (empty, missing, not media)."""
-    import av
-
-    p = Path(path)
-    check_file(path)
-    try:
-        return av.open(str(p))
-    except av.error.FFmpegError as e:
-        raise DecodeError(f"{path}: not a media file FFmpeg can open: {e.strerror}") from None
 
 
 class _Resampler:

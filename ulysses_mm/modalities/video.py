@@ -39,17 +39,10 @@ from typing import Any
 
 import numpy as np
 
-from ulysses_mm.modalities.audio import (
-    MulawTokenizer,
-    ffmpeg_log,
-    first_error,
-    load_waveform,
-    mulaw_decode,
-    open_media,
-    stream_summary,
-)
+from ulysses_mm.modalities.audio import MulawTokenizer, load_waveform, mulaw_decode
 from ulysses_mm.modalities.base import DecodeError, TokenDocument, Tokenizer, TokenizerSpec
 from ulysses_mm.modalities.kmeans import Codebook
+from ulysses_mm.modalities.media import ffmpeg_log, first_error, open_media, stream_summary
 from ulysses_mm.modalities.util import ParamSchema, check_choice, spec_params
 from ulysses_mm.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
 
@@ -67,7 +60,7 @@ _SCHEMA: ParamSchema = {
     "max_frames": ((int, type(None)), None),  # cap per file (null: the whole clip)
     "backend": ((str,), "auto"),  # auto | decord | pyav
     "audio": ((dict, type(None)), None),  # {"spec": "audio-….json"}: interleave the audio
-    "chunk_frames": ((int,), 1),  # frames per interleaving chunk (with "audio")
+    "chunk_frames": ((int,), 8),  # frames per interleaving chunk (with "audio")
     "fit": ((dict,), {}),  # provenance written by `tokenizer fit`; not used to tokenize
 }
 
