@@ -2,7 +2,10 @@
 
 Records are read with Biopython (``SimpleFastaParser``, ``FastqGeneralIterator``,
 ``SeqIO.parse(…, "genbank")``); each record becomes one :class:`TokenDocument` keyed
-``f"{source}#{record id}"``. Bases become ids through a 256-entry byte table applied
+``f"{source}#{record id}"`` (the id is the header's first word; a repeated id gets ``~1``,
+``~2``…, an empty one ``record{index}``). The format is sniffed from the content (``>``,
+``@``, ``LOCUS``) and gzip from its magic bytes, never from the file name; the optional
+param ``format`` makes the sniffed format mandatory. Bases become ids through a 256-entry byte table applied
 with ``bytes.translate`` (C speed, no per-base Python), so throughput is bounded by
 gzip and the parser, not by tokenisation.
 
