@@ -256,11 +256,76 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_inspect)
 
 
+def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
+    def run_fit(args: argparse.Namespace) -> int:
+        from ulysses_mm.modalities.fit import cli_fit
+
+        return cli_fit(args)
+
+    p = sub.add_parser("tokenizer", help="fit learned tokenizers (video codebooks)")
+    tsub = p.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    f = tsub.add_parser(
+        "fit",
+        help="fit a tokenizer on data; write its spec JSON and artifact",
+        description=(
+            "Sample frames from SOURCES exactly as the tokenizer will (fps, resize, centre "
+            "crop, patches), fit a k-means codebook, and write OUT (the spec) and OUT with "
+            ".npy (the codebook), atomically. The spec records the artifact's sha256."
+        ),
+    )
+    f.add_argument("modality", choices=["video"], help="what to fit (only video has one)")
+    f.add_argument("sources", nargs="*", help="media files to fit on")
+    f.add_argument("--out", required=True, help="spec to write, e.g. tokenizers/video-vq.json")
+    f.add_argument("--name", default=None, help="spec name (default: OUT's file stem)")
+    f.add_argument("--description", default=None, help="spec description (default: generated)")
+    f.add_argument("--fps", type=float, default=8.0, help="frames sampled per second (default 8)")
+    f.add_argument("--size", type=int, default=256, help="square crop side in pixels (default 256)")
+    f.add_argument("--patch", type=int, default=16, help="patch side in pixels (default 16)")
+    f.add_argument(
+        "--codebook-size", type=int, default=256, help="codewords = vocab_size (default 256)"
+    )
+    f.add_argument(
+        "--max-frames", type=int, default=None, help="frames per source to fit on (default all)"
+    )
+    f.add_argument("--seed", type=int, default=0, help="seed of sampling and k-means (default 0)")
+    f.add_argument("--iters", type=int, default=20, help="k-means iterations at most (default 20)")
+    f.add_argument(
+        "--max-patches",
+        type=int,
+        default=200_000,
+        help="patches k-means sees at most, a seeded subsample (default 200000)",
+    )
+    f.add_argument(
+        "--backend",
+        choices=["auto", "decord", "pyav"],
+        default="auto",
+        help="frame decoder (default auto: decord, PyAV where decord cannot)",
+    )
+    f.add_argument(
+        "--audio-spec",
+        default=None,
+        help="audio spec JSON to interleave with the frames (makes a video+audio spec)",
+    )
+    f.add_argument(
+        "--chunk-frames",
+        type=int,
+        default=None,
+        help="frames per interleaving chunk, with --audio-spec (default 8)",
+    )
+    f.add_argument(
+        "--codebook",
+        default=None,
+        help="reuse this fitted codebook .npy instead of fitting (SOURCES not needed)",
+    )
+    f.set_defaults(func=run_fit)
+
+
 # One entry per subcommand, in the order `--help` lists them.
 _SUBCOMMANDS = [
     _add_demo,
     _add_prepare,
     _add_inspect,
+    _add_tokenizer,
     _add_train,
     _add_export,
     _add_report,

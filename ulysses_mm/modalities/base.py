@@ -121,6 +121,12 @@ class Tokenizer(ABC):
     def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
         """Decode and tokenize one file; raise DecodeError for a bad input."""
 
+    def companion_specs(self) -> list[TokenizerSpec]:
+        """Specs of the other modalities this tokenizer's documents also hold (a video spec
+        that interleaves the clip's audio names its audio spec): a token space for data
+        from this tokenizer must include their modalities too. Default: none."""
+        return []
+
     @abstractmethod
     def decode(self, tokens: np.ndarray, space: TokenSpace) -> Any:
         """Unified-space ids of this modality (specials allowed) back to data:

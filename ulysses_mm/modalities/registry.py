@@ -8,7 +8,11 @@ from pathlib import Path
 from ulysses_mm.modalities.base import Tokenizer, TokenizerSpec
 
 # kind -> "module:Class", imported on first use (video needs decord/PyAV, DNA biopython).
-_KINDS: dict[str, str] = {}
+_KINDS: dict[str, str] = {
+    "dna-base": "ulysses_mm.modalities.dna:DnaTokenizer",
+    "audio-mulaw": "ulysses_mm.modalities.audio:MulawTokenizer",
+    "video-vq": "ulysses_mm.modalities.video:VqVideoTokenizer",
+}
 
 
 def register_kind(kind: str, target: str | type[Tokenizer]) -> None:

@@ -1,0 +1,227 @@
+"""Small real inputs made in the test: sequences, tones, and clips encoded with PyAV.
+
+Everything is written by the real encoders (Biopython for sequences, FFmpeg through PyAV
+for audio and video), so the tokenizers are tested on genuine files, only small ones.
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+TEST_DATA = Path(__file__).resolve().parent / "data"
+REPO = Path(__file__).resolve().parents[1]
+TOKENIZERS = REPO / "tokenizers"
+
+
+# --------------------------------------------------------------------------- DNA
+def random_dna(rng: np.random.Generator, n: int, letters: str = "ACGT") -> str:
+    return "".join(np.array(list(letters))[rng.integers(0, len(letters), n)])
+
+
+def soft_mask(rng: np.random.Generator, seq: str, runs: int = 3) -> str:
+    """Lowercase a few random runs, as RepeatMasker output has."""
+    s = list(seq)
+    for _ in range(runs):
+        a = int(rng.integers(0, max(1, len(s) - 1)))
+        b = min(len(s), a + int(rng.integers(1, 40)))
+        s[a:b] = [c.lower() for c in s[a:b]]
+    return "".join(s)
+
+
+def write_fasta(path: Path, records: list[tuple[str, str]], width: int = 60) -> Path:
+    lines = []
+    for rid, seq in records:
+        lines.append(f">{rid} generated record")
+        lines += [seq[i : i + width] for i in range(0, len(seq), width)] or [""]
+    _write_text(path, "\n".join(lines) + "\n")
+    return path
+
+
+def write_fastq(path: Path, records: list[tuple[str, str]], width: int | None = None) -> Path:
+    """FASTQ; with ``width`` the sequence and quality lines are wrapped (old 454 style)."""
+    out = []
+    for rid, seq in records:
+        qual = "".join(chr(33 + (i % 40)) for i in range(len(seq)))
+        w = width or max(1, len(seq))
+        out.append(f"@{rid}")
+        out += [seq[i : i + w] for i in range(0, len(seq), w)]
+        out.append("+")
+        out += [qual[i : i + w] for i in range(0, len(qual), w)]
+    _write_text(path, "\n".join(out) + "\n")
+    return path
+
+
+def write_genbank(path: Path, records: list[tuple[str, str]]) -> Path:
+    import io
+
+    from Bio import SeqIO
+    from Bio.Seq import Seq
+    from Bio.SeqRecord import SeqRecord
+
+    recs = [
+        SeqRecord(Seq(seq), id=rid, name=rid[:16], annotations={"molecule_type": "DNA"})
+        for rid, seq in records
+    ]
+    buf = io.StringIO()
+    SeqIO.write(recs, buf, "genbank")
+    _write_text(path, buf.getvalue())
+    return path
+
+
+def _write_text(path: Path, text: str) -> None:
+    if path.suffix == ".gz":
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
+
+
+# --------------------------------------------------------------------------- audio
+def tone(seconds: float, rate: int, freq: float = 440.0, amp: float = 0.99) -> np.ndarray:
+    t = np.arange(round(seconds * rate)) / rate
+    return (amp * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def write_audio(path: Path, samples: np.ndarray, rate: int) -> Path:
+    """``samples`` [n] or [n, channels] float in [-1, 1] -> wav (16-bit PCM), flac,
+    ogg (Vorbis) or mp3 by suffix, encoded by FFmpeg through PyAV."""
+    import av
+
+    codecs = {".wav": "pcm_s16le", ".flac": "flac", ".ogg": "vorbis", ".mp3": "libmp3lame"}
+    data = np.asarray(samples, dtype=np.float32).reshape(len(samples), -1).T  # [ch, n]
+    layout = "mono" if data.shape[0] == 1 else "stereo"
+    options = {"strict": "experimental"} if path.suffix == ".ogg" else {}  # native vorbis
+    with av.open(str(path), "w") as c:
+        stream = c.add_stream(codecs[path.suffix], rate=rate, options=options)
+        stream.layout = layout
+        to_codec = av.AudioResampler(
+            format=stream.codec_context.format.name, layout=layout, rate=rate
+        )
+        step = stream.codec_context.frame_size or 1024
+        for i in range(0, data.shape[1], step):
+            frame = av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(data[:, i : i + step]), format="fltp", layout=layout
+            )
+            frame.sample_rate, frame.pts = rate, i
+            for f in to_codec.resample(frame):
+                for packet in stream.encode(f):
+                    c.mux(packet)
+        for f in to_codec.resample(None):
+            for packet in stream.encode(f):
+                c.mux(packet)
+        for packet in stream.encode(None):
+            c.mux(packet)
+    return path
+
+
+def snr_db(ref: np.ndarray, x: np.ndarray) -> float:
+    ref = ref.astype(np.float64)
+    return float(10 * np.log10(np.sum(ref**2) / np.sum((ref - x.astype(np.float64)) ** 2)))
+
+
+# --------------------------------------------------------------------------- video
+def index_frame(i: int, height: int = 96, width: int = 128, bits: int = 8) -> np.ndarray:
+    """A frame whose content encodes ``i``: ``bits`` black/white vertical bars across the
+    central square (so a centre crop keeps them), on a mid-grey background."""
+    f = np.full((height, width, 3), 128, dtype=np.uint8)
+    x0 = (width - height) // 2
+    bar = height // bits
+    for b in range(bits):
+        f[:, x0 + b * bar : x0 + (b + 1) * bar] = 255 if (i >> b) & 1 else 0
+    return f
+
+
+def read_index(frame: np.ndarray, bits: int = 8) -> int:
+    """Inverse of :func:`index_frame` on a square centre crop of any size."""
+    s = frame.shape[1]
+    bar = s / bits
+    row = frame[frame.shape[0] // 2].mean(axis=-1)
+    return sum(1 << b for b in range(bits) if row[int((b + 0.5) * bar)] > 128)
+
+
+def smooth_frames(
+    rng: np.random.Generator, t: int, height: int = 96, width: int = 128
+) -> np.ndarray:
+    """Natural-ish frames: blurred coloured blobs orbiting inside the frame (VQ-able, unlike
+    white noise; any stretch of the clip shows the same kind of content)."""
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float32)
+    out = np.empty((t, height, width, 3), dtype=np.uint8)
+    centres = rng.uniform([0.3 * height, 0.3 * width], [0.7 * height, 0.7 * width], size=(4, 2))
+    radius = rng.uniform(10, 30, size=(4, 1))
+    speed = rng.uniform(0.05, 0.2, size=(4, 1))
+    phase = rng.uniform(0, 2 * np.pi, size=(4, 1))
+    colours = rng.uniform(30, 230, size=(4, 3))
+    for k in range(t):
+        a = phase + speed * k
+        pos = centres + radius * np.concatenate([np.sin(a), np.cos(a)], axis=1)
+        img = np.full((height, width, 3), 60.0, dtype=np.float32)
+        for (cy, cx), col in zip(pos, colours):
+            w = np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (2 * 12.0**2))[..., None]
+            img = img * (1 - w) + col * w
+        out[k] = np.clip(img, 0, 255).astype(np.uint8)
+    return out
+
+
+def write_video(
+    path: Path,
+    frames: np.ndarray,
+    fps: int = 30,
+    codec: str | None = None,
+    audio: np.ndarray | None = None,
+    audio_rate: int = 48000,
+) -> Path:
+    """Encode ``frames`` [t, h, w, 3] uint8 (and optional mono float audio) with PyAV.
+
+    mp4: H.264 (+ AAC), moov at the front; webm: VP9 (+ Opus); mkv with codec "libsvtav1": AV1.
+    """
+    import av
+
+    suffix = path.suffix
+    codec = codec or {".mp4": "libx264", ".webm": "libvpx-vp9", ".mkv": "libx264"}[suffix]
+    options = {"movflags": "+faststart"} if suffix == ".mp4" else {}
+    with av.open(str(path), "w", options=options) as c:
+        vs = c.add_stream(codec, rate=fps)
+        vs.width, vs.height = frames.shape[2], frames.shape[1]
+        vs.pix_fmt = "yuv420p"
+        if codec == "libx264":
+            vs.options = {"crf": "12", "preset": "veryfast"}
+        elif codec == "libvpx-vp9":
+            vs.options = {"crf": "20", "b": "0", "deadline": "realtime", "cpu-used": "8"}
+        astream = None
+        if audio is not None:
+            acodec = "aac" if suffix in (".mp4", ".mkv") else "libopus"
+            astream = c.add_stream(acodec, rate=audio_rate)
+            astream.layout = "mono"
+        for i, f in enumerate(frames):
+            frame = av.VideoFrame.from_ndarray(f, format="rgb24")
+            frame.pts = i
+            for p in vs.encode(frame):
+                c.mux(p)
+        for p in vs.encode(None):
+            c.mux(p)
+        if astream is not None and audio is not None:
+            fs = 960 if astream.codec_context.name == "libopus" else 1024
+            fmt = astream.codec_context.format.name
+            pts = 0
+            for s in range(0, len(audio), fs):
+                chunk = audio[s : s + fs]
+                if len(chunk) < fs:
+                    chunk = np.pad(chunk, (0, fs - len(chunk)))
+                arr = chunk[None, :].astype(np.float32)
+                af = av.AudioFrame.from_ndarray(arr, format="fltp", layout="mono")
+                af.sample_rate = audio_rate
+                af.pts = pts
+                pts += fs
+                if fmt != "fltp":
+                    af = av.AudioResampler(format=fmt, layout="mono", rate=audio_rate).resample(af)[
+                        0
+                    ]
+                for p in astream.encode(af):
+                    c.mux(p)
+            for p in astream.encode(None):
+                c.mux(p)
+    return path

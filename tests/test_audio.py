@@ -1,0 +1,240 @@
+"""Audio tokenizer: mu-law SNR bounds, every container, downmix/resample, true errors.
+
+SNR bounds, justified: a b-bit mu-law code is a uniform b-bit quantiser of the companded
+signal y = ln(1 + mu|x|)/ln(1 + mu); its SNR is about 6.02·b + 4.77 - 20·log10(ln(1 + mu))
+≈ 48.2 + 4.8 - 14.9 ≈ 38 dB at 8 bits, nearly independent of the level for signals well
+above -40 dBFS. We assert 35 dB for a full-scale sine (3 dB margin) and 30 dB for real
+speech, whose quiet passages sit nearer the companding's linear region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from media_factory import (
+    TEST_DATA,
+    TOKENIZERS,
+    index_frame,
+    snr_db,
+    tone,
+    write_audio,
+    write_video,
+)
+
+from ulysses_mm.modalities.audio import MulawTokenizer, load_waveform, mulaw_decode, mulaw_encode
+from ulysses_mm.modalities.base import DecodeError, TokenizerSpec
+from ulysses_mm.modalities.registry import load_tokenizer
+from ulysses_mm.tokenspace import DOC_END, DOC_START, TokenSpace
+
+
+def tokenizer(**params) -> MulawTokenizer:
+    spec = TokenizerSpec.load(TOKENIZERS / "audio-mulaw-16k.json")
+    bits = params.get("bits", 8)
+    spec = dataclasses.replace(spec, vocab_size=2**bits, params={**spec.params, **params})
+    return MulawTokenizer(spec)
+
+
+def space(bits: int = 8) -> TokenSpace:
+    return TokenSpace.from_vocab({"audio": 2**bits})
+
+
+# --------------------------------------------------------------------------- mu-law
+def test_mulaw_codes_cover_the_range_monotonically() -> None:
+    x = np.linspace(-1, 1, 100_001, dtype=np.float32)
+    q = mulaw_encode(x)
+    assert q.dtype == np.uint8 and q.min() == 0 and q.max() == 255
+    assert (np.diff(q.astype(int)) >= 0).all()
+    assert len(np.unique(q)) == 256
+    y = mulaw_decode(np.arange(256))
+    assert y.dtype == np.float32 and (np.diff(y) > 0).all()
+    assert y[0] == pytest.approx(-1.0) and y[-1] == pytest.approx(1.0)
+    # the finest steps are near zero, the coarsest near full scale (companding)
+    assert np.diff(y)[127] < np.diff(y)[0] / 50
+    assert mulaw_encode(np.array([-3.0, 3.0])).tolist() == [0, 255]  # clipped
+
+
+@pytest.mark.parametrize(("amp", "bound"), [(0.999, 35.0), (0.1, 35.0), (0.01, 30.0)])
+def test_mulaw_sine_snr(amp: float, bound: float) -> None:
+    s = tone(1.0, 16000, 440.0, amp)
+    snr = snr_db(s, mulaw_decode(mulaw_encode(s)))
+    assert snr > bound, f"{snr:.1f} dB"
+    assert snr < 45.0  # an 8-bit code cannot do much better than ~38 dB: no free lunch
+
+
+def test_mulaw_more_bits_more_snr() -> None:
+    s = tone(1.0, 16000, 440.0, 0.9)
+    snrs = [snr_db(s, mulaw_decode(mulaw_encode(s, b), b)) for b in (4, 8, 12, 16)]
+    assert all(b - a > 15 for a, b in itertools.pairwise(snrs))  # ~6 dB per bit
+    assert mulaw_encode(s, 12).dtype == np.uint16
+
+
+def test_real_speech_round_trip_snr() -> None:
+    tok = load_tokenizer(TOKENIZERS / "audio-mulaw-16k.json")
+    assert isinstance(tok, MulawTokenizer)
+    path = TEST_DATA / "ljspeech_LJ001-0001.wav"
+    wave = tok.load(str(path))
+    assert wave.rate == 16000 and wave.samples.shape[0] == pytest.approx(9.655 * 16000, abs=2)
+    (doc,) = tok.encode_file(str(path), space())
+    assert doc.key == f"{path}#audio" and doc.modality == "audio"
+    assert len(doc.tokens) == wave.samples.shape[0] + 3
+    snr = snr_db(wave.samples, tok.decode(doc.tokens, space()))
+    assert snr > 30.0, f"{snr:.1f} dB"
+
+
+# --------------------------------------------------------------------------- containers
+@pytest.mark.parametrize("suffix", [".wav", ".flac", ".ogg", ".mp3"])
+def test_every_container_resampled_downmixed_and_tokenized(tmp_path: Path, suffix: str) -> None:
+    """A 44.1 kHz stereo tone -> 16 kHz mono tokens; the decode matches the analytic tone."""
+    rate, seconds = 44100, 1.5
+    x = tone(seconds, rate, 440.0, 0.9)
+    path = write_audio(tmp_path / f"tone{suffix}", np.stack([x, x], 1), rate)
+    tok = tokenizer()
+    (doc,) = tok.encode_file(str(path), space())
+    t = doc.tokens
+    assert t[0] == DOC_START and t[1] == space().boundary_token("audio") and t[-1] == DOC_END
+    n = len(t) - 3
+    lossless = suffix in (".wav", ".flac")
+    # lossy codecs may add up to a frame of encoder padding FFmpeg does not trim
+    assert abs(n - seconds * 16000) <= (2 if lossless else 0.03 * 16000)
+    y = tok.decode(t, space())
+    ref = tone(n / 16000, 16000, 440.0, 0.9)
+    if lossless:  # sample-aligned: resampling (~90 dB) + mu-law (~38 dB)
+        assert snr_db(ref[100:-100], y[100:-100]) > 35.0
+    # any codec: the tone is still 440 Hz at the same level (mono = mean, no +3 dB)
+    spectrum = np.abs(np.fft.rfft(y * np.hanning(n)))
+    assert np.fft.rfftfreq(n, 1 / 16000)[spectrum.argmax()] == pytest.approx(440, abs=2)
+    assert np.sqrt(np.mean(y[2000:-2000] ** 2)) == pytest.approx(0.9 / np.sqrt(2), rel=0.06)
+
+
+def test_downmix_is_the_channel_mean(tmp_path: Path) -> None:
+    x = tone(1.0, 16000, 300.0, 0.8)
+    opposite = write_audio(tmp_path / "opp.wav", np.stack([x, -x], 1), 16000)
+    one_side = write_audio(tmp_path / "left.wav", np.stack([x, np.zeros_like(x)], 1), 16000)
+    quiet = load_waveform(str(opposite), 16000).samples
+    half = load_waveform(str(one_side), 16000).samples
+    assert np.abs(quiet).max() < 1e-3  # L + R cancel
+    assert snr_db(x / 2, half) > 60.0  # (L + 0) / 2
+
+
+def test_bits_and_rate_come_from_the_spec(tmp_path: Path) -> None:
+    path = write_audio(tmp_path / "t.wav", tone(1.0, 22050), 22050)
+    tok = tokenizer(sample_rate=8000, bits=10)
+    (doc,) = tok.encode_file(str(path), space(10))
+    assert len(doc.tokens) - 3 == pytest.approx(8000, abs=2)
+    assert doc.tokens.dtype == np.uint16 and doc.tokens[2:-1].max() > 255
+    y = tok.decode(doc.tokens, space(10))
+    assert snr_db(tone(len(y) / 8000, 8000)[50:-50], y[50:-50]) > 45.0  # 10 bits: ~12 dB more
+
+
+def test_max_seconds_caps_decoding(tmp_path: Path) -> None:
+    path = write_audio(tmp_path / "long.flac", tone(5.0, 16000), 16000)
+    (doc,) = tokenizer(max_seconds=1.25).encode_file(str(path), space())
+    assert len(doc.tokens) - 3 == 20000
+
+
+def test_audio_track_of_video_containers(tmp_path: Path) -> None:
+    frames = np.stack([index_frame(i, 64, 64) for i in range(30)])
+    for suffix in (".mp4", ".webm"):
+        path = write_video(tmp_path / f"clip{suffix}", frames, 30, audio=tone(1.0, 48000, 500.0))
+        (doc,) = tokenizer().encode_file(str(path), space())
+        y = tokenizer().decode(doc.tokens, space())
+        assert abs(len(y) - 16000) < 400  # codec priming/padding only
+        peak = np.fft.rfftfreq(len(y), 1 / 16000)[np.abs(np.fft.rfft(y)).argmax()]
+        assert peak == pytest.approx(500, abs=3)
+
+
+def test_wide_space_ids_do_not_wrap(tmp_path: Path) -> None:
+    path = write_audio(tmp_path / "t.wav", tone(0.5, 16000), 16000)
+    sp = TokenSpace.from_vocab({"dna": 300, "audio": 256})
+    (doc,) = tokenizer().encode_file(str(path), sp)
+    assert doc.tokens.dtype == np.uint16
+    local = doc.tokens[2:-1].astype(int) - sp.range("audio").start
+    assert local.min() >= 0 and local.max() == 255
+    wave = load_waveform(str(path), 16000).samples
+    assert np.array_equal(local, mulaw_encode(wave))
+
+
+# --------------------------------------------------------------------------- bad inputs
+def _cut(src: Path, dst: Path, fraction: float = 0.5) -> Path:
+    data = src.read_bytes()
+    dst.write_bytes(data[: int(len(data) * fraction)])
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("suffix", "reason"),
+    [
+        (".wav", "truncated WAV: the RIFF header declares"),
+        (".flac", "corrupt or truncated|truncated audio"),
+        (".ogg", "truncated Ogg"),
+        (".mp3", "truncated audio: decoded"),
+    ],
+)
+def test_truncated_files(tmp_path: Path, suffix: str, reason: str) -> None:
+    x = tone(4.0, 44100, 330.0, 0.5)
+    full = write_audio(tmp_path / f"full{suffix}", np.stack([x, x], 1), 44100)
+    tokenizer().load(str(full))  # the whole file is fine
+    cut = _cut(full, tmp_path / f"cut{suffix}")
+    with pytest.raises(DecodeError, match=reason) as e:
+        tokenizer().load(str(cut))
+    assert str(cut) in str(e.value)
+
+
+def test_truncated_real_wav(tmp_path: Path) -> None:
+    cut = _cut(TEST_DATA / "ljspeech_LJ001-0001.wav", tmp_path / "lj.wav", 0.7)
+    with pytest.raises(DecodeError, match="truncated WAV"):
+        list(tokenizer().encode_file(str(cut), space()))
+
+
+def test_bad_inputs(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.wav"
+    empty.write_bytes(b"")
+    text = tmp_path / "notes.wav"
+    text.write_text("this is not audio, just text in a file named .wav\n" * 20)
+    silent_clip = write_video(tmp_path / "video_only.mp4", np.stack([index_frame(0, 64, 64)] * 5))
+    cases = [
+        (empty, "empty file"),
+        (text, "not a media file FFmpeg can open"),
+        (silent_clip, r"no audio stream \(streams: video h264\)"),
+        (tmp_path / "missing.flac", "no such file"),
+    ]
+    for path, reason in cases:
+        with pytest.raises(DecodeError, match=reason):
+            list(tokenizer().encode_file(str(path), space()))
+
+
+def test_corrupt_bytes_in_the_middle(tmp_path: Path) -> None:
+    x = tone(3.0, 44100, 330.0, 0.5)
+    src = write_audio(tmp_path / "ok.flac", x, 44100)
+    data = bytearray(src.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 4000] = (
+        np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8).tobytes()
+    )
+    bad = tmp_path / "bad.flac"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(DecodeError, match=r"error|corrupt") as e:
+        tokenizer().load(str(bad))
+    assert str(bad) in str(e.value)
+
+
+def test_spec_is_checked() -> None:
+    spec = TokenizerSpec.load(TOKENIZERS / "audio-mulaw-16k.json")
+    with pytest.raises(ValueError, match=r"2\*\*bits = 256"):
+        MulawTokenizer(dataclasses.replace(spec, vocab_size=255))
+    with pytest.raises(ValueError, match="did you mean 'sample_rate'"):
+        MulawTokenizer(dataclasses.replace(spec, params={"samplerate": 8000}))
+    with pytest.raises(ValueError, match="must be int"):
+        MulawTokenizer(dataclasses.replace(spec, params={"bits": 8.0}))
+
+
+def test_copy_is_readable_through_any_name(tmp_path: Path) -> None:
+    """Formats are sniffed by FFmpeg from the bytes, not from the file name."""
+    odd = tmp_path / "speech.bin"
+    shutil.copy(TEST_DATA / "ljspeech_LJ001-0001.wav", odd)
+    assert tokenizer(max_seconds=1.0).load(str(odd)).samples.shape[0] == 16000

@@ -1,0 +1,202 @@
+"""Fitting learned tokenizers: ``ulysses-mm tokenizer fit video SOURCES… --out tokenizers/X.json``.
+
+A video codebook is k-means on patches of frames sampled exactly as the tokenizer will
+sample them (same fps, resize, crop, patch), so the codewords match what they quantise.
+The output is two files written atomically: the codebook ``X.npy`` (float16
+``[codebook_size, patch·patch·3]``, pixel values 0..255; float16 keeps the artifact small
+and its rounding, < 0.125, is far below the quantisation error) and the spec ``X.json``
+naming it with its sha256. Sources are recorded by file name only (specs are
+repository data, never machine paths).
+
+``--codebook EXISTING.npy`` skips fitting and writes a new spec around an existing
+codebook (e.g. the audio-interleaving variant of a fitted spec, sharing one artifact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from ulysses_mm.modalities.base import DecodeError, TokenizerSpec
+from ulysses_mm.modalities.kmeans import kmeans
+from ulysses_mm.modalities.util import atomic_write_bytes
+from ulysses_mm.modalities.video import patchify, sample_frames
+
+
+@dataclass
+class VideoFitOptions:
+    fps: float = 8.0
+    size: int = 256
+    patch: int = 16
+    codebook_size: int = 256
+    max_frames: int | None = None  # per source
+    seed: int = 0
+    iters: int = 20
+    max_patches: int = 200_000
+    backend: str = "auto"
+
+
+@dataclass
+class VideoFit:
+    codebook: np.ndarray  # [k, d] float32
+    info: dict[str, Any]  # provenance for the spec's params["fit"]
+
+
+def collect_patches(sources: Sequence[str], opts: VideoFitOptions) -> np.ndarray:
+    """uint8 patches [n, p·p·3] of every source, subsampled (seeded) to ``max_patches``."""
+    chunks: list[np.ndarray] = []
+    for src in tqdm(sources, desc="decode", unit="file", disable=len(sources) < 2):
+        for frames in sample_frames(src, opts.fps, opts.size, opts.max_frames, opts.backend):
+            chunks.append(patchify(frames, opts.patch))
+    if not chunks:
+        raise ValueError("no frames decoded from the sources")
+    patches = np.concatenate(chunks)
+    if patches.shape[0] > opts.max_patches:
+        rng = np.random.default_rng(opts.seed)
+        patches = patches[np.sort(rng.choice(patches.shape[0], opts.max_patches, replace=False))]
+    return patches
+
+
+def fit_video_codebook(sources: Sequence[str], opts: VideoFitOptions) -> VideoFit:
+    if opts.size % opts.patch:
+        raise ValueError(f"--size {opts.size} must be a multiple of --patch {opts.patch}")
+    patches = collect_patches(sources, opts)
+    if patches.shape[0] < opts.codebook_size:
+        raise ValueError(
+            f"{patches.shape[0]} patches are too few for a codebook of {opts.codebook_size}; "
+            "add sources, raise --fps / --max-frames or lower --codebook-size"
+        )
+    res = kmeans(patches, opts.codebook_size, iters=opts.iters, seed=opts.seed)
+    mse = res.mse[-1]
+    info = {
+        "sources": [Path(s).name for s in sources],
+        "patches": int(patches.shape[0]),
+        "seed": opts.seed,
+        "iterations": res.iterations,
+        "mse": round(mse, 3),
+        "psnr_db": round(10 * math.log10(255.0**2 / max(mse, 1e-12)), 2),
+    }
+    return VideoFit(res.centroids, info)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, array, allow_pickle=False)
+    return buf.getvalue()
+
+
+def write_spec(out: Path, spec: dict[str, Any]) -> None:
+    atomic_write_bytes(out, (json.dumps(spec, indent=2) + "\n").encode())
+
+
+def _rel(path: Path, start: Path) -> str:
+    return Path(os.path.relpath(path.resolve(), start.resolve())).as_posix()
+
+
+def _check_flag_combinations(args: argparse.Namespace, opts: VideoFitOptions) -> None:
+    """No flag may silently do nothing."""
+    if args.chunk_frames is not None and not args.audio_spec:
+        raise ValueError("--chunk-frames only applies with --audio-spec")
+    if args.codebook:
+        if args.sources:
+            raise ValueError("--codebook reuses a fitted codebook: give no SOURCES with it")
+        defaults = VideoFitOptions()
+        fit_only = ["max_frames", "seed", "iters", "max_patches", "codebook_size"]
+        given = [f for f in fit_only if getattr(opts, f) != getattr(defaults, f)]
+        if given:
+            flags = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise ValueError(f"{flags} only apply when fitting, not with --codebook")
+
+
+def cli_fit(args: argparse.Namespace) -> int:
+    """The ``tokenizer fit`` subcommand (see cli._add_tokenizer for its flags)."""
+    from ulysses_mm.modalities.registry import load_tokenizer
+
+    if args.modality != "video":
+        raise ValueError(f"no fitted tokenizer for modality {args.modality!r}")
+    out = Path(args.out)
+    if out.suffix != ".json":
+        raise ValueError(f"--out must name the spec .json, got {out}")
+    name = args.name or out.stem
+    opts = VideoFitOptions(
+        fps=args.fps,
+        size=args.size,
+        patch=args.patch,
+        codebook_size=args.codebook_size,
+        max_frames=args.max_frames,
+        seed=args.seed,
+        iters=args.iters,
+        max_patches=args.max_patches,
+        backend=args.backend,
+    )
+    _check_flag_combinations(args, opts)
+    params: dict[str, Any] = {
+        "fps": opts.fps,
+        "size": opts.size,
+        "patch": opts.patch,
+        "max_frames": None,
+        "backend": opts.backend,
+    }
+    if args.audio_spec:
+        audio = Path(args.audio_spec)
+        TokenizerSpec.load(audio)  # fail now if it is not a spec
+        params["audio"] = {"spec": _rel(audio, out.parent)}
+        params["chunk_frames"] = args.chunk_frames or 8
+    if args.codebook:
+        artifact = Path(args.codebook)
+        codebook = np.load(artifact, allow_pickle=False)
+        data = artifact.read_bytes()
+        params["fit"] = {"reused": artifact.name}
+    else:
+        if not args.sources:
+            raise ValueError("give SOURCES to fit on, or --codebook to reuse a fitted one")
+        try:
+            fit = fit_video_codebook(args.sources, opts)
+        except DecodeError as e:
+            raise ValueError(f"cannot fit on the sources: {e}") from e
+        codebook = fit.codebook
+        params["fit"] = fit.info
+        artifact = out.with_suffix(".npy")
+        data = npy_bytes(codebook.astype(np.float16))
+        atomic_write_bytes(artifact, data)
+    spec = {
+        "name": name,
+        "description": args.description
+        or (
+            f"Video as {opts.size}x{opts.size} crops at {opts.fps:g} fps, {opts.patch}x"
+            f"{opts.patch} patches vector-quantised to a {codebook.shape[0]}-word k-means "
+            "codebook; <eof> after each frame"
+            + (", audio interleaved per chunk" if args.audio_spec else "")
+            + "."
+        ),
+        "modality": "video",
+        "kind": "video-vq",
+        "vocab_size": int(codebook.shape[0]),
+        "params": params,
+        "artifact": _rel(artifact, out.parent),
+        "artifact_sha256": hashlib.sha256(data).hexdigest(),
+    }
+    write_spec(out, spec)
+    tok = load_tokenizer(out)  # the written spec must load (shape, sha256, params)
+    fit_info = params["fit"]
+    print(
+        f"wrote {out} ({tok.spec.vocab_size} codewords of {opts.patch}x{opts.patch}x3, "
+        f"artifact {spec['artifact']})"
+        + (
+            f"; fit PSNR {fit_info['psnr_db']} dB on {fit_info['patches']} patches"
+            if "psnr_db" in fit_info
+            else ""
+        )
+    )
+    return 0
