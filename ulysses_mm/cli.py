@@ -83,15 +83,23 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ulysses_mm.verify import VerifyOptions, run_verify
+    from ulysses_mm.demo import run_demo
 
-    cfg = load_config(RunConfig, None, [], base={"model": {"num_key_value_heads": 2}})
-    print("ulysses-mm demo: Ulysses SP=2 on 2 CPU processes against one process\n")
-    return run_verify(cfg, VerifyOptions(sp=2, seq_len=2048))
+    return run_demo(args.out, args.steps)
 
 
 def _add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="the default job: a short end-to-end run on this machine")
+    p = sub.add_parser(
+        "demo",
+        help="the default job: prepare the sample data, train the debug model at SP=2, plot",
+        description=(
+            "Prepare the repository's sample files (DNA, speech, video) with pipelines/mixed.yaml, "
+            "train configs/debug-tiny.yaml at SP=2 on 2 CPU processes with W&B offline, and "
+            "write the loss curves and one packed sample as PNGs."
+        ),
+    )
+    p.add_argument("--out", default="build/demo", help="output directory (default build/demo)")
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     p.set_defaults(func=_cmd_demo)
 
 

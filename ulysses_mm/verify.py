@@ -27,7 +27,8 @@ from ulysses_mm.parallel.mesh import default_backend, in_launched_world, init_di
 from ulysses_mm.parallel.ulysses import check_sp_shapes, expanded_kv_heads
 from ulysses_mm.tokenspace import TokenSpace
 
-DEFAULT_MODALITIES = {"dna": 16, "audio": 256, "video": 512}
+# the token space of the shipped specs (tokenizers/dna-base, audio-mulaw-16k, video-vq)
+DEFAULT_MODALITIES = {"dna": 10, "audio": 256, "video": 256}
 
 
 @dataclass

@@ -56,7 +56,7 @@ def _decode_npy_only(sample: dict[str, Any], where: str) -> PackedSample:
 def shard_samples(data: bytes, where: str) -> list[PackedSample]:
     """Decode one shard's bytes with a webdataset pipeline (tar members -> samples)."""
     pipeline = wds.DataPipeline(
-        iter([{"url": where, "stream": io.BytesIO(data)}]),
+        lambda: iter([{"url": where, "stream": io.BytesIO(data)}]),
         wds.tariterators.tar_file_expander,
         wds.tariterators.group_by_keys,
         wds.map(lambda s: _decode_npy_only(s, where)),

@@ -6,6 +6,7 @@ launcher the environment describes the world and we join it; with ``--nproc N`` 
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,8 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> dict[int, An
     {rank: return value}. ``fn`` must be importable (a module-level function)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # As torchrun does: don't let N processes each start a thread per core.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,

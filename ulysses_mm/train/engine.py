@@ -98,6 +98,7 @@ def ds_config(cfg: RunConfig) -> dict[str, Any]:
                 "warmup_num_steps": s.warmup_steps,
                 "cos_min_ratio": s.min_lr_ratio,
                 "warmup_min_ratio": 0.0,
+                "warmup_type": "linear",
             },
         }
     elif s.type == "WarmupLR":
@@ -107,6 +108,7 @@ def ds_config(cfg: RunConfig) -> dict[str, Any]:
                 "warmup_min_lr": 0.0,
                 "warmup_max_lr": opt.lr,
                 "warmup_num_steps": s.warmup_steps,
+                "warmup_type": "linear",
             },
         }
     return _merge(config, d.extra)

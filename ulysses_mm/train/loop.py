@@ -155,10 +155,14 @@ class Trainer:
         sums = {m: 0.0 for m in self.space.modalities}
         counts = {m: 0 for m in self.space.modalities}
         totals, tokens, pairs = [], 0, 0.0
-        for _ in range(gas):
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step applies
+        grad_norm = math.nan
+        for micro in range(gas):
             full, local = self._local_batch(self.stream.next_batch())
             share, report = self._forward(local)
             self.engine.backward(share * loss_scale(self.mesh))
+            if micro == gas - 1 and self.engine.zero_optimization_stage() == 0:
+                grad_norm = _grad_norm(self.model)  # reduced already; ZeRO-0 keeps no norm
             self.engine.step()
             totals.append(report.total)
             for m, v in report.per_modality.items():
@@ -176,10 +180,8 @@ class Trainer:
         metrics: dict[str, Any] = {
             "kind": "train",
             "loss": sum(totals) / len(totals),
-            "lr": float(self.scheduler.get_last_lr()[0])
-            if self.scheduler is not None
-            else self.cfg.deepspeed.optimizer.lr,
-            "grad_norm": _float(self.engine.get_global_grad_norm()),
+            "lr": lr,
+            "grad_norm": _float(self.engine.get_global_grad_norm(), grad_norm),
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
             "mfu": flops / dt / (self.mesh.world_size * self.tflops * 1e12),
@@ -268,10 +270,16 @@ class Trainer:
         )
 
 
-def _float(x: Any) -> float:
+def _float(x: Any, default: float = math.nan) -> float:
     if x is None:
-        return math.nan
+        return default
     return float(x.item() if isinstance(x, torch.Tensor) else x)
+
+
+@torch.no_grad()
+def _grad_norm(model: torch.nn.Module) -> float:
+    grads = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else math.nan
 
 
 def train_worker(cfg_dict: dict[str, Any], resume: bool) -> dict[str, Any]:

@@ -30,7 +30,7 @@ _GPU_PEAK_TFLOPS = {
     "A10G": 125.0,
     "4090": 165.0,
 }
-_CPU_PEAK_TFLOPS = 0.05  # per process (one core, fp32 AVX2-class); a rough guess
+_CPU_PEAK_TFLOPS = 0.1  # per process (about one core of fp32 FMA); a rough guess
 
 
 def peak_tflops(cfg: RunConfig, device: torch.device) -> float:
