@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import webdataset as wds
 
-from ulysses_mm.data.manifest import Manifest, ShardIntegrityError, read_verified_shard
+from ulysses_mm.data.manifest import Manifest, read_verified_shard
 from ulysses_mm.data.packing import PackedSample
 from ulysses_mm.data.shards import SEGMENTS_KEY, TOKENS_KEY, ShardFormatError, load_npy
 
@@ -130,14 +130,18 @@ class ShardStream:
         for attempt in range(1, self.retries + 1):
             try:
                 data = read_verified_shard(self.manifest, shard)
-                return shard_samples(data, location)
-            except (ShardIntegrityError, OSError) as e:
+            # transport faults arrive as many types (OSError, aiohttp, botocore, a short
+            # read caught as a checksum mismatch): all are retried, boundedly
+            except Exception as e:
                 if attempt == self.retries:
                     raise OSError(
-                        f"could not read shard {location} after {self.retries} attempts: {e}"
+                        f"could not read shard {location} after {self.retries} attempts: "
+                        f"{type(e).__name__}: {e}"
                     ) from e
                 time.sleep(delay)
                 delay *= 2
+            else:
+                return shard_samples(data, location)  # a malformed shard is not retried
         raise AssertionError("unreachable")
 
     def _sample(self, index: int) -> PackedSample:

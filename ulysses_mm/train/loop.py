@@ -220,9 +220,13 @@ class Trainer:
                 counts[m] += report.counts[m]
         self.engine.train()
         out: dict[str, Any] = {"kind": "eval", "eval/batches": batches}
-        for m in self.space.modalities:
+        weighted, wsum = 0.0, 0.0
+        for i, m in enumerate(self.space.modalities):
             if counts[m]:
                 out[f"eval/loss/{m}"] = sums[m] / counts[m]
+                weighted += float(self.weights[i]) * out[f"eval/loss/{m}"]
+                wsum += float(self.weights[i])
+        out["eval/loss"] = weighted / wsum if wsum else math.nan
         if out.get("eval/loss/dna") is not None:
             out["eval/bits_per_base/dna"] = out["eval/loss/dna"] / LN2
         return out

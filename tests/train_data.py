@@ -1,0 +1,47 @@
+"""Small real datasets for the loader and training tests, made with the real DNA pipeline.
+
+``learnable_fasta`` writes records that repeat one short motif from a random phase: a
+stream a tiny model learns in a few steps, so a falling loss means training works.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+
+from conftest import REPO
+from ulysses_mm.data.manifest import Manifest
+from ulysses_mm.data.prepare import load_pipeline_config, prepare
+
+MOTIF = "ACGTTGCAAGTC"
+
+
+def learnable_fasta(path: Path, records: int, length: int, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+    with path.open("w") as f:
+        for i in range(records):
+            phase = int(rng.integers(len(MOTIF)))
+            n = int(rng.integers(length // 2, length))
+            seq = (MOTIF * (n // len(MOTIF) + 2))[phase : phase + n]
+            f.write(f">rec{i}\n")
+            for j in range(0, n, 70):
+                f.write(seq[j : j + 70] + "\n")
+    return path
+
+
+def prepare_dna(root: Path, name: str, records: int, seq_len: int, seed: int = 0, length: int = 900) -> Path:
+    """Prepare a learnable DNA dataset under ``root/name``; returns its manifest path."""
+    src = root / f"{name}-src"
+    src.mkdir(parents=True, exist_ok=True)
+    learnable_fasta(src / f"{name}.fa", records, length, seed)
+    out = root / name
+    cfg = load_pipeline_config(
+        REPO / "pipelines" / "dna.yaml",
+        [f"sources=[{src}/*.fa]", f"output={out}", f"pack.seq_len={seq_len}", "shards.max_samples=4", "progress=false"],
+    )
+    prepare(cfg, out=io.StringIO())
+    manifest = out / "manifest.json"
+    assert Manifest.load(str(manifest)).num_samples > 0
+    return manifest
