@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import http.server
 import io
+import itertools
 import tarfile
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pytest
-
 from train_data import prepare_dna
+
 from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.data.manifest import Manifest, ManifestError
 from ulysses_mm.data.shards import ShardFormatError
@@ -38,11 +40,13 @@ def test_order_is_a_function_of_seed_epoch_and_manifest(dataset):
     np.testing.assert_array_equal(a.epoch_order(0), b.epoch_order(0))
     assert sorted(a.epoch_order(0).tolist()) == list(range(n))  # each sample once per epoch
     assert a.epoch_order(0).tolist() != a.epoch_order(1).tolist()
-    assert a.epoch_order(0).tolist() != ShardStream(dataset, 0, 1, 1, seed=8).epoch_order(0).tolist()
+    assert (
+        a.epoch_order(0).tolist() != ShardStream(dataset, 0, 1, 1, seed=8).epoch_order(0).tolist()
+    )
     assert ShardStream(dataset, 0, 1, 1, shuffle=False).epoch_order(3).tolist() == list(range(n))
     # shards stay contiguous in the order (a shard is read once per epoch)
     shard_of = [dataset.shard_of_sample(int(i))[0] for i in a.epoch_order(0)]
-    runs = 1 + sum(x != y for x, y in zip(shard_of, shard_of[1:]))
+    runs = 1 + sum(x != y for x, y in itertools.pairwise(shard_of))
     assert runs == len(dataset.shards)
 
 
@@ -111,18 +115,28 @@ def test_only_npy_members_are_decoded():
     np.save(npy, np.zeros(4, np.uint8))
     seg = io.BytesIO()
     np.save(seg, np.zeros((1, 5), np.int64))
-    evil = _tar({"000000000.tokens.npy": npy.getvalue(), "000000000.segments.npy": seg.getvalue(), "000000000.meta.pyd": b"\x80\x04N."})
-    with pytest.raises(ShardFormatError, match=r"has members \['meta.pyd'\]; only .npy arrays are read"):
+    evil = _tar(
+        {
+            "000000000.tokens.npy": npy.getvalue(),
+            "000000000.segments.npy": seg.getvalue(),
+            "000000000.meta.pyd": b"\x80\x04N.",
+        }
+    )
+    with pytest.raises(
+        ShardFormatError, match=r"has members \['meta.pyd'\]; only .npy arrays are read"
+    ):
         shard_samples(evil, "evil.tar")
     obj = io.BytesIO()
     np.save(obj, np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    pickled = _tar({"000000000.tokens.npy": obj.getvalue(), "000000000.segments.npy": seg.getvalue()})
+    pickled = _tar(
+        {"000000000.tokens.npy": obj.getvalue(), "000000000.segments.npy": seg.getvalue()}
+    )
     with pytest.raises(ShardFormatError, match="not a plain .npy array"):
         shard_samples(pickled, "pickled.tar")
 
 
 class _FlakyHandler(http.server.SimpleHTTPRequestHandler):
-    failures: dict[str, int] = {}
+    failures: ClassVar[dict[str, int]] = {}
 
     def do_GET(self):
         left = self.failures.get(self.path, 0)
@@ -162,12 +176,17 @@ def test_network_faults_are_retried_then_named(dataset, http_dataset):
 
     _FlakyHandler.failures["/" + m.shards[1].url] = 100  # down for good
     st = ShardStream(m, 0, 1, m.shards[0].samples + 1, shuffle=False, retries=3, backoff_s=0.01)
-    with pytest.raises(OSError, match=rf"could not read shard {http_dataset}/{m.shards[1].url} after 3 attempts"):
+    with pytest.raises(
+        OSError, match=rf"could not read shard {http_dataset}/{m.shards[1].url} after 3 attempts"
+    ):
         st.next_batch()
 
 
 def test_token_space_mismatch_names_both(dataset):
     cfg = load_config(RunConfig, None, ["model.modalities={dna: 16}"])
-    with pytest.raises(ManifestError, match=r"dna 5\.\.14.*differs from the model's TokenSpace\(vocab=21.*dna 5\.\.20"):
+    with pytest.raises(
+        ManifestError,
+        match=r"dna 5\.\.14.*differs from the model's TokenSpace\(vocab=21.*dna 5\.\.20",
+    ):
         model_space(cfg, dataset)
     assert model_space(load_config(RunConfig), dataset) == dataset.token_space

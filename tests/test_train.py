@@ -17,9 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from torch.testing import assert_close
-
 from conftest import REPO
+from torch.testing import assert_close
 from train_data import prepare_dna
 from wandb_records import history
 
@@ -56,8 +55,17 @@ def _config(tmp: Path, name: str, **sections) -> Path:
 
 
 def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "ulysses_mm", *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
-    assert out.returncode == 0, f"ulysses-mm {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    out = subprocess.run(
+        [sys.executable, "-m", "ulysses_mm", *args],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert out.returncode == 0, (
+        f"ulysses-mm {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+    )
     return out
 
 
@@ -109,10 +117,23 @@ def test_loss_falls_and_checkpoints_are_written(reference):
     kept = sorted(p.name for p in ckpts.iterdir() if p.is_dir())
     assert kept == [f"step_{STEPS - CKPT_EVERY:08d}", f"step_{STEPS:08d}"]  # keep_checkpoints=2
     final = ckpts / f"step_{STEPS:08d}"
-    for name in ("model.safetensors", "run_config.yaml", "token_space.json", "mp_rank_00_model_states.pt"):
+    for name in (
+        "model.safetensors",
+        "run_config.yaml",
+        "token_space.json",
+        "mp_rank_00_model_states.pt",
+    ):
         assert (final / name).is_file(), name
     record = json.loads((run / "metrics.jsonl").read_text().splitlines()[-2])
-    for key in ("loss/dna", "bits_per_base/dna", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_memory_mb"):
+    for key in (
+        "loss/dna",
+        "bits_per_base/dna",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+        "peak_memory_mb",
+    ):
         assert record.get(key) is not None and record[key] == record[key], key  # present, not NaN
     assert "checkpoint:" in reference["stdout"] and "wandb:" in reference["stdout"]
 
@@ -124,7 +145,9 @@ def test_wandb_offline_run_holds_the_history(reference):
     train_rows = [r for r in rows if "loss" in r]
     assert [int(r["_step"]) for r in train_rows] == list(range(1, STEPS + 1))
     losses = _losses(run)
-    assert [float(r["loss"]) for r in train_rows] == pytest.approx([losses[s] for s in range(1, STEPS + 1)])
+    assert [float(r["loss"]) for r in train_rows] == pytest.approx(
+        [losses[s] for s in range(1, STEPS + 1)]
+    )
     assert any("eval/loss/dna" in r for r in rows)
 
 
@@ -163,10 +186,16 @@ def test_export_loads_in_transformers_and_gives_the_backbone_hidden_states(refer
 
 def test_sigkill_then_resume_gives_the_uninterrupted_losses(data, reference):
     run = data["root"] / "killed"
-    cfg = _config(data["root"], "killed", data={"train": str(data["train"])}, train={"out_dir": str(run)})
+    cfg = _config(
+        data["root"], "killed", data={"train": str(data["train"])}, train={"out_dir": str(run)}
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "ulysses_mm", "train", str(cfg), "--nproc", "2"],
-        cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     latest = run / "checkpoints" / "latest"
     deadline = time.monotonic() + 240
@@ -182,7 +211,9 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(data, reference):
     _train(cfg, "--resume")
     got, want = _losses(run), _losses(reference["run"])
     assert sorted(got) == list(range(1, STEPS + 1))  # no step lost or logged twice
-    assert [got[s] for s in range(resumed_from + 1, STEPS + 1)] == [want[s] for s in range(resumed_from + 1, STEPS + 1)]
+    assert [got[s] for s in range(resumed_from + 1, STEPS + 1)] == [
+        want[s] for s in range(resumed_from + 1, STEPS + 1)
+    ]
 
 
 @pytest.fixture
@@ -222,7 +253,11 @@ def test_dp_and_sp_give_the_loss_of_one_process(data):
     """The same global batch of 2 samples: one process with 2, dp=2 × sp=1 with 1 each,
     dp=1 × sp=2 with 2 (each rank half of every sample)."""
     losses = {}
-    for layout, (nproc, sp, mb) in {"one-process": (1, 1, 2), "dp2-sp1": (2, 1, 1), "dp1-sp2": (2, 2, 2)}.items():
+    for layout, (nproc, sp, mb) in {
+        "one-process": (1, 1, 2),
+        "dp2-sp1": (2, 1, 1),
+        "dp1-sp2": (2, 2, 2),
+    }.items():
         run = data["root"] / f"layout-{layout}"
         cfg = _config(
             data["root"],

@@ -10,8 +10,8 @@ import io
 from pathlib import Path
 
 import numpy as np
-
 from conftest import REPO
+
 from ulysses_mm.data.manifest import Manifest
 from ulysses_mm.data.prepare import load_pipeline_config, prepare
 
@@ -31,7 +31,9 @@ def learnable_fasta(path: Path, records: int, length: int, seed: int) -> Path:
     return path
 
 
-def prepare_dna(root: Path, name: str, records: int, seq_len: int, seed: int = 0, length: int = 900) -> Path:
+def prepare_dna(
+    root: Path, name: str, records: int, seq_len: int, seed: int = 0, length: int = 900
+) -> Path:
     """Prepare a learnable DNA dataset under ``root/name``; returns its manifest path."""
     src = root / f"{name}-src"
     src.mkdir(parents=True, exist_ok=True)
@@ -39,7 +41,13 @@ def prepare_dna(root: Path, name: str, records: int, seq_len: int, seed: int = 0
     out = root / name
     cfg = load_pipeline_config(
         REPO / "pipelines" / "dna.yaml",
-        [f"sources=[{src}/*.fa]", f"output={out}", f"pack.seq_len={seq_len}", "shards.max_samples=4", "progress=false"],
+        [
+            f"sources=[{src}/*.fa]",
+            f"output={out}",
+            f"pack.seq_len={seq_len}",
+            "shards.max_samples=4",
+            "progress=false",
+        ],
     )
     prepare(cfg, out=io.StringIO())
     manifest = out / "manifest.json"

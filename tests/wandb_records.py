@@ -53,5 +53,10 @@ def history(run_dir: Path) -> list[dict[str, object]]:
         rec = pb.Record()
         rec.ParseFromString(raw)
         if rec.WhichOneof("record_type") == "history":
-            rows.append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item})
+            rows.append(
+                {
+                    (i.key or "/".join(i.nested_key)): json.loads(i.value_json)
+                    for i in rec.history.item
+                }
+            )
     return rows

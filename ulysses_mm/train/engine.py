@@ -61,11 +61,16 @@ def loss_scale(mesh: Mesh) -> float:
     return float(mesh.dp)
 
 
-def ds_config(cfg: RunConfig) -> dict[str, Any]:
+def ds_config(cfg: RunConfig, sp: int = 1) -> dict[str, Any]:
     """The ds_config dict for this run (``deepspeed.extra`` merged last)."""
     d = cfg.deepspeed
     opt = d.optimizer
     zero: dict[str, Any] = {"stage": d.zero_stage}
+    if d.zero_stage == 3 and sp > 1:
+        # ZeRO-3's reduce-scatter path averages gradients over all dp × sp ranks (it does
+        # not undo the SP factor), which halves them at sp=2; its contiguous all-reduce path
+        # divides by dp as the other stages do. tests/test_engine.py checks the gradients.
+        zero["reduce_scatter"] = False
     if d.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": d.offload_optimizer}
     if d.offload_param != "none":
@@ -149,7 +154,7 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, mesh: Mesh):
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=ds_config(cfg),
+        config=ds_config(cfg, mesh.sp),
         mpu=SequenceParallelMPU(mesh) if mesh.sp > 1 else None,
     )
     engine.checkpoint_engine = _safe_engine_class()(engine._config)

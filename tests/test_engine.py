@@ -1,0 +1,158 @@
+"""The DeepSpeed engine under sequence parallelism: for every ZeRO stage the gradients the
+optimizer sees at SP=2 (and dp=2 × sp=2) are those of one process on the same global batch,
+gradient accumulation averages micro-steps, and the ds_config follows the run config."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from distributed import run_distributed
+from torch.testing import assert_close
+
+from ulysses_mm.config import RunConfig, load_config
+from ulysses_mm.data.batch import Batch, sp_slice
+from ulysses_mm.data.synthetic import random_batch
+from ulysses_mm.model import build_model
+from ulysses_mm.parallel import Mesh, apply_ulysses, global_loss, loss_weights
+from ulysses_mm.train.engine import build_engine, ds_config, loss_scale
+
+VOCAB = {"dna": 10, "audio": 32}
+
+
+def _cfg(stage: int, gas: int = 1) -> RunConfig:
+    return load_config(
+        RunConfig,
+        None,
+        [
+            "model.modalities={dna: 10, audio: 32}",
+            "model.hidden_size=32",
+            "model.intermediate_size=64",
+            "model.loss_tile_tokens=64",
+            f"deepspeed.zero_stage={stage}",
+            f"deepspeed.gradient_accumulation_steps={gas}",
+            "deepspeed.gradient_clipping=0.0",
+            "deepspeed.scheduler.type=none",
+            "deepspeed.optimizer.weight_decay=0.0",
+        ],
+    )
+
+
+def _rows(b: Batch, i: int, j: int) -> Batch:
+    return Batch(
+        *(
+            getattr(b, f)[i:j]
+            for f in ("input_ids", "position_ids", "labels", "label_modality", "doc_ids")
+        )
+    )
+
+
+def _reference_grads(
+    cfg: RunConfig, batches: list[Batch]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, no DeepSpeed: mean over micro-batches of the global-batch loss."""
+    model = build_model(cfg.model, seed=cfg.train.seed)
+    w = loss_weights(model.space.modalities, {})
+    totals = []
+    for b in batches:
+        sums, counts = model(b.input_ids, b.position_ids, b.doc_ids, b.labels, b.label_modality)
+        loss, report = global_loss(sums, counts, w, Mesh.single(), model.space.modalities)
+        (loss / len(batches)).backward()
+        totals.append(report.total)
+    return totals, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _engine_grads(rank, world, sp, stages, gas):
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
+    deepspeed.init_distributed("gloo", verbose=False)
+    mesh = Mesh.build(sp)
+    results = {}
+    for stage in stages:
+        cfg = _cfg(stage, gas)
+        space_model = build_model(cfg.model, seed=cfg.train.seed)
+        micro = [random_batch(space_model.space, mesh.dp, 128, seed=10 + k) for k in range(gas)]
+        want_losses, want = _reference_grads(cfg, micro)
+        model = build_model(cfg.model, seed=cfg.train.seed)
+        apply_ulysses(model, mesh)
+        engine, _, _ = build_engine(model, cfg, mesh)
+        w = loss_weights(model.space.modalities, {})
+        got_losses = []
+        for k, b in enumerate(micro):
+            local = sp_slice(_rows(b, mesh.dp_rank, mesh.dp_rank + 1), mesh.sp_rank, sp)
+            sums, counts = engine(
+                local.input_ids,
+                local.position_ids,
+                local.doc_ids,
+                local.labels,
+                local.label_modality,
+            )
+            share, report = global_loss(sums, counts, w, mesh, model.space.modalities)
+            engine.backward(share * loss_scale(mesh))
+            got_losses.append(report.total)
+            if k < gas - 1:
+                engine.step()  # not a boundary: accumulates
+        for name, p in engine.module.named_parameters():
+            g = safe_get_full_grad(p) if stage > 0 else p.grad
+            assert_close(
+                g,
+                want[name],
+                rtol=1e-4,
+                atol=1e-6,
+                msg=lambda m, n=name, s=stage: f"ZeRO-{s} {n}: {m}",
+            )
+        assert got_losses == pytest.approx(want_losses, rel=1e-6)
+        engine.step()
+        results[stage] = got_losses
+        engine.destroy()
+    return results
+
+
+@pytest.mark.parametrize(
+    "world,sp,stages,gas",
+    [
+        pytest.param(2, 2, [0, 1, 2, 3], 1, id="sp2-zero0123"),
+        pytest.param(4, 2, [2, 3], 2, id="dp2xsp2-zero23-gas2"),
+    ],
+)
+def test_engine_gradients_match_one_process(world, sp, stages, gas):
+    run_distributed(_engine_grads, world, sp, stages, gas, timeout=420)
+
+
+def test_ds_config_follows_the_run_config():
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            "deepspeed.zero_stage=3",
+            "deepspeed.precision=bf16",
+            "deepspeed.offload_optimizer=cpu",
+            "deepspeed.offload_param=cpu",
+            "deepspeed.gradient_accumulation_steps=4",
+            "deepspeed.gradient_clipping=0.5",
+            "data.micro_batch_size=2",
+            "train.steps=100",
+            "deepspeed.scheduler.warmup_steps=7",
+            "deepspeed.extra={zero_optimization: {stage3_max_live_parameters: 1000}}",
+        ],
+    )
+    ds = ds_config(cfg, sp=4)
+    assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 4
+    assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True}
+    z = ds["zero_optimization"]
+    assert (
+        z["stage"] == 3
+        and z["offload_optimizer"] == {"device": "cpu"}
+        and z["offload_param"] == {"device": "cpu"}
+    )
+    assert z["reduce_scatter"] is False and z["stage3_max_live_parameters"] == 1000
+    assert ds["optimizer"]["params"]["torch_adam"] is False  # CPU offload needs DeepSpeed's Adam
+    assert (
+        ds["scheduler"]["params"]["warmup_num_steps"] == 7
+        and ds["scheduler"]["params"]["total_num_steps"] == 100
+    )
+    with pytest.raises(ValueError, match="offload_param needs deepspeed.zero_stage=3"):
+        ds_config(load_config(RunConfig, None, ["deepspeed.offload_param=cpu"]))
