@@ -116,3 +116,10 @@ def test_llama_mapping_is_one_to_one():
             assert hf.rope_parameters["rope_theta"] == value
         else:
             assert getattr(hf, key) == value, key
+
+
+def test_cli_drops_the_deepspeed_launchers_local_rank(capsys):
+    from ulysses_mm.cli import main
+
+    assert main(["config", "--local_rank=3", "model.hidden_size=96", "--local_rank", "1"]) == 0
+    assert "hidden_size: 96" in capsys.readouterr().out

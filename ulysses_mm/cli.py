@@ -353,9 +353,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _strip_local_rank(argv: Sequence[str]) -> list[str]:
+    """The DeepSpeed launcher appends ``--local_rank=N`` to every command (LOCAL_RANK is in
+    the environment too, which is what we read); drop it before parsing."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not arg.startswith(("--local_rank=", "--local-rank=")):
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_strip_local_rank(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.func(args))
     except ConfigError as e:
