@@ -119,7 +119,10 @@ def test_llama_mapping_is_one_to_one():
 
 
 def test_cli_drops_the_deepspeed_launchers_local_rank(capsys):
+    from conftest import REPO
+
     from ulysses_mm.cli import main
 
-    assert main(["config", "--local_rank=3", "model.hidden_size=96", "--local_rank", "1"]) == 0
+    cfg = str(REPO / "configs" / "debug-tiny.yaml")
+    assert main(["config", cfg, "--local_rank=3", "model.hidden_size=96", "--local_rank", "1"]) == 0
     assert "hidden_size: 96" in capsys.readouterr().out
