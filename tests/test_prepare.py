@@ -339,3 +339,44 @@ def test_dna_pipeline_on_the_shared_data(tmp_path):
     )
     ok = [e for e in result.manifest.inputs if e.status == "ok"]
     assert len(ok) >= 6 and result.manifest.tokens["dna"] > 8_000_000
+
+
+def test_every_shared_file_goes_through_prepare(tmp_path):
+    """All of ../shared/data through the mixed pipeline (video with its audio interleaved):
+    each file is tokenised, or skipped with a reason that is true."""
+    pipeline = REPO / "pipelines" / "mixed.yaml"
+    av = REPO / "tokenizers" / "video-vq-av.json"
+    if not SHARED_DATA.is_dir() or not av.is_file():
+        pytest.skip("shared data or the video+audio tokenizer spec not present")
+    files = sorted(p for p in SHARED_DATA.iterdir() if p.is_file())
+    tokenizers = json.dumps(
+        [
+            str(REPO / "tokenizers" / n)
+            for n in ("dna-base.json", "audio-mulaw-16k.json", "video-vq-av.json")
+        ]
+    )
+    result = prepare(
+        load_pipeline_config(
+            pipeline,
+            [
+                f"sources={json.dumps([str(p) for p in files])}",
+                f"tokenizers={tokenizers}",
+                f"output={tmp_path / 'out'}",
+                "workers=2",
+                "progress=false",
+            ],
+        )
+    )
+    entries = {Path(e.source).name: e for e in result.manifest.inputs}
+    assert sorted(entries) == [p.name for p in files]  # every file is accounted for
+    media = {".fa", ".gz", ".fastq", ".gb", ".wav", ".flac", ".ogg", ".mp3", ".mp4", ".webm"}
+    for name, e in entries.items():
+        if Path(name).suffix in media:
+            assert e.status == "ok" and e.tokens > 0, (name, e.reason)
+        else:  # MANIFEST.md: not a sequence or media file
+            assert e.status == "skipped" and "unsupported file type .md" in e.reason, (
+                name,
+                e.reason,
+            )
+    kinds = {e.modality for e in entries.values() if e.status == "ok"}
+    assert kinds == {"dna", "audio", "video"}

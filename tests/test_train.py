@@ -54,19 +54,16 @@ def _config(tmp: Path, name: str, **sections) -> Path:
     return path
 
 
-def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    out = subprocess.run(
-        [sys.executable, "-m", "ulysses_mm", *args],
-        cwd=REPO,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, (
-        f"ulysses-mm {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
+        f"{' '.join(cmd[1:])} failed:\n{out.stdout[-3000:]}\n{out.stderr[-6000:]}"
     )
     return out
+
+
+def _cli(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return _run([sys.executable, "-m", "ulysses_mm", *args], timeout)
 
 
 def _train(config: Path, *overrides: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -266,7 +263,11 @@ def test_dp_and_sp_give_the_loss_of_one_process(data):
             parallel={"sp": sp},
             train={"out_dir": str(run), "steps": 3, "checkpoint_every": 0},
         )
-        _train(cfg, nproc=nproc)
+        if layout == "dp1-sp2":  # joining a world torchrun made, as on a cluster
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+            _run([*torchrun, "--nproc_per_node", "2", "-m", "ulysses_mm", "train", str(cfg)])
+        else:
+            _train(cfg, nproc=nproc)
         losses[layout] = [_losses(run)[s] for s in (1, 2, 3)]
     for layout in ("dp2-sp1", "dp1-sp2"):
         assert losses[layout] == pytest.approx(losses["one-process"], rel=2e-5, abs=1e-6), losses
