@@ -62,7 +62,8 @@ def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, npro
     run_dir = Path(result["run_dir"])
     loss_png = plot(run_dir, run_dir / "loss.png")
     sample_png = out_dir / "sample.png"
-    run_inspect(str(shards / "manifest.json"), sample=0, png=str(sample_png), out=io.StringIO())
+    pick = _most_mixed_sample(str(shards / "manifest.json"))
+    run_inspect(str(shards / "manifest.json"), sample=pick, png=str(sample_png), out=io.StringIO())
     print(
         f"\ndemo done in {time.perf_counter() - t0:.0f} s; final loss {result['final_loss']:.3f}\n"
         f"  shards:     {shards}/manifest.json\n"
@@ -70,7 +71,18 @@ def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, npro
         f"  checkpoint: {result['checkpoint']}\n"
         f"  W&B (offline, `wandb sync` to upload): {result['wandb_dir']}\n"
         f"  loss plot:  {loss_png}\n"
-        f"  sample:     {sample_png}\n"
+        f"  sample:     {sample_png}  (sample {pick}, the most mixed)\n"
         f"next: ulysses-mm export {result['checkpoint']} {out_dir / 'hf'}"
     )
     return 0
+
+
+def _most_mixed_sample(manifest_path: str) -> int:
+    """The sample of the first shard with the most modalities, then the most documents."""
+    from ulysses_mm.data.manifest import Manifest, read_verified_shard
+    from ulysses_mm.data.stream import shard_samples
+
+    m = Manifest.load(manifest_path)
+    samples = shard_samples(read_verified_shard(m, 0), m.shard_location(0))
+    best = max(samples, key=lambda s: (len(set(s.segments[:, 2].tolist())), len(s.segments)))
+    return best.index
