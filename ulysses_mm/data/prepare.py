@@ -276,17 +276,8 @@ def _tokenize(task: _Task) -> dict[str, Any]:
 
 
 def _write_npz(path: Path, **arrays: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / storage.temp_name(path.name)
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)  # type: ignore[arg-type]
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with storage.atomic_local_file(path) as f:
+        np.savez(f, **arrays)  # type: ignore[arg-type]
 
 
 def _load_block(stem: str, n_docs: int, where: str) -> Any:

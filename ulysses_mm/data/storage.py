@@ -12,6 +12,7 @@ the same on a laptop and against a bucket.
 
 from __future__ import annotations
 
+import contextlib
 import glob as _glob
 import hashlib
 import os
@@ -19,9 +20,9 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import fsspec
 
@@ -94,13 +95,17 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_local(path: Path, data: bytes | memoryview) -> None:
-    """Write ``path`` through a temporary sibling and ``os.replace``."""
+@contextlib.contextmanager
+def atomic_local_file(path: str | Path) -> Iterator[IO[bytes]]:
+    """``with atomic_local_file(p) as f: f.write(...)``: the bytes go to a temporary
+    sibling, which is fsync-ed and renamed onto ``path`` only if the block succeeds, so
+    readers see the old file or the new one, never half of one."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / temp_name(path.name)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -108,6 +113,12 @@ def atomic_write_local(path: Path, data: bytes | memoryview) -> None:
         tmp.unlink(missing_ok=True)
         raise
     _fsync_dir(path.parent)
+
+
+def atomic_write_local(path: str | Path, data: bytes | memoryview) -> None:
+    """Write ``path`` through a temporary sibling and ``os.replace``."""
+    with atomic_local_file(path) as f:
+        f.write(data)
 
 
 def publish_file(

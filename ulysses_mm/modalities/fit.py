@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from ulysses_mm.data.storage import atomic_write_local
 from ulysses_mm.modalities.base import DecodeError, TokenizerSpec
 from ulysses_mm.modalities.kmeans import kmeans
-from ulysses_mm.modalities.util import atomic_write_bytes
 from ulysses_mm.modalities.video import patchify, sample_frames
 
 
@@ -97,7 +97,7 @@ def npy_bytes(array: np.ndarray) -> bytes:
 
 
 def write_spec(out: Path, spec: dict[str, Any]) -> None:
-    atomic_write_bytes(out, (json.dumps(spec, indent=2) + "\n").encode())
+    atomic_write_local(out, (json.dumps(spec, indent=2) + "\n").encode())
 
 
 def _rel(path: Path, start: Path) -> str:
@@ -169,7 +169,7 @@ def cli_fit(args: argparse.Namespace) -> int:
         params["fit"] = fit.info
         artifact = out.with_suffix(".npy")
         data = npy_bytes(codebook.astype(np.float16))
-        atomic_write_bytes(artifact, data)
+        atomic_write_local(artifact, data)
     spec = {
         "name": name,
         "description": args.description

@@ -11,10 +11,7 @@ never silently falls back to a default.
 from __future__ import annotations
 
 import difflib
-import os
-import uuid
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -106,20 +103,3 @@ def local_ids(tokens: np.ndarray, space: TokenSpace, modality: str) -> np.ndarra
             f"({r.start}..{r.stop - 1}) in {space.describe()}"
         )
     return t[inside] - r.start
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same directory + os.replace
-    (readers see the old file or the new one, never half of one)."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.parent / f".{p.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "xb") as f:  # created with the umask's permissions, like any file
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -19,7 +19,6 @@ so its own ``load_checkpoint(dir)`` agrees. Loading goes through the engine's sa
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from ulysses_mm.data.storage import atomic_write_local
 from ulysses_mm.tokenspace import TokenSpace
 
 LATEST = "latest"
@@ -41,12 +41,7 @@ def tag_for(step: int) -> str:
 
 
 def _atomic_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_local(path, text.encode())
 
 
 def _barrier() -> None:
@@ -74,7 +69,7 @@ def save(
     space: TokenSpace,
     keep: int,
 ) -> Path:
-    from safetensors.torch import save_file
+    from safetensors.torch import save as save_safetensors
 
     tag = tag_for(step)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -88,9 +83,9 @@ def save(
     if rank0:
         path = ckpt_dir / tag
         assert weights is not None
-        tmp = path / f".{MODEL_FILE}.tmp"
-        save_file(weights, str(tmp), metadata={"step": str(step)})
-        os.replace(tmp, path / MODEL_FILE)
+        atomic_write_local(
+            path / MODEL_FILE, save_safetensors(weights, metadata={"step": str(step)})
+        )
         _atomic_text(path / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False))
         _atomic_text(path / SPACE_FILE, json.dumps(space.to_dict(), indent=1) + "\n")
     _barrier()  # every rank's files are on disk

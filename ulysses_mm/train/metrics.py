@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ulysses_mm.config import RunConfig
+from ulysses_mm.data.storage import atomic_write_local
 from ulysses_mm.model import MultimodalLM
 
 # dense bf16 peak TFLOP/s by device name (used when train.peak_tflops is 0)
@@ -125,9 +126,7 @@ class MetricsLogger:
             for line in self.jsonl.read_text().splitlines()
             if line and json.loads(line)["step"] <= step
         ]
-        tmp = self.jsonl.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        os.replace(tmp, self.jsonl)
+        atomic_write_local(self.jsonl, "".join(line + "\n" for line in keep).encode())
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.active:
