@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -243,24 +242,6 @@ def test_output_to_an_fsspec_memory_url(reference, tmp_path):
     finally:
         fs.rm("/ulysses-prepare-test", recursive=True)
     assert not (tmp_path / "stage").exists()
-
-
-@pytest.fixture
-def s3_server(monkeypatch):
-    moto_server = pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
-        monkeypatch.setenv(key, "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
 
 
 def test_s3_sources_and_output_on_a_local_moto_server(reference, tmp_path, s3_server):

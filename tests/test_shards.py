@@ -15,6 +15,7 @@ import fsspec
 import numpy as np
 import pytest
 import webdataset as wds
+from conftest import tar_of
 
 from ulysses_mm.data import storage
 from ulysses_mm.data.manifest import (
@@ -135,31 +136,21 @@ def test_same_samples_same_bytes(tmp_path: Path):
         assert (tmp_path / "a" / r.name).read_bytes() == (tmp_path / "b" / r.name).read_bytes()
 
 
-def _tar_of(members: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 def test_reader_rejects_bad_shards(tmp_path: Path):
     good = encode_sample(make_samples()[0])
     obj = io.BytesIO()
     np.save(obj, np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    pickled = _tar_of(
+    pickled = tar_of(
         {"000000000.tokens.npy": obj.getvalue(), "000000000.segments.npy": good["segments.npy"]}
     )
     with pytest.raises(
         ShardFormatError, match=r"s\.tar: 000000000\.tokens\.npy: not a plain \.npy"
     ):
         read_samples(pickled, "s.tar")
-    missing = _tar_of({"000000000.tokens.npy": good["tokens.npy"]})
+    missing = tar_of({"000000000.tokens.npy": good["tokens.npy"]})
     with pytest.raises(ShardFormatError, match=r"sample 000000000 lacks \['segments.npy'\]"):
         read_samples(missing, "s.tar")
-    wrong = _tar_of(
+    wrong = tar_of(
         {
             "000000000.tokens.npy": good["segments.npy"],
             "000000000.segments.npy": good["segments.npy"],

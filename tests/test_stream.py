@@ -6,13 +6,13 @@ from __future__ import annotations
 import http.server
 import io
 import itertools
-import tarfile
 import threading
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import pytest
+from conftest import tar_of
 from train_data import prepare_dna
 
 from ulysses_mm.config import RunConfig, load_config
@@ -100,22 +100,12 @@ def test_samples_match_the_packed_tokens(dataset):
     assert s.segments[0, 0] == 0 and s.segments[:, 1].sum() <= dataset.seq_len
 
 
-def _tar(members: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
-
-
 def test_only_npy_members_are_decoded():
     npy = io.BytesIO()
     np.save(npy, np.zeros(4, np.uint8))
     seg = io.BytesIO()
     np.save(seg, np.zeros((1, 5), np.int64))
-    evil = _tar(
+    evil = tar_of(
         {
             "000000000.tokens.npy": npy.getvalue(),
             "000000000.segments.npy": seg.getvalue(),
@@ -128,7 +118,7 @@ def test_only_npy_members_are_decoded():
         shard_samples(evil, "evil.tar")
     obj = io.BytesIO()
     np.save(obj, np.array([{"a": 1}], dtype=object), allow_pickle=True)
-    pickled = _tar(
+    pickled = tar_of(
         {"000000000.tokens.npy": obj.getvalue(), "000000000.segments.npy": seg.getvalue()}
     )
     with pytest.raises(ShardFormatError, match="not a plain .npy array"):

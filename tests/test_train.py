@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -211,21 +210,6 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(data, reference):
     assert [got[s] for s in range(resumed_from + 1, STEPS + 1)] == [
         want[s] for s in range(resumed_from + 1, STEPS + 1)
     ]
-
-
-@pytest.fixture
-def s3_server():
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
 
 
 def test_shards_on_s3_give_the_local_losses(data, reference, s3_server):
