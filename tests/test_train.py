@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -217,13 +218,14 @@ def test_shards_on_s3_give_the_local_losses(data, reference, s3_server):
 
     opts = {"endpoint_url": s3_server, "key": "testing", "secret": "testing"}
     fs = fsspec.filesystem("s3", **opts)
-    fs.mkdir("ulysses-test")
-    fs.put(str(data["train"].parent) + "/", "ulysses-test/train/", recursive=True)
+    bucket = f"train-{uuid.uuid4().hex[:8]}"  # moto keeps buckets for the whole process
+    fs.mkdir(bucket)
+    fs.put(str(data["train"].parent) + "/", f"{bucket}/train/", recursive=True)
     run = data["root"] / "s3"
     cfg = _config(
         data["root"],
         "s3",
-        data={"train": "s3://ulysses-test/train/manifest.json", "storage_options": opts},
+        data={"train": f"s3://{bucket}/train/manifest.json", "storage_options": opts},
         train={"out_dir": str(run), "steps": STEPS, "checkpoint_every": 0},
     )
     _train(cfg)
