@@ -235,7 +235,7 @@ def _comm_bytes(cfg: RunConfig, sp: int, a: int) -> int:
     ``seq_parallel_communication_data_type`` (default fp32), else
     ``communication_data_type`` (default: the training precision)."""
     key = "seq_parallel_communication_data_type" if sp > 1 else "communication_data_type"
-    value = cfg.deepspeed.extra.get(key, "fp32" if sp > 1 else None)
+    value = str(cfg.deepspeed.extra.get(key, "fp32" if sp > 1 else ""))
     return {"fp32": 4, "fp16": 2, "bf16": 2}.get(value, a)
 
 
@@ -246,8 +246,10 @@ class ZeroStates:
     params: int  # the model's parameters on the device
     optimizer: int  # fp32 master copy + Adam m, v on the device
     host: int  # what offload keeps in host memory
-    persistent: int  # DeepSpeed buffers alive across steps (ZeRO-3)
-    backward: int  # held through backward: gradient buckets, the gradient partition
+    persistent: int  # DeepSpeed buffers alive across steps (ZeRO-3's reduce bucket)
+    grad_partition: int  # ZeRO-3's gradient partition, alive across steps
+    grad_backward: int  # ZeRO-2's gradient partition, held through backward
+    backward: int  # buffers held through backward: gradient buckets and their fp32 copy
     gathered: int  # ZeRO-3 parameters gathered in forward and backward
     grad_head: int  # gradients held once the heads' backward is done (ZeRO-0/1)
     grad_layer: int  # ... and per decoder layer done
@@ -279,6 +281,8 @@ def zero_states(
             optimizer=((4 if a != 4 else 0) + 8) * psi,
             host=0,
             persistent=0,
+            grad_partition=0,
+            grad_backward=0,
             backward=0,
             gathered=0,
             grad_head=a * sh.head_params,
@@ -298,6 +302,7 @@ def zero_states(
     bucket = a * rbs * (2 if overlap else 1) if z["contiguous_gradients"] else 0
     bucket_convert = convert * min(rbs, psi)
     host = persistent = gathered = grad_head = grad_layer = grads_full = 0
+    grad_partition = grad_backward = 0
     if stage == 3:
         # the flat partition of every parameter, plus small tensors kept whole
         persist = 0
@@ -309,7 +314,8 @@ def zero_states(
         if ds.offload_param != "none":
             host += a * psi_r
             params = a * persist
-        persistent = a * psi_r + a * rbs  # the gradient partition and one reduce bucket
+        grad_partition = a * psi_r
+        persistent = a * rbs  # one reduce bucket
         if W > 1:
             # Gathered parameters stay gathered while their reuse distance is short, up to
             # stage3_max_live_parameters (with the defaults: the whole model below 1e9
@@ -324,7 +330,7 @@ def zero_states(
         params = a * psi
         backward = bucket + bucket_convert
         if stage == 2:
-            backward += a * psi_r  # the gradient partition
+            grad_backward = a * psi_r  # the gradient partition
         else:
             grad_head, grad_layer, grads_full = a * sh.head_params, a * sh.layer_params, a * psi
         params_note = f"ZeRO-{stage}: whole on every rank"
@@ -346,6 +352,8 @@ def zero_states(
         optimizer=optimizer,
         host=host,
         persistent=persistent,
+        grad_partition=grad_partition,
+        grad_backward=grad_backward,
         backward=backward,
         gathered=gathered,
         grad_head=grad_head,
@@ -526,13 +534,14 @@ def phases(
     base = [
         Term("parameters", zs.params),
         Term("optimizer states", zs.optimizer),
+        Term("gradient partition", zs.grad_partition),
         Term("DeepSpeed persistent buffers", zs.persistent),
     ]
 
     def grads(layers_done: int) -> Term:
         # with gradient accumulation ZeRO-0/1 keep every gradient between micro-steps
         g = zs.grads_full if gas > 1 else zs.grad_head + layers_done * zs.grad_layer
-        return Term("gradients", g)
+        return Term("gradients", g + zs.grad_backward)
 
     def bwd(layers_done: int) -> list[Term]:
         return [
@@ -704,16 +713,27 @@ class Estimate:
     phases: list[Phase]
     peak_phase: str
     peak: int  # tensor bytes at the peak
-    headroom: int
-    reserve: int
+    headroom_fraction: float  # allocator headroom as a fraction of the peak (GPU only)
+    reserve: int  # runtime reserve (GPU only)
     host: int  # bytes per rank in host memory (offloaded states)
     offloaded_peak: int | None  # the peak with checkpoints offloaded (what-if)
     gpu_mem: int | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
+    def headroom(self) -> int:
+        return int(self.headroom_fraction * self.peak)
+
+    @property
     def total(self) -> int:
         return self.peak + self.headroom + self.reserve
+
+    @property
+    def offloaded_total(self) -> int | None:
+        """The total with checkpoints offloaded to the host (what-if)."""
+        if self.offloaded_peak is None:
+            return None
+        return int(self.offloaded_peak * (1 + self.headroom_fraction)) + self.reserve
 
     @property
     def fits(self) -> bool | None:
@@ -728,7 +748,9 @@ class Estimate:
         d["activations"] = d.pop("act")
         d["activations"]["layer"] = self.act.layer
         d["phases"] = {p.name: {t.name: t.bytes for t in p.terms} for p in self.phases}
+        d["headroom"] = self.headroom
         d["total"] = self.total
+        d["offloaded_total"] = self.offloaded_total
         d["fits"] = self.fits
         return d
 
@@ -805,10 +827,226 @@ def estimate(
         phases=steps,
         peak_phase=top.name,
         peak=top.bytes,
-        headroom=int(headroom * top.bytes) if cuda else 0,
+        headroom_fraction=headroom if cuda else 0.0,
         reserve=int(reserve_gib * GiB) if cuda else 0,
         host=host,
         offloaded_peak=offloaded,
         gpu_mem=int(gpu_mem_gib * GiB) if gpu_mem_gib else None,
         notes=notes,
     )
+
+
+# --------------------------------------------------------------------------- search
+
+
+def max_seq_len(
+    cfg: RunConfig, gpu_mem_gib: float, limit: int = 1 << 34, **kw: Any
+) -> tuple[int, Estimate]:
+    """The longest sequence (a multiple of sp × MAX_GRANULARITY tokens) whose estimate
+    fits ``gpu_mem_gib``, and its estimate; (0, the estimate at the smallest length) when
+    none does. ``kw`` as for :func:`estimate`. The estimate grows with the length, so
+    doubling then bisection finds it."""
+    first = estimate(cfg, _granule(cfg, kw), gpu_mem_gib=gpu_mem_gib, **kw)
+    g = first.layout.sp * MAX_GRANULARITY
+    if not first.fits:
+        return 0, first
+    lo, best = 1, first
+    hi = 2
+    while hi * g <= limit:
+        est = estimate(cfg, hi * g, gpu_mem_gib=gpu_mem_gib, **kw)
+        if not est.fits:
+            break
+        lo, best, hi = hi, est, hi * 2
+    else:
+        return lo * g, best
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        est = estimate(cfg, mid * g, gpu_mem_gib=gpu_mem_gib, **kw)
+        if est.fits:
+            lo, best = mid, est
+        else:
+            hi = mid
+    return lo * g, best
+
+
+def _granule(cfg: RunConfig, kw: dict[str, Any]) -> int:
+    sp = kw.get("sp")
+    if sp is None:
+        sp = kw.get("gpus") or cfg.parallel.sp
+    return int(sp) * MAX_GRANULARITY
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _unit(total: int) -> tuple[float, str]:
+    return (GiB, "GiB") if total >= GiB else (1 << 20, "MiB")
+
+
+def render(est: Estimate, all_phases: bool = False) -> str:
+    """The breakdown as text (what ``ulysses-mm estimate`` prints)."""
+    div, unit = _unit(est.total)
+    lay, sh, act = est.layout, est.shape, est.act
+    L = sh.layers
+
+    def row(name: str, b: int | float, note: str = "", indent: int = 1) -> str:
+        label = "  " * indent + name
+        return f"{label:<64s}{b / div:9.2f}   {note}".rstrip()
+
+    e = sh.kv_expanded(lay.sp)
+    training = [est.precision, f"ZeRO-{est.zero_stage}"]
+    if est.offload_optimizer != "none":
+        training.append(f"optimizer offload to {est.offload_optimizer}")
+    if est.offload_param != "none":
+        training.append(f"parameter offload to {est.offload_param}")
+    if est.activation_checkpointing:
+        training.append("activation checkpointing")
+    if act.mlp_tile_tokens:
+        training.append(f"MLP tiles of {act.mlp_tile_tokens:,}")
+    training.append(f"loss tiles of {act.loss_tile_tokens:,}")
+    training.append(f"kernel {est.kernel}" + (" (CPU tensors)" if est.device == "cpu" else ""))
+    out = [
+        f"ulysses-mm estimate{': ' + est.config if est.config else ''}",
+        f"model     {est.params / 1e9:.3f} B parameters: {L} layers, D {sh.hidden}, MLP "
+        f"{sh.inter}, heads {sh.heads}/{sh.kv_heads} kv"
+        + (f" (replicated to {e} for sp={lay.sp})" if e != sh.kv_heads else "")
+        + f", head dim {sh.head_dim}",
+        "tokens    "
+        + ", ".join(f"{k} {v}" for k, v in est.space.items())
+        + f" ({est.space_from}); widest head {sh.widest_head} logits",
+        f"world     {lay.gpus} GPU{'s' if lay.gpus > 1 else ''} = dp {lay.dp} × sp {lay.sp}; "
+        f"{lay.seq_len:,} tokens per sample, {lay.seq_len // lay.sp:,} per GPU, micro-batch "
+        f"{lay.micro_batch}",
+        "training  " + ", ".join(training),
+        "",
+        f"{'  per GPU':<64s}{unit:>9s}",
+    ]
+    peak = est.phase(est.peak_phase)
+    at = {t.name: t.bytes for t in peak.terms}
+    n = est.state_notes
+    buffers = (
+        at.get("DeepSpeed gradient buffers", 0)
+        + at.get("DeepSpeed persistent buffers", 0)
+        + at.get("gathered parameters", 0)
+    )
+    recompute = act.layer - (act.residual if est.precision == "fp32" else 0)
+    out += [
+        row("parameters", est.states["params"], n["params"]),
+        row("optimizer states", est.states["optimizer"], n["optimizer"]),
+        row("gradients, at the peak", at.get("gradients", 0) + at.get("gradient partition", 0)),
+        row("DeepSpeed buffers, at the peak", buffers, n["buffers"]),
+        f"  activations of one layer at {act.tokens:,} tokens",
+        row("saved, without checkpointing", act.layer, f"× {L} = {act.layer * L / div:.2f}", 2),
+        row(
+            "kept, with checkpointing (the layer input)",
+            act.residual,
+            f"× {L} = {act.residual * L / div:.2f}",
+            2,
+        ),
+        row(
+            "kept, checkpoints offloaded to host (what-if)",
+            0,
+            f"host {act.residual * L / div:.2f}",
+            2,
+        ),
+        row("recomputed in backward, one layer at a time", recompute, indent=2),
+        "  attention of one layer",
+        row("q, k, v after the all-to-all [b, s, hq/P + 2e/P, d]", act.after_all_to_all, indent=2),
+        row("all-to-all send + receive buffers", act.all_to_all, indent=2),
+        row("forward working set", act.attention_forward, indent=2),
+        row("backward working set", act.attention_backward, indent=2),
+    ]
+    if act.quadratic:
+        out.append(row("sdpa_dense mask and weights", act.quadratic, indent=2))
+    if act.mlp_tile_tokens:
+        out.append(row(f"MLP tile of {act.mlp_tile_tokens:,} tokens, backward", act.mlp_backward))
+    else:
+        out.append(row("MLP backward working set (no tiling)", act.mlp_backward))
+    out.append(
+        row(
+            f"loss tile of {act.loss_tile_tokens:,} tokens × {sh.widest_head} logits, backward",
+            act.loss,
+        )
+    )
+    out += ["", f"  at the peak ({est.peak_phase})"]
+    out += [row(t.name, t.bytes, indent=2) for t in peak.terms if t.bytes]
+    out.append(row("tensor peak", est.peak))
+    if est.device == "cuda":
+        out.append(
+            row(f"allocator headroom, {est.headroom_fraction:.0%} of the peak", est.headroom)
+        )
+        out.append(row("runtime reserve: CUDA context, NCCL, cuBLAS", est.reserve))
+    verdict = ""
+    if est.gpu_mem is not None:
+        spare = est.gpu_mem - est.total
+        verdict = f"of {est.gpu_mem / GiB:g} GiB: " + (
+            f"fits, {spare / div:.2f} {unit} spare"
+            if spare >= 0
+            else f"DOES NOT FIT, {-spare / div:.2f} {unit} over"
+        )
+    out.append(row("total", est.total, verdict))
+    if est.offloaded_total is not None:
+        out.append(row("total with checkpoints offloaded to host (what-if)", est.offloaded_total))
+    if est.host:
+        out.append(row("host memory per GPU (offloaded states)", est.host))
+    out += [f"  note: {x}" for x in est.notes]
+    if all_phases:
+        out += ["", "  phases (tensors live at each high point)"]
+        out += [row(p.name, p.bytes, indent=2) for p in est.phases]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def run_cli(args: Any) -> int:
+    """``ulysses-mm estimate`` (arguments from :func:`ulysses_mm.cli._add_estimate`)."""
+    import json
+
+    from ulysses_mm.config import load_config
+
+    cfg = load_config(RunConfig, args.config, args.overrides)
+    space, space_from = token_space(cfg, args.manifest)
+    kw: dict[str, Any] = dict(
+        gpus=args.gpus,
+        sp=args.sp,
+        space=space,
+        space_from=space_from,
+        device=args.device,
+        headroom=args.headroom,
+        reserve_gib=args.reserve,
+        config_name=str(args.config),
+    )
+    longest = None
+    if args.max:
+        if args.gpu_mem is None:
+            raise ValueError("--max needs --gpu-mem GB (the memory of one GPU)")
+        longest, est = max_seq_len(cfg, args.gpu_mem, **kw)
+    else:
+        seq_len = args.seq_len or cfg.data.seq_len
+        if not seq_len:
+            raise ValueError(
+                "give --seq-len N or --max (data.seq_len is 0 in this config: the manifest's)"
+            )
+        est = estimate(cfg, seq_len, gpu_mem_gib=args.gpu_mem, **kw)
+    if args.json:
+        out = est.to_dict()
+        if args.max:
+            out["max_seq_len"] = longest
+        print(json.dumps(out, indent=1))
+        return 0
+    if args.max:
+        lay = est.layout
+        if not longest:
+            print(
+                f"nothing fits: even {lay.seq_len:,} tokens need {est.total / GiB:.2f} GiB per "
+                f"GPU, more than {args.gpu_mem:g} GiB\n"
+            )
+        else:
+            print(
+                f"longest sequence that fits: {longest:,} tokens ({longest // lay.sp:,} per GPU) "
+                f"on {lay.gpus} GPU{'s' if lay.gpus > 1 else ''} of {args.gpu_mem:g} GiB "
+                f"(sp {lay.sp}, dp {lay.dp}; a multiple of sp × {MAX_GRANULARITY})\n"
+            )
+    print(render(est, args.phases))
+    return 0
