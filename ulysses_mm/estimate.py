@@ -248,13 +248,14 @@ class ZeroStates:
     host: int  # what offload keeps in host memory
     persistent: int  # DeepSpeed buffers alive across steps (ZeRO-3's reduce bucket)
     grad_partition: int  # ZeRO-3's gradient partition, alive across steps
-    grad_backward: int  # ZeRO-2's gradient partition, held through backward
-    backward: int  # buffers held through backward: gradient buckets and their fp32 copy
+    grad_backward: int  # ZeRO-2's gradient partition (from the first reduction on)
+    backward: int  # buffers held through backward: the gradient bucket(s)
     gathered: int  # ZeRO-3 parameters gathered in forward and backward
     grad_head: int  # gradients held once the heads' backward is done (ZeRO-0/1)
     grad_layer: int  # ... and per decoder layer done
     grads_full: int  # every gradient (ZeRO-0/1 at the end of backward)
-    reduce: int  # ZeRO-0's flattened all-reduce bucket (+ its communication-dtype copy)
+    reduce: int  # a gradient reduction's extra: ZeRO-0's flattened all-reduce bucket (+
+    # its communication-dtype copy); ZeRO-1/2's communication-dtype copy of a bucket
     step_grads: int  # gradients during the optimizer step
     step_temp: int  # the optimizer step's temporaries
     notes: dict[str, str]
@@ -315,7 +316,7 @@ def zero_states(
             host += a * psi_r
             params = a * persist
         grad_partition = a * psi_r
-        persistent = a * rbs  # one reduce bucket
+        persistent = comm * rbs  # one reduce bucket, in the communication dtype
         if W > 1:
             # Gathered parameters stay gathered while their reuse distance is short, up to
             # stage3_max_live_parameters (with the defaults: the whole model below 1e9
@@ -323,19 +324,19 @@ def zero_states(
             # is also copied out per parameter: twice the bytes.
             live = min(psi - persist, int(z["stage3_max_live_parameters"]))
             gathered = (1 if cuda else 2) * a * live
-        backward = bucket_convert
+        backward = 0
         params_note = f"ZeRO-3: 1/{W} + tensors under the persistence threshold whole"
-        buffers_note = f"reduce bucket {rbs:,} + gathered parameters"
+        buffers_note = f"reduce bucket {rbs:,} ({'fp32' if comm == 4 else 'low precision'}) + gathered parameters"
     else:
         params = a * psi
-        backward = bucket + bucket_convert
+        backward = bucket
         if stage == 2:
             grad_backward = a * psi_r  # the gradient partition
         else:
             grad_head, grad_layer, grads_full = a * sh.head_params, a * sh.layer_params, a * psi
         params_note = f"ZeRO-{stage}: whole on every rank"
         buffers_note = f"gradient bucket {rbs:,}" + (" ×2 (overlap_comm)" if overlap else "")
-    if bucket_convert:
+    if bucket_convert and stage < 3:
         buffers_note += " (+ fp32 copy)"
     optimizer = 12 * psi_r
     if ds.offload_optimizer != "none":
@@ -359,7 +360,7 @@ def zero_states(
         grad_head=grad_head,
         grad_layer=grad_layer,
         grads_full=grads_full,
-        reduce=0,
+        reduce=bucket_convert if stage < 3 else 0,
         step_grads=step_grads,
         step_temp=step_temp,
         notes={
@@ -538,16 +539,20 @@ def phases(
         Term("DeepSpeed persistent buffers", zs.persistent),
     ]
 
-    def grads(layers_done: int) -> Term:
-        # with gradient accumulation ZeRO-0/1 keep every gradient between micro-steps
+    def grads(layers_done: int, reducing: bool) -> Term:
+        # with gradient accumulation ZeRO-0/1 keep every gradient between micro-steps;
+        # ZeRO-2's partition exists from the first bucket reduction on
         g = zs.grads_full if gas > 1 else zs.grad_head + layers_done * zs.grad_layer
-        return Term("gradients", g + zs.grad_backward)
+        return Term("gradients", g + (zs.grad_backward if reducing or gas > 1 else 0))
 
-    def bwd(layers_done: int) -> list[Term]:
+    def bwd(layers_done: int, reducing: bool = True) -> list[Term]:
+        """Backward: ZeRO-2 reduces buckets as they fill, from the layers on (its
+        communication-dtype copy counted at every layer); ZeRO-1 reduces at the end."""
+        reduce = zs.reduce if reducing and cfg.deepspeed.zero_stage == 2 else 0
         return [
             *base,
-            grads(layers_done),
-            Term("DeepSpeed gradient buffers", zs.backward),
+            grads(layers_done, reducing),
+            Term("DeepSpeed gradient buffers", zs.backward + reduce),
             Term("gathered parameters", zs.gathered),
             Term("batch, RoPE tables, document ids", act.fixed),
         ]
@@ -608,7 +613,7 @@ def phases(
         Phase(
             "backward: a loss tile",
             [
-                *bwd(0),
+                *bwd(0, reducing=False),
                 Term("saved activations", stash_all),
                 Term("final norm", act.norm),
                 Term("loss tile and the hidden states' gradient", act.loss),
@@ -619,7 +624,7 @@ def phases(
         Phase(
             "backward: the final norm",
             [
-                *bwd(0),
+                *bwd(0, reducing=False),
                 Term("saved activations", stash_all),
                 Term("final norm", act.norm),
                 Term("norm backward working set", act.norm_backward),
@@ -658,6 +663,18 @@ def phases(
                     *common,
                     Term("saved activations", before + this - act.mlp_saved - act.norm),
                     Term("attention backward working set", act.attention_backward + act.quadratic),
+                ],
+            )
+        )
+    if cfg.deepspeed.zero_stage == 1:
+        out.append(
+            Phase(
+                "gradient reduction (end of backward)",
+                [
+                    *base,
+                    Term("gradients", zs.grads_full),
+                    Term("DeepSpeed gradient buffers", zs.backward + zs.reduce),
+                    Term("batch", act.inputs),
                 ],
             )
         )
