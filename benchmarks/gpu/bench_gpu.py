@@ -25,7 +25,7 @@ Where CUDA is absent it prints "no GPU: skipped" and exits 0, unless --device cp
 run of the same code on CPU processes (gloo) with tiny sizes (the tests run it). --dry-run
 prints the plan and runs nothing.
 
-    python benchmarks/gpu/bench_gpu.py                      # one H200: ~5 minutes
+    python benchmarks/gpu/bench_gpu.py                      # within --budget-s (420 s)
     python benchmarks/gpu/bench_gpu.py --config configs/llama3-8b.yaml --sp 8
     python benchmarks/gpu/bench_gpu.py --device cpu --out build/bench-cpu   # smoke run
 """
