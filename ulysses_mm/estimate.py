@@ -397,7 +397,6 @@ class Activations:
     norm_backward: int
     loss_tile_tokens: int
     loss: int  # the loss backward's working set (tile + hidden-state gradient sum)
-    quadratic: int  # sdpa_dense only: the [b, s, s] mask and attention weights
 
     @property
     def layer(self) -> int:
@@ -419,6 +418,12 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
     x = T * D * a
     norm = T * (4 * D + 2 * a * D + 4)
     kernel_saved = T * ((2 * Q + 2 * E) * a + 4 * sh.heads)
+    if kernel == "sdpa_dense":
+        # the [b, 1, s, s] boolean mask (once per step) and, saved by every layer's
+        # kernel, the additive mask SDPA makes of it in the compute dtype: O(s²) per rank
+        # whatever sp is
+        fixed += lay.micro_batch * lay.seq_len**2
+        kernel_saved += a * lay.micro_batch * lay.seq_len**2
     packed = T * (Q + 2 * E) * a
     if P > 1:
         # the caller's q, k, v, the replicated k, v, the packed send buffer, (for b > 1 the
@@ -437,9 +442,6 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
         attn_bwd += 4 * T * Q  # the flash backward's fp32 dq accumulator
         if sh.heads > e:
             attn_bwd += 2 * T * Q * a  # GQA: dk, dv expanded to the query heads
-    quad = (
-        lay.micro_batch * lay.seq_len**2 * (1 + 4 * sh.heads // P) if kernel == "sdpa_dense" else 0
-    )
     tiled = m.mlp_tile_tokens > 0 and lay.seq_len // P > m.mlp_tile_tokens
     if tiled:
         mt = m.mlp_tile_tokens * lay.micro_batch
@@ -488,7 +490,6 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
         norm_backward=norm_bwd,
         loss_tile_tokens=tile,
         loss=loss,
-        quadratic=quad,
     )
 
 
@@ -558,7 +559,7 @@ def phases(
         ]
 
     out: list[Phase] = []
-    attn_live = act.norm + act.kernel_saved + act.attention_forward + act.quadratic
+    attn_live = act.norm + act.kernel_saved + act.attention_forward
     if ckpt:
         # the last layer's attention recomputed in backward
         out.append(
@@ -662,7 +663,7 @@ def phases(
                 [
                     *common,
                     Term("saved activations", before + this - act.mlp_saved - act.norm),
-                    Term("attention backward working set", act.attention_backward + act.quadratic),
+                    Term("attention backward working set", act.attention_backward),
                 ],
             )
         )
@@ -817,7 +818,7 @@ def estimate(
         offloaded = max(p.bytes for p in phases(cfg, sh, zs, act, a, offload_checkpoints=True))
     notes = []
     if kernel == "sdpa_dense":
-        notes.append("sdpa_dense keeps a [b, s, s] mask and s² attention weights per head group")
+        notes.append("sdpa_dense keeps [b, s, s] masks: memory grows with s² whatever sp is")
     if kernel == "flex":
         notes.append("flex attention is counted like the flash kernels (its block mask is small)")
     return Estimate(
@@ -973,8 +974,6 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         row("forward working set", act.attention_forward, indent=2),
         row("backward working set", act.attention_backward, indent=2),
     ]
-    if act.quadratic:
-        out.append(row("sdpa_dense mask and weights", act.quadratic, indent=2))
     if act.mlp_tile_tokens:
         out.append(row(f"MLP tile of {act.mlp_tile_tokens:,} tokens, backward", act.mlp_backward))
     else:
