@@ -948,11 +948,15 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         + at.get("gathered parameters", 0)
     )
     recompute = act.layer - (act.residual if est.precision == "fp32" else 0)
+    mlp = (
+        f"MLP tile of {act.mlp_tile_tokens:,} tokens, backward"
+        if act.mlp_tile_tokens
+        else "MLP backward (no tiling)"
+    )
     out += [
         row("parameters", est.states["params"], n["params"]),
-        row("optimizer states", est.states["optimizer"], n["optimizer"]),
         row("gradients, at the peak", at.get("gradients", 0) + at.get("gradient partition", 0)),
-        row("DeepSpeed buffers, at the peak", buffers, n["buffers"]),
+        row("optimizer states", est.states["optimizer"], n["optimizer"]),
         f"  activations of one layer at {act.tokens:,} tokens",
         row("saved, without checkpointing", act.layer, f"× {L} = {act.layer * L / div:.2f}", 2),
         row(
@@ -970,20 +974,19 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         row("recomputed in backward, one layer at a time", recompute, indent=2),
         "  attention of one layer",
         row("q, k, v after the all-to-all [b, s, hq/P + 2e/P, d]", act.after_all_to_all, indent=2),
-        row("all-to-all send + receive buffers", act.all_to_all, indent=2),
         row("forward working set", act.attention_forward, indent=2),
         row("backward working set", act.attention_backward, indent=2),
-    ]
-    if act.mlp_tile_tokens:
-        out.append(row(f"MLP tile of {act.mlp_tile_tokens:,} tokens, backward", act.mlp_backward))
-    else:
-        out.append(row("MLP backward working set (no tiling)", act.mlp_backward))
-    out.append(
+        "  tiles",
+        row(mlp, act.mlp_backward, indent=2),
         row(
             f"loss tile of {act.loss_tile_tokens:,} tokens × {sh.widest_head} logits, backward",
             act.loss,
-        )
-    )
+            indent=2,
+        ),
+        "  communication buffers",
+        row("all-to-all send + receive (one exchange of q, k, v)", act.all_to_all, indent=2),
+        row("DeepSpeed buckets and gathered parameters, at the peak", buffers, n["buffers"], 2),
+    ]
     out += ["", f"  at the peak ({est.peak_phase})"]
     out += [row(t.name, t.bytes, indent=2) for t in peak.terms if t.bytes]
     out.append(row("tensor peak", est.peak))
