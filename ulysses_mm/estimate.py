@@ -23,8 +23,8 @@ What is counted, per rank:
   everything, small tensors kept whole, the gradient partition and reduce bucket, the
   parameters gathered in forward and backward). Offload moves optimizer states (and ZeRO-3
   parameters) to the host. Gradients are reduced in fp32 under sequence parallelism
-  (DeepSpeed's ``seq_parallel_communication_data_type``), so a bf16 bucket gets an fp32
-  copy.
+  (DeepSpeed's ``seq_parallel_communication_data_type``): ZeRO-0/1/2 convert a bf16 bucket
+  to an fp32 copy while reducing it, ZeRO-3's reduce bucket is fp32 throughout.
 - Activations saved for backward, per decoder layer of :mod:`ulysses_mm.model.llama`:
   two RMSNorms (fp32 input, normalised value, output: 4D + 2aD), attention (the kernel's
   q, k, v — under Ulysses the packed [b, s, hq/P + 2e/P, d] buffer after the all-to-all —,
@@ -32,7 +32,8 @@ What is counted, per rank:
   (gate, silu, up, product: 4·F·a; none with MLP tiling). With activation checkpointing a
   layer keeps only its input (D·a) and one layer is recomputed at a time in backward.
   "Checkpoints offloaded" is the same with those inputs in host memory — a what-if figure:
-  training has no such option yet.
+  training has no such option yet. The ``sdpa_dense`` kernel adds its [b, s, s] boolean
+  mask and, per layer, the additive mask SDPA saves: O(s²) per rank whatever sp is.
 - Working sets on top, each at the moment it peaks: the attention forward (the caller's
   q, k, v, the replicated k, v, the all-to-all send/receive buffers, the output exchange)
   and backward (kernel gradients, the exchanged gradients, on a GPU the flash kernel's fp32
@@ -132,12 +133,12 @@ class ModelShape:
         return max([self.vocab * self.hidden, *self._layer_tensors()])
 
     def small_params(self, threshold: int, modality_sizes: list[int]) -> int:
-        """Parameters in tensors of fewer than ``threshold`` elements (ZeRO-3 keeps those
-        whole on every rank)."""
+        """Parameters in tensors of at most ``threshold`` elements (ZeRO-3 keeps those
+        whole on every rank: stage3_param_persistence_threshold)."""
         sizes = [self.vocab * self.hidden, self.hidden, self.specials * self.hidden]
         sizes += [v * self.hidden for v in modality_sizes]
-        small = sum(s for s in sizes if s < threshold)
-        return small + self.layers * sum(s for s in self._layer_tensors() if s < threshold)
+        small = sum(s for s in sizes if s <= threshold)
+        return small + self.layers * sum(s for s in self._layer_tensors() if s <= threshold)
 
 
 def model_shape(cfg: RunConfig, space: TokenSpace) -> ModelShape:
