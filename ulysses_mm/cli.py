@@ -328,9 +328,13 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     f.set_defaults(func=run_fit)
 
 
-def _add_estimate(sub: argparse._SubParsersAction) -> None:
+def _cmd_estimate(args: argparse.Namespace) -> int:
     from ulysses_mm.estimate import run_cli
 
+    return run_cli(args)
+
+
+def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "estimate",
         help="per-GPU memory of a run, broken down; --max finds the longest sequence that fits",
@@ -397,7 +401,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--phases", action="store_true", help="also list every phase's figure")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
-    p.set_defaults(func=run_cli)
+    p.set_defaults(func=_cmd_estimate)
 
 
 # One entry per subcommand, in the order `--help` lists them.
