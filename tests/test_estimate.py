@@ -274,3 +274,15 @@ def test_cli_refusals(capsys):
     assert rc == 2 and "sp=6 must divide" in err
     rc, _, err = _cli(capsys, cfg, "model.hidden_szie=3", "--seq-len", "8192")
     assert rc == 2 and "did you mean 'model.hidden_size'" in err
+
+
+def test_gradient_accumulation_keeps_gradients_through_the_next_micro_step():
+    cfg = load_config(RunConfig, CONFIGS / "debug-tiny.yaml")
+    gas = load_config(
+        RunConfig, CONFIGS / "debug-tiny.yaml", ["deepspeed.gradient_accumulation_steps=4"]
+    )
+    one, four = estimate(cfg, 8192, device="cpu"), estimate(gas, 8192, device="cpu")
+    grads = 4 * one.params  # fp32, ZeRO-0: every gradient, held between micro-steps
+    fwd = "forward: the last layer's attention"
+    assert four.phase(fwd).bytes - one.phase(fwd).bytes == grads
+    assert four.peak > one.peak
