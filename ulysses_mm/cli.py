@@ -328,6 +328,82 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     f.set_defaults(func=run_fit)
 
 
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from ulysses_mm.estimate import run_cli
+
+    return run_cli(args)
+
+
+def _add_estimate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "estimate",
+        help="per-GPU memory of a run, broken down; --max finds the longest sequence that fits",
+        description=(
+            "Estimate the per-GPU memory of one training step of CONFIG from the config alone: "
+            "parameters, gradients and optimizer states under its ZeRO stage and offload, "
+            "activations per layer at N/sp tokens with and without activation checkpointing "
+            "(and with checkpoints offloaded), the attention working set after the all-to-all, "
+            "MLP and loss tiles, communication buffers, allocator headroom. With --max, the "
+            "longest sequence that fits --gpu-mem."
+        ),
+    )
+    p.add_argument("config", help="run config YAML (see configs/)")
+    p.add_argument("overrides", nargs="*", help=_overrides_help())
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs in all (world size; default parallel.sp × parallel.dp)",
+    )
+    p.add_argument(
+        "--sp",
+        type=int,
+        default=None,
+        help="sequence-parallel size (default: --gpus when given, else parallel.sp); dp = gpus/sp",
+    )
+    p.add_argument(
+        "--gpu-mem",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="memory of one GPU in GiB as nvidia-smi reports it (24, 40, 80, 141)",
+    )
+    n = p.add_mutually_exclusive_group()
+    n.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per sample N (default data.seq_len)"
+    )
+    n.add_argument("--max", action="store_true", help="find the longest N that fits --gpu-mem")
+    p.add_argument(
+        "--manifest",
+        default=None,
+        help="take the token space from this manifest when model.modalities is empty "
+        "(default: the shipped tokenizer specs' space)",
+    )
+    p.add_argument(
+        "--headroom",
+        type=float,
+        default=0.10,
+        help="allocator headroom as a fraction of the tensor peak (default 0.10)",
+    )
+    p.add_argument(
+        "--reserve",
+        type=float,
+        default=1.0,
+        metavar="GB",
+        help="runtime reserve per GPU in GiB: CUDA context, NCCL, cuBLAS (default 1.0)",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cuda (default), or cpu: the tensor memory of CPU processes (gloo), as "
+        "ulysses_mm.measure measures it",
+    )
+    p.add_argument("--phases", action="store_true", help="also list every phase's figure")
+    p.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    p.set_defaults(func=_cmd_estimate)
+
+
 # One entry per subcommand, in the order `--help` lists them.
 _SUBCOMMANDS = [
     _add_demo,
@@ -338,6 +414,7 @@ _SUBCOMMANDS = [
     _add_export,
     _add_report,
     _add_verify,
+    _add_estimate,
     _add_config,
 ]
 

@@ -1,0 +1,70 @@
+"""The memory estimate beside measurement: per-rank peak of one real training step.
+
+For each case, ``ulysses-mm estimate``'s arithmetic (``device="cpu"``: the tensors of a
+CPU process) is printed beside the peak that ``ulysses_mm.measure`` measures on the same
+run (DeepSpeed engine, gloo, SP ranks as local processes started by torch's elastic
+launcher), and the part above what was live before the step. tests/test_estimate.py
+asserts the same figures within 15 %.
+
+    python benchmarks/bench_estimate.py                      # debug-tiny and small, SP=1, 2
+    python benchmarks/bench_estimate.py --config configs/small.yaml --seq-len 4096 --sp 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT = [
+    ("configs/debug-tiny.yaml", 8192),
+    ("configs/small.yaml", 2048),
+]
+
+
+def main() -> None:
+    from ulysses_mm.config import RunConfig, load_config, to_dict
+    from ulysses_mm.estimate import estimate
+    from ulysses_mm.measure import measure_launched
+    from ulysses_mm.parallel.launch import launch_local
+
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--config", default=None, help="one run config (default: debug-tiny, small)")
+    ap.add_argument("--seq-len", type=int, default=None, help="tokens per sample N")
+    ap.add_argument("--sp", type=int, nargs="+", default=[1, 2], help="SP sizes (default 1 2)")
+    ap.add_argument("--doc-len", type=int, default=1024, help="document length (default 1024)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    args = ap.parse_args()
+    cases = [(args.config, args.seq_len or 8192)] if args.config else DEFAULT
+    print(
+        f"{'config':<28s}{'N':>7s}{'SP':>4s}  {'estimated MiB':>14s}{'measured MiB':>14s}"
+        f"{'ratio':>7s}  {'above the step start: est.':>27s}{'meas.':>9s}{'ratio':>7s}  phase"
+    )
+    for path, seq_len in cases:
+        for sp in args.sp:
+            cfg = load_config(RunConfig, REPO / path, [*args.overrides, f"parallel.sp={sp}"])
+            res = launch_local(measure_launched, sp, to_dict(cfg), seq_len, args.doc_len)
+            m = max(res.values(), key=lambda r: r["peak"])
+            est = estimate(cfg, seq_len, device="cpu")
+            between = [
+                t.bytes
+                for t in est.phase("optimizer step").terms
+                if t.name not in ("gradients", "optimizer step temporaries")
+            ]
+            e_above, m_above = est.peak - sum(between), m["peak"] - m["base"]
+            mib = 2**20
+            print(
+                f"{Path(path).name:<28s}{seq_len:>7d}{sp:>4d}  {est.peak / mib:>14.2f}"
+                f"{m['peak'] / mib:>14.2f}{est.peak / m['peak']:>7.3f}  {e_above / mib:>27.2f}"
+                f"{m_above / mib:>9.2f}{e_above / m_above:>7.3f}  {est.peak_phase}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
