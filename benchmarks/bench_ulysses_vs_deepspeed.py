@@ -18,6 +18,16 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import torch
+
+
+class _PassThrough(torch.nn.Module):
+    """A local 'attention' that costs nearly nothing (out = q + k + v), to time the Ulysses
+    machinery alone: layout changes, all-to-alls, and their backward."""
+
+    def forward(self, q, k, v, mask):
+        return q + k + v
+
 
 def worker(args: argparse.Namespace) -> dict:
     import deepspeed
@@ -42,10 +52,9 @@ def worker(args: argparse.Namespace) -> dict:
     n = s // P
     sl = slice(rank * n, (rank + 1) * n)
 
-    ours = UlyssesAttention(LocalAttention("sdpa_varlen"), mesh.sp_group, h, h)
-    theirs = DistributedAttention(
-        LocalAttention("sdpa_varlen"), mesh.sp_group, scatter_idx=2, gather_idx=1
-    )
+    local = LocalAttention("sdpa_varlen") if args.kernel == "sdpa" else _PassThrough()
+    ours = UlyssesAttention(local, mesh.sp_group, h, h)
+    theirs = DistributedAttention(local, mesh.sp_group, scatter_idx=2, gather_idx=1)
 
     def run(which: str):
         ins = [t[:, sl].clone().requires_grad_() for t in (q, k, v)]
@@ -103,10 +112,17 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6, help="timed iterations per implementation")
     ap.add_argument("--warmup", type=int, default=1, help="untimed iterations first")
     ap.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="SP sizes to run")
+    ap.add_argument(
+        "--kernel",
+        choices=["sdpa", "none"],
+        default="sdpa",
+        help="local kernel both wrap: SDPA per document, or none (times the all-to-all machinery alone)",
+    )
     args = ap.parse_args()
     print(
         f"Ulysses vs deepspeed.sequence.layer.DistributedAttention, gloo on CPU, fwd+bwd; "
-        f"b=1 N={args.seq_len} heads={args.heads} d={args.head_dim}, documents of {args.doc_len} tokens"
+        f"b=1 N={args.seq_len} heads={args.heads} d={args.head_dim}, documents of {args.doc_len} tokens, "
+        f"local kernel: {'SDPA' if args.kernel == 'sdpa' else 'none (q + k + v)'}"
     )
     print(
         f"{'SP':>3} {'wall ours':>10} {'wall DS':>9} {'ratio':>6}   {'CPU ours':>9} {'CPU DS':>8} {'ratio':>6}   {'max |diff|':>10}"

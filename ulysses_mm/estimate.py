@@ -427,12 +427,15 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
         kernel_saved += a * lay.micro_batch * lay.seq_len**2
     packed = T * (Q + 2 * E) * a
     if P > 1:
-        # the caller's q, k, v, the replicated k, v, the packed send buffer, (for b > 1 the
-        # receive buffer: the [b, P, n] -> [b, s] reshape then copies), and at the return
-        # exchange the kernel output, its contiguous copy and the receive buffer
+        # the exchanges' send buffer: one workspace the size of the largest exchange (q, k,
+        # v packed), kept for the whole run (ulysses_mm.parallel.comm.Workspace)
+        fixed += packed
+        # the caller's q, k, v, the replicated k, v, (for b > 1 the receive buffer: the
+        # [b, P, n] -> [b, s] reshape then copies), and at the return exchange the kernel
+        # output, its contiguous copy and the receive buffer
         rep = 2 * T * E * a if e > sh.kv_heads else 0
         recv = packed if lay.micro_batch > 1 else 0
-        attn_fwd = T * (Q + 2 * K) * a + rep + packed + recv + 3 * T * Q * a
+        attn_fwd = T * (Q + 2 * K) * a + rep + recv + 3 * T * Q * a
         # output-gradient exchange (2Q), kernel gradients (Q + 2E), q/k/v-gradient
         # exchange once the kernel's inputs are freed (4E net)
         attn_bwd = max(T * (Q + 2 * E) * a, 2 * T * Q * a, 4 * T * E * a)

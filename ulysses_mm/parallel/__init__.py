@@ -1,7 +1,7 @@
 """Distributed pieces: the mesh, Ulysses attention, the global loss. The model never
 imports from here; :func:`apply_ulysses` is applied to a built model."""
 
-from ulysses_mm.parallel.comm import CommStats, all_to_all
+from ulysses_mm.parallel.comm import CommStats, Workspace
 from ulysses_mm.parallel.loss import LossReport, global_loss, loss_weights
 from ulysses_mm.parallel.mesh import Mesh, init_distributed
 from ulysses_mm.parallel.ulysses import UlyssesAttention, apply_ulysses
@@ -11,7 +11,7 @@ __all__ = [
     "LossReport",
     "Mesh",
     "UlyssesAttention",
-    "all_to_all",
+    "Workspace",
     "apply_ulysses",
     "global_loss",
     "init_distributed",

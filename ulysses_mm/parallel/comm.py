@@ -1,13 +1,26 @@
-"""The one differentiable collective Ulysses needs, and a byte counter for it.
+"""The differentiable all-to-all Ulysses is built on, and a byte counter for it.
 
-All-to-all over dim 0 of a ``[P, ...]`` tensor is its own adjoint: chunk j of rank r goes
-to rank j as its chunk r, so the backward of the exchange is the same exchange applied to
-the gradient. The layout changes around it (which dim is scattered, which gathered) are
-ordinary autograd ops; that is how the backward swaps scatter and gather.
+One exchange moves a ``[P, ...]`` buffer: chunk j goes to rank j, which receives it as its
+chunk r. Ulysses uses it in two layouts that are each other's inverse:
+
+- sequence -> heads: tensors ``[b, s/P, h_i, d]`` (q, k and v together) become
+  ``[b, s, h_i/P, d]``: this rank's heads over the whole sequence;
+- heads -> sequence: ``[b, s, h_i/P, d]`` back to ``[b, s/P, h_i, d]``.
+
+The backward of each is the other applied to the gradients (the exchange is its own
+adjoint), so :class:`_SeqToHeads` and :class:`_HeadsToSeq` call each other's kernels.
+Several tensors travel in ONE exchange, packed along the head dim.
+
+Buffers: the send buffer is dead as soon as the exchange returns, so it comes from a
+:class:`Workspace` reused by every exchange of the model (one allocation instead of one
+per layer and direction); only what a rank receives is allocated, and the received q, k, v
+are handed to the kernel as views of it (no unpacking copy when b = 1).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,28 +56,116 @@ class CommStats:
         self.per_call.clear()
 
 
-def _exchange(x: Tensor, group: Any) -> Tensor:
-    out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=group)
-    return out
+class Workspace:
+    """Send buffers, one per (dtype, device), grown to the largest exchange and reused."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+    def get(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        numel = math.prod(shape)
+        key = (dtype, device)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=device)
+            self._buffers[key] = buf
+        return buf[:numel].view(*shape)
 
 
-class _AllToAll(torch.autograd.Function):
+@dataclass
+class Exchange:
+    """Where an exchange runs: the SP group and its size, the send workspace, the counter."""
+
+    group: Any
+    world: int
+    workspace: Workspace
+    stats: CommStats | None = None
+
+    def run(self, send: Tensor, direction: str) -> Tensor:
+        if self.stats is not None:
+            self.stats.record(direction, send, self.world)
+        recv = torch.empty(send.shape, dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return recv
+
+
+def seq_to_heads(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> list[Tensor]:
+    """``[b, s/P, h_i, d]`` each -> ``[b, s, h_i/P, d]`` each, in one exchange."""
+    P = ex.world
+    b, n, _, d = tensors[0].shape
+    heads = [t.shape[2] // P for t in tensors]
+    send = ex.workspace.get((P, b, n, sum(heads), d), tensors[0].dtype, tensors[0].device)
+    off = 0
+    for t, h in zip(tensors, heads):
+        # [b, s/P, h, d] -> [b, s/P, P, h/P, d] -> [P, b, s/P, h/P, d]: chunk j is rank j's heads
+        send[..., off : off + h, :].copy_(t.reshape(b, n, P, h, d).permute(2, 0, 1, 3, 4))
+        off += h
+    recv = ex.run(send, direction)  # [P(src = sequence chunk), b, s/P, hc, d]
+    full = recv.permute(1, 0, 2, 3, 4).reshape(b, P * n, sum(heads), d)  # -> [b, s, hc, d]
+    return list(full.split(heads, dim=2))  # [b, s, h_i/P, d] views
+
+
+def heads_to_seq(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> list[Tensor]:
+    """``[b, s, h_i/P, d]`` each -> ``[b, s/P, h_i, d]`` each, in one exchange."""
+    P = ex.world
+    b, s, _, d = tensors[0].shape
+    n = s // P
+    heads = [t.shape[2] for t in tensors]
+    send = ex.workspace.get((P, b, n, sum(heads), d), tensors[0].dtype, tensors[0].device)
+    off = 0
+    for t, h in zip(tensors, heads):
+        # [b, s, h/P, d] -> [b, P, s/P, h/P, d] -> [P, b, s/P, h/P, d]: chunk j is rank j's sequence
+        send[..., off : off + h, :].copy_(t.unflatten(1, (P, n)).permute(1, 0, 2, 3, 4))
+        off += h
+    recv = ex.run(send, direction)  # [P(src = head group), b, s/P, hc, d]
+    outs, off = [], 0
+    for h in heads:
+        # [P, b, s/P, h/P, d] -> [b, s/P, P, h/P, d] -> [b, s/P, h, d]
+        outs.append(recv[..., off : off + h, :].permute(1, 2, 0, 3, 4).reshape(b, n, P * h, d))
+        off += h
+    return outs
+
+
+def _grads(
+    grads: Sequence[Tensor | None], like: Sequence[tuple[torch.Size, torch.dtype, torch.device]]
+) -> list[Tensor]:
+    return [
+        g if g is not None else torch.zeros(s, dtype=t, device=dv)
+        for g, (s, t, dv) in zip(grads, like)
+    ]
+
+
+class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, group: Any, stats: CommStats | None) -> Tensor:  # type: ignore[override]
-        ctx.group, ctx.stats = group, stats
-        world = dist.get_world_size(group)
-        if stats is not None:
-            stats.record("forward", x, world)
-        return _exchange(x.contiguous(), group)
+    def forward(ctx, ex: Exchange, *tensors: Tensor):  # type: ignore[override]
+        ctx.ex = ex
+        outs = seq_to_heads(ex, tensors, "forward")
+        ctx.like = [(o.shape, o.dtype, o.device) for o in outs]
+        return tuple(outs)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        if ctx.stats is not None:
-            ctx.stats.record("backward", grad, dist.get_world_size(ctx.group))
-        return _exchange(grad.contiguous(), ctx.group), None, None
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        return (None, *heads_to_seq(ctx.ex, _grads(grads, ctx.like), "backward"))
 
 
-def all_to_all(x: Tensor, group: Any, stats: CommStats | None = None) -> Tensor:
-    """Exchange chunk ``j`` of dim 0 with rank ``j`` of ``group`` (x is ``[P, ...]``)."""
-    return _AllToAll.apply(x, group, stats)
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ex: Exchange, *tensors: Tensor):  # type: ignore[override]
+        ctx.ex = ex
+        outs = heads_to_seq(ex, tensors, "forward")
+        ctx.like = [(o.shape, o.dtype, o.device) for o in outs]
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads: Tensor):  # type: ignore[override]
+        return (None, *seq_to_heads(ctx.ex, _grads(grads, ctx.like), "backward"))
+
+
+def scatter_heads(ex: Exchange, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """Differentiable sequence -> heads exchange of several tensors at once."""
+    return _SeqToHeads.apply(ex, *tensors)
+
+
+def gather_heads(ex: Exchange, *tensors: Tensor) -> tuple[Tensor, ...]:
+    """Differentiable heads -> sequence exchange of several tensors at once."""
+    return _HeadsToSeq.apply(ex, *tensors)

@@ -21,12 +21,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from ulysses_mm.model.attention import DocumentMask
-from ulysses_mm.parallel.comm import CommStats, all_to_all
+from ulysses_mm.parallel.comm import CommStats, Exchange, Workspace, gather_heads, scatter_heads
 from ulysses_mm.parallel.mesh import Mesh
 
 
@@ -75,6 +74,7 @@ class UlyssesAttention(nn.Module):
         num_heads: int,
         num_kv_heads: int,
         stats: CommStats | None = None,
+        workspace: Workspace | None = None,
     ) -> None:
         super().__init__()
         self.local = local
@@ -85,6 +85,7 @@ class UlyssesAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.kv_expanded = expanded_kv_heads(num_heads, num_kv_heads, self.sp)
         self.stats = stats
+        self.workspace = workspace or Workspace()
 
     def extra_repr(self) -> str:
         return f"sp={self.sp}, heads={self.num_heads}, kv_heads={self.num_kv_heads}->{self.kv_expanded}"
@@ -109,27 +110,17 @@ class UlyssesAttention(nn.Module):
         if P == 1:
             return self.local(q, k, v, mask)
         self._check(q, k, mask)
-        b, n, hq, d = q.shape  # n = s/P
         rep = self.kv_expanded // self.num_kv_heads
         if rep > 1:
             # [b, s/P, hk, d] -> [b, s/P, e, d]: kv head j becomes heads j·rep .. j·rep+rep-1
             k = k.repeat_interleave(rep, dim=2)
             v = v.repeat_interleave(rep, dim=2)
-        hq_l, e_l = hq // P, self.kv_expanded // P
-        # [b, s/P, h, d] -> [b, s/P, P, h/P, d] -> [P, b, s/P, h/P, d] for each of q, k, v
-        # (views), packed along the head dim by one copy: chunk j is what rank j receives
-        packed = torch.cat(
-            [t.view(b, n, P, t.shape[2] // P, d).permute(2, 0, 1, 3, 4) for t in (q, k, v)], dim=3
-        )  # [P, b, s/P, hc, d]
-        recv = all_to_all(packed, self.group, self.stats)  # [P(src = seq chunk), b, s/P, hc, d]
-        full = recv.permute(1, 0, 2, 3, 4).reshape(b, n * P, hq_l + 2 * e_l, d)  # -> [b, s, hc, d]
-        ql, kl, vl = full.split([hq_l, e_l, e_l], dim=2)  # [b, s, hq/P, d], [b, s, e/P, d] ×2
+        ex = Exchange(self.group, P, self.workspace, self.stats)
+        # q, k, v in ONE exchange: [b, s/P, h, d] -> [b, s, h/P, d] each (views of what arrived)
+        ql, kl, vl = scatter_heads(ex, q, k, v)
         out = self.local(ql, kl, vl, mask)  # [b, s, hq/P, d]
-        out = out.reshape(b, P, n, hq_l, d).permute(
-            1, 0, 2, 3, 4
-        )  # -> [P(seq chunk), b, s/P, hq/P, d]
-        back = all_to_all(out, self.group, self.stats)  # [P(src = head group), b, s/P, hq/P, d]
-        return back.permute(1, 2, 0, 3, 4).reshape(b, n, hq, d)  # -> [b, s/P, hq, d]
+        (back,) = gather_heads(ex, out)  # -> [b, s/P, hq, d]
+        return back
 
 
 def apply_ulysses(model: nn.Module, mesh: Mesh, stats: CommStats | None = None) -> nn.Module:
@@ -147,7 +138,10 @@ def apply_ulysses(model: nn.Module, mesh: Mesh, stats: CommStats | None = None) 
         check_heads(attn.num_heads, mesh.sp)
     if mesh.sp == 1:
         return model
+    workspace = Workspace()  # one send buffer for every layer: exchanges never overlap
     for attn in attns:
         core = attn.core.local if isinstance(attn.core, UlyssesAttention) else attn.core
-        attn.core = UlyssesAttention(core, mesh.sp_group, attn.num_heads, attn.num_kv_heads, stats)
+        attn.core = UlyssesAttention(
+            core, mesh.sp_group, attn.num_heads, attn.num_kv_heads, stats, workspace
+        )
     return model
