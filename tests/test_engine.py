@@ -159,52 +159,61 @@ def test_ds_config_follows_the_run_config():
         ds_config(load_config(RunConfig, None, ["deepspeed.offload_param=cpu"]))
 
 
-def _offload_params(rank, world, steps):
+def _offload_params(rank, world, steps, stages):
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.utils import safe_get_full_fp32_param
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     deepspeed.init_distributed("gloo", verbose=False)
     mesh = Mesh.build(world)  # sp = world
-    cfg = _cfg(2)
-    cfg.deepspeed.offload_optimizer = "cpu"
-    ref = build_model(cfg.model, seed=cfg.train.seed)
-    o = cfg.deepspeed.optimizer
-    ref_opt = torch.optim.AdamW(
-        ref.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
-    )
-    model = build_model(cfg.model, seed=cfg.train.seed)
-    apply_ulysses(model, mesh)
-    engine, optimizer, _ = build_engine(model, cfg, mesh)
-    assert isinstance(optimizer.optimizer, DeepSpeedCPUAdam), type(optimizer.optimizer)
-    w = loss_weights(model.space.modalities, {})
-    for step in range(steps):
-        b = random_batch(model.space, 1, 128, seed=100 + step)
-        sums, counts = ref(b.input_ids, b.position_ids, b.doc_ids, b.labels, b.label_modality)
-        loss, _ = global_loss(sums, counts, w, Mesh.single(), model.space.modalities)
-        ref_opt.zero_grad()
-        loss.backward()
-        ref_opt.step()
-        local = sp_slice(b, mesh.sp_rank, mesh.sp)
-        sums, counts = engine(
-            local.input_ids, local.position_ids, local.doc_ids, local.labels, local.label_modality
+    for stage in stages:
+        cfg = _cfg(stage)
+        cfg.deepspeed.offload_optimizer = "cpu"
+        if stage == 3:
+            cfg.deepspeed.offload_param = "cpu"
+        ref = build_model(cfg.model, seed=cfg.train.seed)
+        o = cfg.deepspeed.optimizer
+        ref_opt = torch.optim.AdamW(
+            ref.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
         )
-        share, report = global_loss(sums, counts, w, mesh, model.space.modalities)
-        assert report.total == pytest.approx(float(loss), rel=1e-5), step
-        engine.backward(share * loss_scale(mesh))
-        engine.step()
-    want = dict(ref.named_parameters())
-    for name, p in engine.module.named_parameters():
-        assert_close(p.detach(), want[name].detach(), rtol=1e-5, atol=1e-6, msg=name)
-    engine.destroy()
+        model = build_model(cfg.model, seed=cfg.train.seed)
+        apply_ulysses(model, mesh)
+        engine, optimizer, _ = build_engine(model, cfg, mesh)
+        assert isinstance(optimizer.optimizer, DeepSpeedCPUAdam), type(optimizer.optimizer)
+        w = loss_weights(model.space.modalities, {})
+        for step in range(steps):
+            b = random_batch(model.space, 1, 128, seed=100 + step)
+            sums, counts = ref(b.input_ids, b.position_ids, b.doc_ids, b.labels, b.label_modality)
+            loss, _ = global_loss(sums, counts, w, Mesh.single(), model.space.modalities)
+            ref_opt.zero_grad()
+            loss.backward()
+            ref_opt.step()
+            local = sp_slice(b, mesh.sp_rank, mesh.sp)
+            sums, counts = engine(
+                local.input_ids,
+                local.position_ids,
+                local.doc_ids,
+                local.labels,
+                local.label_modality,
+            )
+            share, report = global_loss(sums, counts, w, mesh, model.space.modalities)
+            assert report.total == pytest.approx(float(loss), rel=1e-5), (stage, step)
+            engine.backward(share * loss_scale(mesh))
+            engine.step()
+        want = dict(ref.named_parameters())
+        for name, p in engine.module.named_parameters():
+            got = safe_get_full_fp32_param(p) if stage == 3 else p.detach()
+            assert_close(got, want[name].detach(), rtol=1e-5, atol=1e-6, msg=f"ZeRO-{stage} {name}")
+        engine.destroy()
 
 
 def test_cpu_offload_adam_matches_torch_adamw_at_sp2():
-    """ZeRO-2 with the optimizer offloaded to the host (DeepSpeed's C++ CPUAdam) at SP=2
-    takes the same steps as torch's AdamW in one process. The op is compiled here first
-    (about a minute once, then cached in TORCH_EXTENSIONS_DIR) so no rank waits for the
-    other's compilation inside a collective."""
+    """The optimizer offloaded to the host (DeepSpeed's C++ CPUAdam) at SP=2 — ZeRO-2, and
+    ZeRO-3 with the parameters offloaded too — takes the same steps as torch's AdamW in one
+    process. The op is compiled here first (about a minute once, then cached in
+    TORCH_EXTENSIONS_DIR) so no rank waits for the other's compilation inside a collective."""
     from deepspeed.ops.op_builder import CPUAdamBuilder
 
     CPUAdamBuilder().load()
-    run_distributed(_offload_params, 2, 3, timeout=420)
+    run_distributed(_offload_params, 2, 3, [2, 3], timeout=420)
