@@ -64,6 +64,20 @@ def _reference_grads(
     return totals, {n: p.grad for n, p in model.named_parameters()}
 
 
+def _engine_backward(engine, local: Batch, mesh: Mesh):
+    """Forward this rank's slice through the engine, backward its share of the global
+    loss (scaled so DeepSpeed's dp-average gives the global gradient); the loss report."""
+    space = engine.module.space
+    sums, counts = engine(
+        local.input_ids, local.position_ids, local.doc_ids, local.labels, local.label_modality
+    )
+    share, report = global_loss(
+        sums, counts, loss_weights(space.modalities, {}), mesh, space.modalities
+    )
+    engine.backward(share * loss_scale(mesh))
+    return report
+
+
 def _engine_grads(rank, world, sp, stages, gas):
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
@@ -80,19 +94,10 @@ def _engine_grads(rank, world, sp, stages, gas):
         model = build_model(cfg.model, seed=cfg.train.seed)
         apply_ulysses(model, mesh)
         engine, _, _ = build_engine(model, cfg, mesh)
-        w = loss_weights(model.space.modalities, {})
         got_losses = []
         for k, b in enumerate(micro):
             local = sp_slice(_rows(b, mesh.dp_rank, mesh.dp_rank + 1), mesh.sp_rank, sp)
-            sums, counts = engine(
-                local.input_ids,
-                local.position_ids,
-                local.doc_ids,
-                local.labels,
-                local.label_modality,
-            )
-            share, report = global_loss(sums, counts, w, mesh, model.space.modalities)
-            engine.backward(share * loss_scale(mesh))
+            report = _engine_backward(engine, local, mesh)
             got_losses.append(report.total)
             if k < gas - 1:
                 engine.step()  # not a boundary: accumulates
@@ -189,17 +194,8 @@ def _offload_params(rank, world, steps, stages):
             ref_opt.zero_grad()
             loss.backward()
             ref_opt.step()
-            local = sp_slice(b, mesh.sp_rank, mesh.sp)
-            sums, counts = engine(
-                local.input_ids,
-                local.position_ids,
-                local.doc_ids,
-                local.labels,
-                local.label_modality,
-            )
-            share, report = global_loss(sums, counts, w, mesh, model.space.modalities)
+            report = _engine_backward(engine, sp_slice(b, mesh.sp_rank, mesh.sp), mesh)
             assert report.total == pytest.approx(float(loss), rel=1e-5), (stage, step)
-            engine.backward(share * loss_scale(mesh))
             engine.step()
         want = dict(ref.named_parameters())
         for name, p in engine.module.named_parameters():
