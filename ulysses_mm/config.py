@@ -365,11 +365,12 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
     return nested
 
 
-def _merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``: mappings merge key by key, anything else replaces."""
     out = dict(base)
     for key, value in top.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(dict(out[key]), value)
+            out[key] = deep_merge(out[key], value)
         else:
             out[key] = value
     return out
@@ -402,8 +403,8 @@ def load_config(
     """defaults < ``base`` (an embedded default) < file at ``path`` < ``overrides``."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
-        data = _merge(data, read_yaml(path))
-    data = _merge(data, parse_overrides(overrides))
+        data = deep_merge(data, read_yaml(path))
+    data = deep_merge(data, parse_overrides(overrides))
     try:
         return from_dict(cls, data)
     except ConfigError as e:

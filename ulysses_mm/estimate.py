@@ -166,7 +166,7 @@ def token_space(cfg: RunConfig, manifest: str | None = None) -> tuple[TokenSpace
         from ulysses_mm.data.manifest import Manifest
 
         return Manifest.load(manifest, cfg.data.storage_options).token_space, manifest
-    from ulysses_mm.verify import DEFAULT_MODALITIES
+    from ulysses_mm.tokenspace import DEFAULT_MODALITIES
 
     return TokenSpace.from_vocab(DEFAULT_MODALITIES), "the shipped tokenizer specs"
 

@@ -38,7 +38,7 @@ from ulysses_mm.tokenspace import DOC_END, DOC_START, TokenSpace
 
 def run_space(cfg: RunConfig) -> TokenSpace:
     """The model's token space: ``model.modalities``, else the shipped specs' space."""
-    from ulysses_mm.verify import DEFAULT_MODALITIES
+    from ulysses_mm.tokenspace import DEFAULT_MODALITIES
 
     return TokenSpace.from_vocab(cfg.model.modalities or DEFAULT_MODALITIES)
 

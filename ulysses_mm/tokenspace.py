@@ -25,6 +25,10 @@ import numpy as np
 BASE_SPECIALS = ("<pad>", "<doc>", "</doc>", "<eof>")
 PAD, DOC_START, DOC_END, EOF = 0, 1, 2, 3
 
+# The modality vocabularies of the shipped specs (tokenizers/dna-base, audio-mulaw-16k,
+# video-vq): the space of a run whose config names none and that has no manifest to ask.
+DEFAULT_MODALITIES = {"dna": 10, "audio": 256, "video": 256}
+
 
 @dataclass(frozen=True)
 class ModalityRange:

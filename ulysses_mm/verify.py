@@ -25,10 +25,7 @@ from ulysses_mm.model.attention import resolve_kernel
 from ulysses_mm.parallel import CommStats, Mesh, apply_ulysses, global_loss, loss_weights
 from ulysses_mm.parallel.mesh import default_backend, in_launched_world, init_distributed
 from ulysses_mm.parallel.ulysses import check_sp_shapes, expanded_kv_heads
-from ulysses_mm.tokenspace import TokenSpace
-
-# the token space of the shipped specs (tokenizers/dna-base, audio-mulaw-16k, video-vq)
-DEFAULT_MODALITIES = {"dna": 10, "audio": 256, "video": 256}
+from ulysses_mm.tokenspace import DEFAULT_MODALITIES, TokenSpace
 
 
 @dataclass

@@ -49,6 +49,7 @@ import numpy as np
 from ulysses_mm.config import (
     ConfigError,
     PipelineConfig,
+    deep_merge,
     from_dict,
     parse_overrides,
     read_yaml,
@@ -116,16 +117,6 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     return out
 
 
-def _merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _merge(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
 def load_pipeline_config(
     path: str | Path | None, overrides: Sequence[str] = (), cwd: Path | None = None
 ) -> PipelineConfig:
@@ -134,7 +125,9 @@ def load_pipeline_config(
     data: dict[str, Any] = {}
     if path is not None:
         data = _resolve_paths(read_yaml(path), Path(path).resolve().parent)
-    data = _merge(data, _resolve_paths(parse_overrides(overrides), (cwd or Path.cwd()).resolve()))
+    data = deep_merge(
+        data, _resolve_paths(parse_overrides(overrides), (cwd or Path.cwd()).resolve())
+    )
     try:
         return from_dict(PipelineConfig, data)
     except ConfigError as e:

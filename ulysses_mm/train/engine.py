@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ulysses_mm.config import RunConfig
+from ulysses_mm.config import RunConfig, deep_merge
 from ulysses_mm.parallel.mesh import Mesh
 
 
@@ -116,14 +116,7 @@ def ds_config(cfg: RunConfig, sp: int = 1) -> dict[str, Any]:
                 "warmup_type": "linear",
             },
         }
-    return _merge(config, d.extra)
-
-
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for k, v in top.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+    return copy.deepcopy(deep_merge(config, d.extra))
 
 
 def _safe_globals() -> list[Any]:
