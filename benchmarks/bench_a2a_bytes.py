@@ -34,8 +34,9 @@ def worker(args: argparse.Namespace, P: int, heads: int, kv: int) -> dict:
     from ulysses_mm.data.batch import sp_slice
     from ulysses_mm.data.synthetic import random_batch
     from ulysses_mm.model import build_model
-    from ulysses_mm.parallel import CommStats, Mesh, apply_ulysses, global_loss, loss_weights
+    from ulysses_mm.parallel import CommStats, Mesh, apply_ulysses, loss_weights
     from ulysses_mm.parallel.mesh import init_distributed
+    from ulysses_mm.runtime import loss_of
 
     torch.set_num_threads(1)
     init_distributed("gloo")
@@ -63,11 +64,7 @@ def worker(args: argparse.Namespace, P: int, heads: int, kv: int) -> dict:
         return total
 
     with profile(record_shapes=True) as fwd:
-        hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
-        sums, counts = model.loss_terms(hidden, batch.labels, batch.label_modality)
-        share, _ = global_loss(
-            sums, counts, loss_weights(model.space.modalities, {}), mesh, model.space.modalities
-        )
+        share, _ = loss_of(model, batch, loss_weights(model.space.modalities, {}), mesh)
     with profile(record_shapes=True) as bwd:
         share.backward()
     return {

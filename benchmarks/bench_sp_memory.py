@@ -26,8 +26,9 @@ def worker(args: argparse.Namespace) -> dict:
     from ulysses_mm.data.synthetic import random_batch
     from ulysses_mm.memory import TensorMemoryTracker
     from ulysses_mm.model import build_model
-    from ulysses_mm.parallel import Mesh, apply_ulysses, global_loss, loss_weights
+    from ulysses_mm.parallel import Mesh, apply_ulysses, loss_weights
     from ulysses_mm.parallel.mesh import in_launched_world, init_distributed
+    from ulysses_mm.runtime import forward_backward
 
     torch.set_num_threads(1)
     if in_launched_world():
@@ -54,10 +55,7 @@ def worker(args: argparse.Namespace) -> dict:
     weights = loss_weights(model.space.modalities, {})
 
     def step() -> None:
-        hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
-        sums, counts = model.loss_terms(hidden, batch.labels, batch.label_modality)
-        share, _ = global_loss(sums, counts, weights, mesh, model.space.modalities)
-        share.backward()
+        forward_backward(model, batch, weights, mesh)
 
     step()  # warm-up: gradients exist from here on, as in training
     tracker = TensorMemoryTracker()

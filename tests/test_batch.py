@@ -41,7 +41,8 @@ def test_sp_slice_keeps_full_doc_ids_and_boundary_labels():
     assert halves[0].labels[0, -1] == tokens[0, 5]  # token 4's label is token 5, across the cut
     assert all(torch.equal(h.doc_ids, batch.doc_ids) for h in halves)
     with pytest.raises(
-        ValueError, match=r"not divisible by sp=3; sp sizes that divide it: \[1, 2, 5, 10\]"
+        ValueError,
+        match=r"sp=3 does not divide the sequence of 10 tokens; sp sizes that do: \[1, 2, 5, 10\]",
     ):
         sp_slice(batch, 0, 3)
 

@@ -5,8 +5,6 @@ steps torch's AdamW takes, and the ds_config follows the run config."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from distributed import run_distributed
@@ -16,10 +14,13 @@ from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.data.batch import Batch, sp_slice
 from ulysses_mm.data.synthetic import random_batch
 from ulysses_mm.model import build_model
-from ulysses_mm.parallel import Mesh, apply_ulysses, global_loss, loss_weights
-from ulysses_mm.train.engine import build_engine, ds_config, loss_scale
+from ulysses_mm.parallel import Mesh, loss_weights
+from ulysses_mm.runtime import Runtime, build_runtime, forward_backward, open_world
+from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.train.engine import ds_config
 
 VOCAB = {"dna": 10, "audio": 32}
+SPACE = TokenSpace.from_vocab(VOCAB)
 
 
 def _cfg(stage: int, gas: int = 1) -> RunConfig:
@@ -40,15 +41,6 @@ def _cfg(stage: int, gas: int = 1) -> RunConfig:
     )
 
 
-def _rows(b: Batch, i: int, j: int) -> Batch:
-    return Batch(
-        *(
-            getattr(b, f)[i:j]
-            for f in ("input_ids", "position_ids", "labels", "label_modality", "doc_ids")
-        )
-    )
-
-
 def _reference_grads(
     cfg: RunConfig, batches: list[Batch]
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -57,9 +49,7 @@ def _reference_grads(
     w = loss_weights(model.space.modalities, {})
     totals = []
     for b in batches:
-        sums, counts = model(b.input_ids, b.position_ids, b.doc_ids, b.labels, b.label_modality)
-        loss, report = global_loss(sums, counts, w, Mesh.single(), model.space.modalities)
-        (loss / len(batches)).backward()
+        _, report = forward_backward(model, b, w, Mesh.single(), scale=1 / len(batches))
         totals.append(report.total)
     return totals, {n: p.grad for n, p in model.named_parameters()}
 
@@ -67,36 +57,29 @@ def _reference_grads(
 def _engine_backward(engine, local: Batch, mesh: Mesh):
     """Forward this rank's slice through the engine, backward its share of the global
     loss (scaled so DeepSpeed's dp-average gives the global gradient); the loss report."""
-    space = engine.module.space
-    sums, counts = engine(
-        local.input_ids, local.position_ids, local.doc_ids, local.labels, local.label_modality
-    )
-    share, report = global_loss(
-        sums, counts, loss_weights(space.modalities, {}), mesh, space.modalities
-    )
-    engine.backward(share * loss_scale(mesh))
-    return report
+    weights = loss_weights(engine.module.space.modalities, {})
+    return forward_backward(engine, local, weights, mesh)[1]
+
+
+def _runtime(cfg: RunConfig, sp: int) -> Runtime:
+    """This rank's model → Ulysses → engine, as training builds it."""
+    cfg.parallel.sp = sp
+    return build_runtime(cfg, SPACE, open_world(cfg, device="cpu"))
 
 
 def _engine_grads(rank, world, sp, stages, gas):
-    import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    deepspeed.init_distributed("gloo", verbose=False)
-    mesh = Mesh.build(sp)
     results = {}
     for stage in stages:
         cfg = _cfg(stage, gas)
-        space_model = build_model(cfg.model, seed=cfg.train.seed)
-        micro = [random_batch(space_model.space, mesh.dp, 128, seed=10 + k) for k in range(gas)]
+        rt = _runtime(cfg, sp)
+        engine, mesh = rt.engine, rt.mesh
+        micro = [random_batch(SPACE, mesh.dp, 128, seed=10 + k) for k in range(gas)]
         want_losses, want = _reference_grads(cfg, micro)
-        model = build_model(cfg.model, seed=cfg.train.seed)
-        apply_ulysses(model, mesh)
-        engine, _, _ = build_engine(model, cfg, mesh)
         got_losses = []
         for k, b in enumerate(micro):
-            local = sp_slice(_rows(b, mesh.dp_rank, mesh.dp_rank + 1), mesh.sp_rank, sp)
+            local = sp_slice(b.rows(mesh.dp_rank, mesh.dp_rank + 1), mesh.sp_rank, sp)
             report = _engine_backward(engine, local, mesh)
             got_losses.append(report.total)
             if k < gas - 1:
@@ -145,7 +128,7 @@ def test_ds_config_follows_the_run_config():
             "deepspeed.extra={zero_optimization: {stage3_max_live_parameters: 1000}}",
         ],
     )
-    ds = ds_config(cfg, sp=4)
+    ds = ds_config(cfg, Mesh(dp=1, sp=4, rank=0))
     assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 4
     assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True}
     z = ds["zero_optimization"]
@@ -161,17 +144,13 @@ def test_ds_config_follows_the_run_config():
         and ds["scheduler"]["params"]["total_num_steps"] == 100
     )
     with pytest.raises(ValueError, match="offload_param needs deepspeed.zero_stage=3"):
-        ds_config(load_config(RunConfig, None, ["deepspeed.offload_param=cpu"]))
+        ds_config(load_config(RunConfig, None, ["deepspeed.offload_param=cpu"]), Mesh.single())
 
 
 def _offload_params(rank, world, steps, stages):
-    import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from deepspeed.utils import safe_get_full_fp32_param
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
-    deepspeed.init_distributed("gloo", verbose=False)
-    mesh = Mesh.build(world)  # sp = world
     for stage in stages:
         cfg = _cfg(stage)
         cfg.deepspeed.offload_optimizer = "cpu"
@@ -182,17 +161,14 @@ def _offload_params(rank, world, steps, stages):
         ref_opt = torch.optim.AdamW(
             ref.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
         )
-        model = build_model(cfg.model, seed=cfg.train.seed)
-        apply_ulysses(model, mesh)
-        engine, optimizer, _ = build_engine(model, cfg, mesh)
-        assert isinstance(optimizer.optimizer, DeepSpeedCPUAdam), type(optimizer.optimizer)
-        w = loss_weights(model.space.modalities, {})
+        rt = _runtime(cfg, world)  # sp = world
+        engine, mesh = rt.engine, rt.mesh
+        assert isinstance(rt.optimizer.optimizer, DeepSpeedCPUAdam), type(rt.optimizer.optimizer)
+        w = loss_weights(SPACE.modalities, {})
         for step in range(steps):
-            b = random_batch(model.space, 1, 128, seed=100 + step)
-            sums, counts = ref(b.input_ids, b.position_ids, b.doc_ids, b.labels, b.label_modality)
-            loss, _ = global_loss(sums, counts, w, Mesh.single(), model.space.modalities)
+            b = random_batch(SPACE, 1, 128, seed=100 + step)
             ref_opt.zero_grad()
-            loss.backward()
+            loss, _ = forward_backward(ref, b, w, Mesh.single())
             ref_opt.step()
             report = _engine_backward(engine, sp_slice(b, mesh.sp_rank, mesh.sp), mesh)
             assert report.total == pytest.approx(float(loss), rel=1e-5), (stage, step)

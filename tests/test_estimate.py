@@ -22,6 +22,7 @@ from distributed import run_distributed
 
 from ulysses_mm import cli
 from ulysses_mm.config import RunConfig, load_config, to_dict
+from ulysses_mm.data.synthetic import largest_head, single_modality_batch
 from ulysses_mm.estimate import (
     DS_ZERO_DEFAULTS,
     MAX_GRANULARITY,
@@ -32,7 +33,7 @@ from ulysses_mm.estimate import (
     model_shape,
     token_space,
 )
-from ulysses_mm.measure import largest_head, measure_worker, run_space, single_modality_batch
+from ulysses_mm.measure import measure_worker, run_space
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -170,7 +171,7 @@ def test_layout_defaults_and_refusals():
     assert (lay.sp, lay.dp, lay.tokens) == (8, 2, 1024)
     with pytest.raises(ValueError, match=r"sp=3 .* sp sizes that do: \[1, 2, 4, 8\]"):
         layout_for(cfg, 8192, 8, 3)
-    with pytest.raises(ValueError, match="does not split over sp=8"):
+    with pytest.raises(ValueError, match="sp=8 does not divide the sequence of 1001 tokens"):
         layout_for(cfg, 1001, 8, None)
 
 

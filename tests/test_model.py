@@ -13,6 +13,7 @@ from ulysses_mm.data.synthetic import random_batch
 from ulysses_mm.model import IGNORE, available_kernels, build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel import Mesh, global_loss, loss_weights
+from ulysses_mm.runtime import forward_backward
 from ulysses_mm.tokenspace import TokenSpace
 
 VOCAB = {"dna": 16, "audio": 64, "video": 96}
@@ -93,12 +94,9 @@ def test_unknown_and_unavailable_kernels_are_refused():
 
 def _loss_grads(cfg: ModelConfig, batch, weights=None):
     model = build_model(cfg, SPACE, seed=4)
-    hidden = _hidden(model, batch)
-    sums, counts = model.loss_terms(hidden, batch.labels, batch.label_modality)
     w = loss_weights(SPACE.modalities, weights or {})
-    loss, report = global_loss(sums, counts, w, Mesh.single(), SPACE.modalities)
-    loss.backward()
-    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, model, report
+    loss, report = forward_backward(model, batch, w, Mesh.single())
+    return loss, {n: p.grad for n, p in model.named_parameters()}, model, report
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from torch.testing import assert_close
 from ulysses_mm.config import ModelConfig
 from ulysses_mm.data.batch import Batch, sp_slice
 from ulysses_mm.data.synthetic import random_batch
+from ulysses_mm.layout import check_layout, valid_sp_sizes
 from ulysses_mm.model import build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel import (
@@ -23,31 +24,18 @@ from ulysses_mm.parallel import (
     Mesh,
     UlyssesAttention,
     apply_ulysses,
-    global_loss,
     loss_weights,
 )
-from ulysses_mm.parallel.ulysses import check_sp_shapes
+from ulysses_mm.runtime import forward_backward
 from ulysses_mm.tokenspace import TokenSpace
 
 VOCAB = {"dna": 16, "audio": 64, "video": 96}
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
 
 
-def _rows(batch: Batch, start: int, stop: int) -> Batch:
-    return Batch(
-        *(
-            getattr(batch, f)[start:stop]
-            for f in ("input_ids", "position_ids", "labels", "label_modality", "doc_ids")
-        )
-    )
-
-
 def _loss_and_grads(model, batch: Batch, mesh: Mesh):
     weights = loss_weights(model.space.modalities, {"audio": 0.5})
-    hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
-    sums, counts = model.loss_terms(hidden, batch.labels, batch.label_modality)
-    share, report = global_loss(sums, counts, weights, mesh, model.space.modalities)
-    share.backward()
+    share, report = forward_backward(model, batch, weights, mesh)
     return share, report, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -65,7 +53,7 @@ def _model_parity(rank, world, sp, model_kw, seq_len, micro_batch, kernel):
     model = build_model(cfg, space, kernel, seed=11)
     apply_ulysses(model, mesh)
     local = sp_slice(
-        _rows(batch, mesh.dp_rank * micro_batch, (mesh.dp_rank + 1) * micro_batch), mesh.sp_rank, sp
+        batch.rows(mesh.dp_rank * micro_batch, (mesh.dp_rank + 1) * micro_batch), mesh.sp_rank, sp
     )
     share, report, grads = _loss_and_grads(model, local, mesh)
 
@@ -182,19 +170,33 @@ def _bad_shapes(rank, world):
 def test_bad_shapes_fail_before_any_collective():
     for msgs in run_distributed(_bad_shapes, 4, timeout=120):
         assert len(msgs) == 2
-        assert "query heads (6)" in msgs[0] and "[1, 2, 3, 6]" in msgs[0]
+        assert "sp=4 does not divide the 6 query heads" in msgs[0] and "[1, 2, 3, 6]" in msgs[0]
         assert "30 tokens cannot be split evenly over sp=4" in msgs[1]
         assert "[1, 2]" in msgs[1]
 
 
-def test_check_sp_shapes_lists_what_works():
-    check_sp_shapes(1024, 8, 4)
+def test_check_layout_lists_what_works():
+    check_layout(4, num_heads=8, seq_len=1024)
     with pytest.raises(ValueError, match=r"sp=3 does not divide the 8 query heads.*\[1, 2, 4, 8\]"):
-        check_sp_shapes(1024, 8, 3)
+        check_layout(3, num_heads=8, seq_len=1024)
     with pytest.raises(ValueError, match=r"sequence of 1000 tokens.*\[1, 2, 4, 8\]"):
-        check_sp_shapes(1000, 8, 16)
+        check_layout(16, num_heads=8, seq_len=1000)
     with pytest.raises(ValueError, match=r"sequence of 1001 tokens.*\[1\]"):
-        check_sp_shapes(1001, 8, 2)
+        check_layout(2, num_heads=8, seq_len=1001)
+    # the world: sp must divide it and dp × sp fill it; dp 0 resolves to world / sp
+    assert check_layout(2, world=8, num_heads=8) == 4
+    with pytest.raises(
+        ValueError, match=r"sp=4 does not divide the world of 6 processes.*\[1, 2\]"
+    ):
+        check_layout(4, world=6, num_heads=8)
+    with pytest.raises(ValueError, match=r"dp=3 × sp=2 = 6 but the world has 4 processes"):
+        check_layout(2, dp=3, world=4)
+    # kv heads never limit sp (they are replicated), but must divide the query heads
+    assert check_layout(8, world=8, num_heads=8, num_kv_heads=1) == 1
+    with pytest.raises(ValueError, match="not a multiple of the 3 key/value heads"):
+        check_layout(2, num_heads=8, num_kv_heads=3)
+    assert valid_sp_sizes(num_heads=32, seq_len=96, world=6) == [1, 2]
+    assert valid_sp_sizes(num_heads=12) == [1, 2, 3, 4, 6, 12]
 
 
 def _shift_after_slice_loses_targets(rank, world):

@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import REPO
 
-from ulysses_mm.config import RunConfig
+from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.verify import VerifyOptions, run_verify
 
 
@@ -72,6 +72,8 @@ def test_verify_exit_status_follows_the_comparison(monkeypatch, capsys):
                 "rank": 0,
                 "ok": False,
                 "mesh": "",
+                "sp": 2,
+                "dp": 1,
                 "kernel": "sdpa_varlen",
                 "backend": "gloo",
                 "loss_single": 1.0,
@@ -88,7 +90,8 @@ def test_verify_exit_status_follows_the_comparison(monkeypatch, capsys):
         ]
 
     monkeypatch.setattr("ulysses_mm.parallel.launch.run_world", fake_world)
-    assert run_verify(RunConfig(), VerifyOptions(sp=2, seq_len=64)) == 1
+    cfg = load_config(RunConfig, None, ["parallel.sp=2"])
+    assert run_verify(cfg, VerifyOptions(seq_len=64)) == 1
     assert "FAIL" in capsys.readouterr().out
 
 
@@ -97,3 +100,28 @@ def test_verify_dp_times_sp_in_process_api(sp, dp):
     cfg = RunConfig()
     cfg.model.modalities = {"dna": 16, "audio": 32}
     assert run_verify(cfg, VerifyOptions(sp=sp, dp=dp, seq_len=128)) == 0
+
+
+def test_verify_reads_the_run_config_and_its_overrides(monkeypatch, tmp_path, capsys):
+    """verify takes --config and key=value like every command; --sp/--dp are shortcuts
+    for parallel.sp/dp (before, `verify parallel.sp=4` was silently ignored)."""
+    from ulysses_mm.cli import main
+
+    seen = {}
+
+    def fake_world(fn, nproc, cfg, opts):
+        seen.update(
+            nproc=nproc, sp=cfg["parallel"]["sp"], heads=cfg["model"]["num_attention_heads"]
+        )
+        return []
+
+    monkeypatch.setattr("ulysses_mm.parallel.launch.run_world", fake_world)
+    monkeypatch.setattr("ulysses_mm.verify.format_report", lambda *a: "")
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  num_attention_heads: 8\n  hidden_size: 64\n")
+    assert main(["verify", "--config", str(cfg), "parallel.sp=4", "--seq-len", "64"]) == 0
+    assert seen == {"nproc": 4, "sp": 4, "heads": 8}
+    assert main(["verify", "--config", str(cfg), "--sp", "2", "--dp", "2", "--seq-len", "64"]) == 0
+    assert seen == {"nproc": 4, "sp": 2, "heads": 8}
+    assert main(["verify", "--config", str(cfg), "parallel.sp=3", "--seq-len", "64"]) == 2
+    assert "sp=3 does not divide the 8 query heads" in capsys.readouterr().err

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from ulysses_mm.config import ConfigError, RunConfig, describe, load_config
+from ulysses_mm.errors import WorkerError
 
 
 def _overrides_help() -> str:
@@ -20,10 +21,9 @@ def _overrides_help() -> str:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ulysses_mm.verify import VerifyOptions, run_verify
 
-    cfg = load_config(RunConfig, args.config, args.overrides)
+    shortcuts = [f"parallel.{k}={v}" for k in ("sp", "dp") if (v := getattr(args, k)) is not None]
+    cfg = load_config(RunConfig, args.config, [*shortcuts, *args.overrides])
     opts = VerifyOptions(
-        sp=args.sp,
-        dp=args.dp,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
         seed=args.seed,
@@ -58,9 +58,16 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
             "processes, or joins the world of torchrun / the DeepSpeed launcher."
         ),
     )
-    p.add_argument("--sp", type=int, required=True, help="sequence-parallel size P")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel size D (default 1)")
-    p.add_argument("--config", default=None, help="run config YAML (default: built-in debug model)")
+    p.add_argument("--sp", type=int, default=None, help="sequence-parallel size P (parallel.sp=P)")
+    p.add_argument(
+        "--dp",
+        type=int,
+        default=None,
+        help="data-parallel size D (parallel.dp=D; default: 1, or the launched world / P)",
+    )
+    p.add_argument(
+        "--config", default=None, help="run config YAML (default: the schema's defaults)"
+    )
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample N (default 1024)")
     p.add_argument("--micro-batch", type=int, default=1, help="samples per DP rank (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random batch (default 0)")
@@ -456,6 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"ulysses-mm {args.command}: {e}", file=sys.stderr)
         return 2
+    except WorkerError as e:  # one line naming the rank; its traceback is in a log file
+        print(f"ulysses-mm {args.command}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

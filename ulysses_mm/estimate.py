@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ulysses_mm.config import RunConfig
+from ulysses_mm.layout import check_layout
 from ulysses_mm.tokenspace import TokenSpace
 
 GiB = 1 << 30
@@ -204,27 +205,30 @@ def layout_for(cfg: RunConfig, seq_len: int, gpus: int | None, sp: int | None) -
         gpus = sp * (p.dp or 1)
     elif sp is None:
         sp = gpus
-    heads = cfg.model.num_attention_heads
-    if gpus < 1 or sp < 1 or gpus % sp or heads % sp:
-        works = [q for q in range(1, min(heads, gpus) + 1) if heads % q == 0 and gpus % q == 0]
-        raise ValueError(
-            f"sp={sp} must divide both the {gpus} GPUs and the {heads} query heads; sp sizes "
-            f"that do: {works}"
-        )
-    if seq_len < sp or seq_len % sp:
-        raise ValueError(f"the sequence of {seq_len} tokens does not split over sp={sp}")
+    if gpus < 1:
+        raise ValueError(f"need at least one GPU, got {gpus}")
+    m = cfg.model
+    check_layout(
+        sp,
+        world=gpus,
+        num_heads=m.num_attention_heads,
+        num_kv_heads=m.num_key_value_heads,
+        seq_len=seq_len,
+    )
     return Layout(gpus=gpus, sp=sp, seq_len=seq_len, micro_batch=cfg.data.micro_batch_size)
 
 
 # --------------------------------------------------------------------------- DeepSpeed
 
 
-def _zero_settings(cfg: RunConfig) -> dict[str, Any]:
-    """The zero_optimization keys read here, as the engine's ds_config sets them (with
-    ``deepspeed.extra`` merged), else DeepSpeed's defaults."""
+def _zero_settings(cfg: RunConfig, W: int, sp: int) -> dict[str, Any]:
+    """The zero_optimization keys read here, as the engine's ds_config sets them for a
+    world of ``W`` ranks in SP groups of ``sp`` (with ``deepspeed.extra`` merged), else
+    DeepSpeed's defaults."""
+    from ulysses_mm.parallel.mesh import Mesh
     from ulysses_mm.train.engine import ds_config
 
-    zero = ds_config(cfg).get("zero_optimization", {})
+    zero = ds_config(cfg, Mesh(dp=W // sp, sp=sp, rank=0)).get("zero_optimization", {})
     out = {k: zero.get(k, v) for k, v in DS_ZERO_DEFAULTS.items()}
     if out["overlap_comm"] is None:
         out["overlap_comm"] = cfg.deepspeed.zero_stage == 3
@@ -269,7 +273,7 @@ def zero_states(
     stage = ds.zero_stage
     psi = sh.params
     psi_r = -(-psi // W)  # one rank's partition
-    z = _zero_settings(cfg)
+    z = _zero_settings(cfg, W, sp)
     rbs = int(z["reduce_bucket_size"])
     comm = _comm_bytes(cfg, sp, a)
     convert = comm if comm != a else 0  # a bucket's copy in the communication dtype

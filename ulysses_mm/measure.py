@@ -23,17 +23,17 @@ is not a tensor on CPU and is not counted there.
 from __future__ import annotations
 
 import gc
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from ulysses_mm.config import RunConfig, from_dict
-from ulysses_mm.data.batch import Batch, make_batch, sp_slice
-from ulysses_mm.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.data.batch import Batch
+from ulysses_mm.data.synthetic import single_modality_batch
+from ulysses_mm.runtime import World, build_runtime, open_world, train_step
+from ulysses_mm.tokenspace import TokenSpace
 
 
 def run_space(cfg: RunConfig) -> TokenSpace:
@@ -41,48 +41,6 @@ def run_space(cfg: RunConfig) -> TokenSpace:
     from ulysses_mm.tokenspace import DEFAULT_MODALITIES
 
     return TokenSpace.from_vocab(cfg.model.modalities or DEFAULT_MODALITIES)
-
-
-def largest_head(space: TokenSpace) -> str:
-    """The modality whose head is widest (its logits tile is the largest)."""
-    return max(space.ranges, key=lambda r: r.size).name
-
-
-def single_modality_batch(
-    space: TokenSpace,
-    batch: int,
-    seq_len: int,
-    doc_len: int,
-    modality: str | None = None,
-    seed: int = 0,
-) -> Batch:
-    """``batch`` packed samples of ``seq_len`` tokens: documents of ``doc_len`` tokens
-    (``<doc> <|m|> ... </doc>``, the last one cut at the sample end), all of one modality
-    (default: the one with the widest head)."""
-    if seq_len < 4 or doc_len < 4:
-        raise ValueError(f"need seq_len and doc_len >= 4, got {seq_len} and {doc_len}")
-    name = modality or largest_head(space)
-    r = space.range(name)
-    m = space.index(name)
-    rng = np.random.default_rng(seed)
-    tokens = np.empty((batch, seq_len), dtype=np.int64)
-    tables = []
-    doc_id = 0
-    for row in range(batch):
-        rows = []
-        for start in range(0, seq_len, doc_len):
-            length = min(doc_len, seq_len - start)
-            doc = rng.integers(r.start, r.stop, size=length)
-            doc[0] = DOC_START
-            if length > 1:
-                doc[1] = space.boundary_token(name)
-            if length > 2:
-                doc[-1] = DOC_END
-            tokens[row, start : start + length] = doc
-            rows.append([start, length, m, doc_id, 0])
-            doc_id += 1
-        tables.append(np.array(rows, dtype=np.int64))
-    return make_batch(tokens, tables, space)
 
 
 @dataclass
@@ -133,33 +91,23 @@ class StepRunner:
 
     On CPU every tensor storage is counted from construction to :meth:`close`."""
 
-    def __init__(self, cfg: RunConfig, mesh: Any, device: str = "cpu") -> None:
+    def __init__(self, cfg: RunConfig, world: World) -> None:
         from ulysses_mm.memory import TensorMemoryTracker
-        from ulysses_mm.model import build_model
-        from ulysses_mm.model.attention import resolve_kernel
-        from ulysses_mm.parallel import apply_ulysses, loss_weights
-        from ulysses_mm.train.engine import build_engine
 
-        self.cfg, self.mesh = cfg, mesh
-        dev = torch.device(device)
-        if dev.type == "cuda" and dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        self.device = dev
+        self.cfg, self.world = cfg, world
+        self.mesh, self.device = world.mesh, world.device
         self.space = run_space(cfg)
         self.tracker: TensorMemoryTracker | None = None
         self.counter: Any
-        if dev.type == "cuda":
-            self.counter = _CudaCounter(dev)
+        if self.device.type == "cuda":
+            self.counter = _CudaCounter(self.device)
         else:
             self.tracker = self.counter = TensorMemoryTracker()
             self.tracker.__enter__()
         try:
-            self.kernel = resolve_kernel(cfg.parallel.attention, dev.type)
-            self.model = build_model(cfg.model, self.space, self.kernel, seed=cfg.train.seed)
-            apply_ulysses(self.model, mesh)
-            self.engine, _, _ = build_engine(self.model.to(dev), cfg, mesh)
-            self.weights = loss_weights(self.space.modalities, cfg.model.loss_weights, dev)
-            warm = 16 * mesh.sp
+            self.rt = build_runtime(cfg, self.space, world)
+            self.model, self.kernel = self.rt.model, self.rt.kernel
+            warm = 16 * self.mesh.sp
             self._step(self._batch(warm, min(warm, 64), seed=1))
         except BaseException:
             self.close()
@@ -170,24 +118,21 @@ class StepRunner:
         return single_modality_batch(self.space, b, seq_len, doc_len, seed=seed)
 
     def _step(self, batch: Batch) -> None:
-        from ulysses_mm.parallel import global_loss
-        from ulysses_mm.train.engine import loss_scale
-
-        local = sp_slice(batch, self.mesh.sp_rank, self.mesh.sp).to(self.device)
-        sums, counts = self.engine(
-            local.input_ids, local.position_ids, local.doc_ids, local.labels, local.label_modality
-        )
-        share, _ = global_loss(sums, counts, self.weights, self.mesh, self.space.modalities)
-        self.engine.backward(share * loss_scale(self.mesh))
-        self.engine.step()
+        train_step(self.rt, [batch], grad_norm=False)
 
     def measure(self, seq_len: int, doc_len: int | None = None, steps: int = 1) -> MeasuredStep:
         """``steps`` training steps of ``seq_len`` tokens (documents of ``doc_len``,
         default min(seq_len, 4096)); their mean time and the peak memory among them."""
-        from ulysses_mm.parallel.ulysses import check_sp_shapes
+        from ulysses_mm.layout import check_layout
         from ulysses_mm.train.metrics import causal_pairs, train_flops
 
-        check_sp_shapes(seq_len, self.cfg.model.num_attention_heads, self.mesh.sp)
+        m = self.cfg.model
+        check_layout(
+            self.mesh.sp,
+            num_heads=m.num_attention_heads,
+            num_kv_heads=m.num_key_value_heads,
+            seq_len=seq_len,
+        )
         batch = self._batch(seq_len, doc_len or min(seq_len, 4096))
         gc.collect()
         if isinstance(self.counter, _CudaCounter):
@@ -226,21 +171,14 @@ class StepRunner:
 
 
 def measure_step(
-    cfg: RunConfig, seq_len: int, mesh: Any, device: str = "cpu", doc_len: int | None = None
+    cfg: RunConfig, seq_len: int, world: World, doc_len: int | None = None
 ) -> MeasuredStep:
     """Build the run's engine on this rank, warm it up, measure one step of ``seq_len``."""
-    runner = StepRunner(cfg, mesh, device)
+    runner = StepRunner(cfg, world)
     try:
         return runner.measure(seq_len, doc_len)
     finally:
         runner.close()
-
-
-def _launcher_env(rank: int, world: int) -> None:
-    # what a launcher would have set; DeepSpeed checks LOCAL_RANK before anything
-    os.environ.setdefault("LOCAL_RANK", str(rank))
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world))
 
 
 def measure_worker(
@@ -248,15 +186,8 @@ def measure_worker(
 ) -> dict[str, Any]:
     """:func:`measure_step` on one rank of an initialised gloo world (the signature of
     tests/distributed.py's ``run_distributed``); sp = the config's parallel.sp."""
-    import deepspeed
-
-    from ulysses_mm.parallel import Mesh
-
     cfg = from_dict(RunConfig, cfg_dict)
-    _launcher_env(rank, world)
-    deepspeed.init_distributed("gloo", verbose=False)
-    mesh = Mesh.build(cfg.parallel.sp, cfg.parallel.dp)
-    return measure_step(cfg, seq_len, mesh, "cpu", doc_len).to_dict()
+    return measure_step(cfg, seq_len, open_world(cfg, device="cpu"), doc_len).to_dict()
 
 
 def measure_launched(
@@ -265,15 +196,5 @@ def measure_launched(
     """:func:`measure_step` on this rank of a world a launcher started (torchrun, the
     DeepSpeed launcher, :func:`ulysses_mm.parallel.launch.launch_local`): NCCL on GPUs,
     else gloo."""
-    import deepspeed
-
-    from ulysses_mm.parallel import Mesh
-    from ulysses_mm.parallel.mesh import default_backend, init_distributed
-
     cfg = from_dict(RunConfig, cfg_dict)
-    backend = default_backend(cfg.parallel.backend)
-    init_distributed(backend, cfg.parallel.timeout_s)
-    deepspeed.init_distributed(backend, verbose=False)
-    mesh = Mesh.build(cfg.parallel.sp, cfg.parallel.dp)
-    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu"
-    return measure_step(cfg, seq_len, mesh, device, doc_len).to_dict()
+    return measure_step(cfg, seq_len, open_world(cfg), doc_len).to_dict()

@@ -18,20 +18,21 @@ import torch
 import torch.distributed as dist
 
 from ulysses_mm.config import RunConfig, from_dict, to_dict
-from ulysses_mm.data.batch import Batch, sp_slice
+from ulysses_mm.data.batch import sp_slice
 from ulysses_mm.data.synthetic import random_batch
-from ulysses_mm.model import build_model
+from ulysses_mm.layout import check_layout, expanded_kv_heads
 from ulysses_mm.model.attention import resolve_kernel
-from ulysses_mm.parallel import CommStats, Mesh, apply_ulysses, global_loss, loss_weights
-from ulysses_mm.parallel.mesh import default_backend, in_launched_world, init_distributed
-from ulysses_mm.parallel.ulysses import check_sp_shapes, expanded_kv_heads
+from ulysses_mm.parallel import CommStats, Mesh, loss_weights
+from ulysses_mm.parallel.mesh import in_launched_world
+from ulysses_mm.runtime import build_parallel_model, forward_backward, open_world
 from ulysses_mm.tokenspace import DEFAULT_MODALITIES, TokenSpace
 
 
 @dataclass
 class VerifyOptions:
-    sp: int
-    dp: int = 1
+    """What verify runs beside the run config (whose ``parallel.sp``/``dp`` give the
+    layout and whose model is checked)."""
+
     seq_len: int = 1024
     micro_batch: int = 1
     seed: int = 0
@@ -44,7 +45,7 @@ def theory_bytes_per_layer(cfg: RunConfig, opts: VerifyOptions, elem_bytes: int)
     4·N·D/P·(P−1)/P, and the same with k, v at their real (GQA, replicated) width)."""
     m = cfg.model
     assert m.head_dim is not None
-    P, N, b = opts.sp, opts.seq_len, opts.micro_batch
+    P, N, b = cfg.parallel.sp, opts.seq_len, opts.micro_batch
     mha = 4 * N * m.hidden_size // P * (P - 1) // P * elem_bytes * b
     e = expanded_kv_heads(m.num_attention_heads, m.num_key_value_heads, P)
     width = 2 * m.num_attention_heads * m.head_dim + 2 * e * m.head_dim  # q + out + k + v
@@ -59,48 +60,22 @@ def _flat_grads(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     ]
 
 
-def _rows(batch: Batch, start: int, stop: int) -> Batch:
-    return Batch(
-        input_ids=batch.input_ids[start:stop],
-        position_ids=batch.position_ids[start:stop],
-        labels=batch.labels[start:stop],
-        label_modality=batch.label_modality[start:stop],
-        doc_ids=batch.doc_ids[start:stop],
-    )
-
-
-def _forward_backward(model, batch: Batch, mesh: Mesh, weights) -> tuple[torch.Tensor, Any]:
-    hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
-    sums, counts = model.loss_terms(hidden, batch.labels, batch.label_modality)
-    share, report = global_loss(sums, counts, weights, mesh, model.space.modalities)
-    share.backward()
-    return share, report
-
-
 def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, Any]:
     cfg = from_dict(RunConfig, cfg_dict)
-    if in_launched_world():
-        init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
-    mesh = Mesh.build(opts.sp, opts.dp)
-    backend = default_backend(cfg.parallel.backend)
-    device = torch.device(
-        f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu"
-    )
+    world = open_world(cfg, engine=False)
+    mesh, device = world.mesh, world.device
     kernel = resolve_kernel(cfg.parallel.attention, device.type)
     space = TokenSpace.from_vocab(cfg.model.modalities or DEFAULT_MODALITIES)
     weights = loss_weights(space.modalities, cfg.model.loss_weights, device)
-    global_batch = random_batch(space, opts.dp * opts.micro_batch, opts.seq_len, seed=opts.seed)
-    local = sp_slice(
-        _rows(global_batch, mesh.dp_rank * opts.micro_batch, (mesh.dp_rank + 1) * opts.micro_batch),
-        mesh.sp_rank,
-        mesh.sp,
-    )
+    b = opts.micro_batch
+    global_batch = random_batch(space, mesh.dp * b, opts.seq_len, seed=opts.seed)
+    rows = global_batch.rows(mesh.dp_rank * b, (mesh.dp_rank + 1) * b)
+    local = sp_slice(rows, mesh.sp_rank, mesh.sp)
 
     # Parallel first: shape errors surface before the reference spends any time.
     stats = CommStats()
-    model = build_model(cfg.model, space, kernel, seed=cfg.train.seed).to(device)
-    apply_ulysses(model, mesh, stats)
-    _, par_report = _forward_backward(model, local.to(device), mesh, weights)
+    model = build_parallel_model(cfg, space, mesh, kernel, stats).to(device)
+    _, par_report = forward_backward(model, local.to(device), weights, mesh)
     fwd_bytes = stats.forward_bytes
     grads = _flat_grads(model)
     if mesh.distributed:
@@ -108,9 +83,10 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
         dist.all_reduce(flat, group=mesh.world_group)
         grads = list(zip([n for n, _ in grads], flat.split([g.numel() for _, g in grads])))
 
-    ref = build_model(cfg.model, space, kernel, seed=cfg.train.seed).to(device)
-    _, ref_report = _forward_backward(ref, global_batch.to(device), Mesh.single(), weights)
-    rows = []
+    single = Mesh.single()
+    ref = build_parallel_model(cfg, space, single, kernel).to(device)
+    _, ref_report = forward_backward(ref, global_batch.to(device), weights, single)
+    rows_out = []
     ok = abs(par_report.total - ref_report.total) <= opts.atol + opts.rtol * abs(ref_report.total)
     for (name, g), (_, r) in zip(grads, _flat_grads(ref)):
         g = g.reshape(r.shape)
@@ -118,21 +94,23 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
         scale = float(r.abs().max())
         good = diff <= opts.atol + opts.rtol * scale
         ok &= good
-        rows.append((name, diff, scale, good))
+        rows_out.append((name, diff, scale, good))
     elem = next(model.parameters()).element_size()
     mha, real = theory_bytes_per_layer(cfg, opts, elem)
     return {
         "rank": mesh.rank,
         "ok": bool(ok),
         "mesh": mesh.describe(),
+        "sp": mesh.sp,
+        "dp": mesh.dp,
         "kernel": kernel,
-        "backend": backend if mesh.distributed else "none",
+        "backend": world.backend,
         "loss_single": ref_report.total,
         "loss_parallel": par_report.total,
         "per_modality_single": ref_report.per_modality,
         "per_modality_parallel": par_report.per_modality,
         "counts": ref_report.counts,
-        "grads": rows,
+        "grads": rows_out,
         # two exchanges per layer call; activation checkpointing recomputes (and re-sends)
         "bytes_per_layer": fwd_bytes / max(1, stats.forward_calls // 2),
         "theory_mha": mha,
@@ -144,13 +122,14 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
 def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, Any]]) -> str:
     r0 = results[0]
     m = cfg.model
-    e = expanded_kv_heads(m.num_attention_heads, m.num_key_value_heads, opts.sp)
+    sp, dp = r0["sp"], r0["dp"]
+    e = expanded_kv_heads(m.num_attention_heads, m.num_key_value_heads, sp)
     lines = [
-        f"ulysses-mm verify: dp={opts.dp} × sp={opts.sp} ({opts.dp * opts.sp} processes, "
+        f"ulysses-mm verify: dp={dp} × sp={sp} ({dp * sp} processes, "
         f"backend {r0['backend']}, kernel {r0['kernel']})",
         f"model: {m.num_hidden_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads}/"
-        f"{m.num_key_value_heads} kv (replicated to {e} for sp={opts.sp}); batch "
-        f"{opts.dp * opts.micro_batch} × {opts.seq_len} tokens, {r0['documents']} documents",
+        f"{m.num_key_value_heads} kv (replicated to {e} for sp={sp}); batch "
+        f"{dp * opts.micro_batch} × {opts.seq_len} tokens, {r0['documents']} documents",
         "",
         f"loss        single {r0['loss_single']:.8f}   parallel {r0['loss_parallel']:.8f}   "
         f"|diff| {abs(r0['loss_single'] - r0['loss_parallel']):.3e}",
@@ -170,7 +149,7 @@ def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, A
     width = max(len(n) for n in worst)
     for name, (diff, scale, good) in worst.items():
         lines.append(f"  {name:<{width}s}  {diff:.3e}  {scale:.3e}  {'ok' if good else 'FAIL'}")
-    if opts.sp > 1:
+    if sp > 1:
         measured = max(res["bytes_per_layer"] for res in results)
         lines += [
             "",
@@ -187,18 +166,23 @@ def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, A
 
 
 def run_verify(cfg: RunConfig, opts: VerifyOptions) -> int:
+    """dp × sp (``parallel.dp`` × ``parallel.sp``; dp 0 = 1 when verify starts its own
+    processes) against one process; 0 when every difference is within tolerance."""
     from ulysses_mm.parallel.launch import run_world
 
-    check_sp_shapes(opts.seq_len, cfg.model.num_attention_heads, opts.sp)
-    nproc = opts.sp * opts.dp
-    if in_launched_world():
-        world = int(os.environ["WORLD_SIZE"])
-        if world != nproc:
-            raise SystemExit(
-                f"verify: the launched world has {world} processes but dp×sp = {nproc}"
-            )
-    results = run_world(verify_worker, nproc, to_dict(cfg), opts)
-    if in_launched_world() and results[0]["rank"] != 0:
+    p, m = cfg.parallel, cfg.model
+    launched = in_launched_world()
+    # verify starts dp × sp processes itself unless a launcher made the world
+    dp = check_layout(
+        p.sp,
+        dp=p.dp,
+        world=int(os.environ["WORLD_SIZE"]) if launched else None,
+        num_heads=m.num_attention_heads,
+        num_kv_heads=m.num_key_value_heads,
+        seq_len=opts.seq_len,
+    )
+    results = run_world(verify_worker, p.sp * (dp or 1), to_dict(cfg), opts)
+    if launched and results[0]["rank"] != 0:
         # Only rank 0 prints (its own view: the gradients are already summed globally).
         return 0 if results[0]["ok"] else 1
     print(format_report(cfg, opts, results))

@@ -71,25 +71,20 @@ def sweep_worker(
     """On every rank of a launched world: build the engine once, then measure each length
     in turn. Rank 0 appends events to ``progress`` (JSON lines); a rank that runs out of
     memory records it and raises, so the launcher stops the world."""
-    import deepspeed
     import torch
     import torch.distributed as dist
 
     from ulysses_mm.config import RunConfig, from_dict
     from ulysses_mm.measure import StepRunner
-    from ulysses_mm.parallel import Mesh
-    from ulysses_mm.parallel.mesh import default_backend, init_distributed
+    from ulysses_mm.runtime import open_world
     from ulysses_mm.train.metrics import peak_tflops
 
     cfg = from_dict(RunConfig, cfg_dict)
-    backend = default_backend(cfg.parallel.backend)
-    init_distributed(backend, cfg.parallel.timeout_s)
-    deepspeed.init_distributed(backend, verbose=False)
-    mesh = Mesh.build(cfg.parallel.sp, cfg.parallel.dp)
-    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu"
+    world = open_world(cfg)
+    mesh = world.mesh
     rank0 = mesh.rank == 0
     t_build = time.time()
-    runner = StepRunner(cfg, mesh, device)
+    runner = StepRunner(cfg, world)
     tflops = peak_tflops(cfg, runner.device)
     if rank0:
         _append(

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ulysses_mm.layout import check_layout
 from ulysses_mm.model.heads import IGNORE
 from ulysses_mm.tokenspace import PAD, TokenSpace, token_modalities
 
@@ -42,6 +43,10 @@ class Batch:
         return Batch(
             **{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)}
         )
+
+    def rows(self, start: int, stop: int) -> Batch:
+        """Samples ``start`` .. ``stop`` - 1 (a DP rank's share of a global batch)."""
+        return Batch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
 
     @property
     def num_targets(self) -> int:
@@ -102,24 +107,11 @@ def make_batch(tokens: np.ndarray, segments: list[np.ndarray], space: TokenSpace
     )
 
 
-def valid_sp_sizes(seq_len: int, num_heads: int, limit: int = 64) -> list[int]:
-    """SP sizes that divide both the sequence length and the query heads."""
-    return [
-        p
-        for p in range(1, min(limit, num_heads, seq_len) + 1)
-        if seq_len % p == 0 and num_heads % p == 0
-    ]
-
-
 def sp_slice(batch: Batch, sp_rank: int, sp: int) -> Batch:
     """Rank ``sp_rank`` of ``sp``: its contiguous 1/sp of every per-token field; doc_ids
     stay whole."""
     n = batch.input_ids.shape[-1]
-    if n % sp:
-        divisors = [p for p in range(1, min(n, 64) + 1) if n % p == 0]
-        raise ValueError(
-            f"sequence length {n} is not divisible by sp={sp}; sp sizes that divide it: {divisors}"
-        )
+    check_layout(sp, seq_len=n)
     if sp == 1:
         return batch
     chunk = n // sp

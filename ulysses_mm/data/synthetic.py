@@ -72,3 +72,45 @@ def _modality_of(space: TokenSpace, token: int) -> str:
 def random_batch(space: TokenSpace, batch: int, seq_len: int, seed: int = 0, **kw) -> Batch:
     tokens, tables = random_packed(space, batch, seq_len, seed, **kw)
     return make_batch(tokens, tables, space)
+
+
+def largest_head(space: TokenSpace) -> str:
+    """The modality whose head is widest (its logits tile is the largest)."""
+    return max(space.ranges, key=lambda r: r.size).name
+
+
+def single_modality_batch(
+    space: TokenSpace,
+    batch: int,
+    seq_len: int,
+    doc_len: int,
+    modality: str | None = None,
+    seed: int = 0,
+) -> Batch:
+    """``batch`` packed samples of ``seq_len`` tokens: documents of ``doc_len`` tokens
+    (``<doc> <|m|> ... </doc>``, the last one cut at the sample end), all of one modality
+    (default: the one with the widest head)."""
+    if seq_len < 4 or doc_len < 4:
+        raise ValueError(f"need seq_len and doc_len >= 4, got {seq_len} and {doc_len}")
+    name = modality or largest_head(space)
+    r = space.range(name)
+    m = space.index(name)
+    rng = np.random.default_rng(seed)
+    tokens = np.empty((batch, seq_len), dtype=np.int64)
+    tables = []
+    doc_id = 0
+    for row in range(batch):
+        rows = []
+        for start in range(0, seq_len, doc_len):
+            length = min(doc_len, seq_len - start)
+            doc = rng.integers(r.start, r.stop, size=length)
+            doc[0] = DOC_START
+            if length > 1:
+                doc[1] = space.boundary_token(name)
+            if length > 2:
+                doc[-1] = DOC_END
+            tokens[row, start : start + length] = doc
+            rows.append([start, length, m, doc_id, 0])
+            doc_id += 1
+        tables.append(np.array(rows, dtype=np.int64))
+    return make_batch(tokens, tables, space)

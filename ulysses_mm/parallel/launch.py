@@ -2,16 +2,46 @@
 in the world a launcher already made. Nothing home-made: under torchrun or the DeepSpeed
 launcher the environment describes the world and we join it; with ``--nproc N`` we ask
 ``torch.distributed.launcher`` for N local processes on a free loopback port.
+
+A rank that fails reaches the user as one line naming the rank and what went wrong; its
+full traceback goes to ``LOG_DIR/rank-N.log`` (the run directory's ``logs/`` for train).
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
+import traceback
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from ulysses_mm.errors import WorkerError
 from ulysses_mm.parallel.mesh import in_launched_world
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0]}" if text else type(e).__name__
+
+
+def _guarded(fn: Callable[..., Any], log_dir: str, *args: Any) -> Any:
+    """``fn(*args)`` on this rank; on failure the traceback goes to ``rank-N.log`` and a
+    one-line :class:`WorkerError` (also left in ``rank-N.error`` for the parent) is
+    raised."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        rank = int(os.environ.get("RANK", "0"))
+        logs = Path(log_dir)
+        logs.mkdir(parents=True, exist_ok=True)
+        log = logs / f"rank-{rank}.log"
+        log.write_text(traceback.format_exc())
+        line = f"rank {rank}: {_one_line(e)} (traceback in {log})"
+        (logs / f"rank-{rank}.error").write_text(line + "\n")
+        raise WorkerError(line) from None
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> dict[int, Any]:
@@ -36,12 +66,38 @@ def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> dict[int, An
     return elastic_launch(config, fn)(*args)
 
 
-def run_world(fn: Callable[..., Any], nproc: int | None, *args: Any) -> list[Any]:
+def run_world(
+    fn: Callable[..., Any], nproc: int | None, *args: Any, log_dir: str | Path | None = None
+) -> list[Any]:
     """Run ``fn`` on every rank: in the current launched world if there is one, else in
-    ``nproc`` local processes (or in this process when nproc is 1 or None)."""
-    if in_launched_world():
-        return [fn(*args)]
-    if not nproc or nproc == 1:
-        return [fn(*args)]
-    results = launch_local(fn, nproc, *args)
+    ``nproc`` local processes (or in this process when nproc is 1 or None).
+
+    A failing rank raises :class:`WorkerError` here: one line naming the rank (the first
+    to fail), its traceback in ``log_dir`` (default: a fresh temporary directory)."""
+    logs = str(log_dir or tempfile.mkdtemp(prefix="ulysses-mm-logs-"))
+    if in_launched_world() or not nproc or nproc == 1:
+        return [_guarded(fn, logs, *args)]
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    # the elastic agent logs every failure at length; the user gets one line instead
+    agent_logs = [
+        logging.getLogger(n)
+        for n in ("torch.distributed.elastic", "torch.distributed", "torch.multiprocessing")
+    ]
+    levels = [lg.level for lg in agent_logs]
+    for lg in agent_logs:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        results = launch_local(_guarded, nproc, fn, logs, *args)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        line = Path(logs) / f"rank-{rank}.error"
+        if line.exists():
+            raise WorkerError(line.read_text().strip()) from None
+        raise WorkerError(
+            f"rank {rank}: exited with code {failure.exitcode} (see {failure.error_file or logs})"
+        ) from None
+    finally:
+        for lg, level in zip(agent_logs, levels):
+            lg.setLevel(level)
     return [results[r] for r in sorted(results)]

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ulysses_mm.layout import check_layout
+
 
 @dataclass(frozen=True)
 class Mesh:
@@ -58,14 +60,7 @@ class Mesh:
                 "torch.distributed is not initialised; call init_distributed() first"
             )
         world, rank = dist.get_world_size(), dist.get_rank()
-        if sp < 1 or world % sp:
-            divisors = [p for p in range(1, world + 1) if world % p == 0]
-            raise ValueError(
-                f"sp={sp} does not divide the world of {world} processes; use one of {divisors}"
-            )
-        dp = dp or world // sp
-        if dp * sp != world:
-            raise ValueError(f"dp={dp} × sp={sp} = {dp * sp} but the world has {world} processes")
+        dp = check_layout(sp, dp=dp, world=world)
         sp_group = dp_group = None
         for d in range(dp):
             ranks = list(range(d * sp, (d + 1) * sp))

@@ -18,50 +18,16 @@ both do). Shapes that cannot work are refused before any collective is issued.
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ulysses_mm.layout import check_layout, expanded_kv_heads, valid_sp_sizes
 from ulysses_mm.model.attention import DocumentMask
+from ulysses_mm.model.llama import Attention, DecoderLayer, MultimodalLM
 from ulysses_mm.parallel.comm import CommStats, Exchange, Workspace, gather_heads, scatter_heads
 from ulysses_mm.parallel.mesh import Mesh
-
-
-def _divisors(n: int, limit: int = 128) -> list[int]:
-    return [p for p in range(1, min(n, limit) + 1) if n % p == 0]
-
-
-def check_heads(num_heads: int, sp: int) -> None:
-    if num_heads % sp:
-        raise ValueError(
-            f"Ulysses needs the query heads ({num_heads}) divisible by the sequence-parallel "
-            f"size sp={sp}; sp sizes that work with {num_heads} heads: {_divisors(num_heads)}"
-        )
-
-
-def check_sp_shapes(seq_len: int, num_heads: int, sp: int) -> None:
-    """Refuse (before any process or collective starts) an sp that cannot split both the
-    sequence and the query heads; the message lists the sp sizes that would work."""
-    if seq_len % sp or num_heads % sp:
-        works = [p for p in _divisors(num_heads) if seq_len % p == 0]
-        what = []
-        if num_heads % sp:
-            what.append(f"the {num_heads} query heads")
-        if seq_len % sp:
-            what.append(f"the sequence of {seq_len} tokens")
-        raise ValueError(
-            f"sp={sp} does not divide {' and '.join(what)}; sp sizes that divide both "
-            f"{num_heads} heads and {seq_len} tokens: {works}"
-        )
-
-
-def expanded_kv_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
-    """kv heads after replication so that they split evenly over ``sp`` ranks."""
-    e = math.lcm(num_kv_heads, sp)
-    assert num_heads % e == 0, (num_heads, num_kv_heads, sp)
-    return e
 
 
 class UlyssesAttention(nn.Module):
@@ -80,7 +46,7 @@ class UlyssesAttention(nn.Module):
         self.local = local
         self.group = group
         self.sp = dist.get_world_size(group) if group is not None else 1
-        check_heads(num_heads, self.sp)
+        check_layout(self.sp, num_heads=num_heads, num_kv_heads=num_kv_heads)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.kv_expanded = expanded_kv_heads(num_heads, num_kv_heads, self.sp)
@@ -98,7 +64,7 @@ class UlyssesAttention(nn.Module):
                 f"expected {self.num_heads}/{self.num_kv_heads} heads, got {hq}/{k.shape[2]}"
             )
         if mask.seq_len != n * self.sp:
-            works = [p for p in _divisors(self.num_heads) if mask.seq_len % p == 0]
+            works = valid_sp_sizes(self.num_heads, mask.seq_len)
             raise ValueError(
                 f"sequence of {mask.seq_len} tokens cannot be split evenly over sp={self.sp} "
                 f"(this rank holds {n}); sp sizes that divide both the sequence and the "
@@ -123,19 +89,19 @@ class UlyssesAttention(nn.Module):
         return back
 
 
-def apply_ulysses(model: nn.Module, mesh: Mesh, stats: CommStats | None = None) -> nn.Module:
-    """Make every attention of ``model`` sequence-parallel over ``mesh.sp`` (in place).
+def attention_modules(model: MultimodalLM) -> list[Attention]:
+    """The attention of every decoder layer, by its path on the model
+    (``model.layers[i].self_attn``: transformers' Llama layout)."""
+    return [cast(DecoderLayer, layer).self_attn for layer in model.model.layers]
 
-    Works on any module tree whose attention modules carry ``num_heads``,
-    ``num_kv_heads`` and an injected ``core`` (see :class:`ulysses_mm.model.llama.Attention`).
-    Raises before any collective if the heads do not split over ``mesh.sp``."""
-    attns: list[Any] = [
-        m for m in model.modules() if hasattr(m, "core") and hasattr(m, "num_heads")
-    ]
-    if not attns:
-        raise ValueError("apply_ulysses found no attention module with an injected 'core'")
+
+def apply_ulysses(model: MultimodalLM, mesh: Mesh, stats: CommStats | None = None) -> MultimodalLM:
+    """Make every decoder layer's attention kernel (``model.layers[i].self_attn.core``)
+    sequence-parallel over ``mesh.sp``, in place. Raises before any collective if the
+    heads do not split over ``mesh.sp``."""
+    attns = attention_modules(model)
     for attn in attns:
-        check_heads(attn.num_heads, mesh.sp)
+        check_layout(mesh.sp, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
     if mesh.sp == 1:
         return model
     workspace = Workspace()  # one send buffer for every layer: exchanges never overlap

@@ -119,6 +119,17 @@ def prune(ckpt_dir: Path, keep: int) -> None:
         shutil.rmtree(ckpt_dir / tag, ignore_errors=True)
 
 
+def saved_token_space(path: Path) -> TokenSpace | None:
+    """The token space a checkpoint (tag directory) was trained on, when it recorded one."""
+    f = path / SPACE_FILE
+    if not f.exists():
+        return None
+    try:
+        return TokenSpace.from_dict(json.loads(f.read_text()))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{f}: not a token space: {e}") from e
+
+
 def load(engine, ckpt_dir: Path) -> dict[str, Any]:
     """Restore the engine from ``latest``; returns the client state (step, loader, ...)."""
     tag = latest_tag(ckpt_dir)

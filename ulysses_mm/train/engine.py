@@ -61,8 +61,9 @@ def loss_scale(mesh: Mesh) -> float:
     return float(mesh.dp)
 
 
-def ds_config(cfg: RunConfig, sp: int = 1) -> dict[str, Any]:
-    """The ds_config dict for this run (``deepspeed.extra`` merged last)."""
+def ds_config(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
+    """The ds_config dict for this run on ``mesh`` (``deepspeed.extra`` merged last)."""
+    sp = mesh.sp
     d = cfg.deepspeed
     opt = d.optimizer
     zero: dict[str, Any] = {"stage": d.zero_stage}
@@ -147,7 +148,7 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, mesh: Mesh):
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=ds_config(cfg, mesh.sp),
+        config=ds_config(cfg, mesh),
         mpu=SequenceParallelMPU(mesh) if mesh.sp > 1 else None,
     )
     engine.checkpoint_engine = _safe_engine_class()(engine._config)

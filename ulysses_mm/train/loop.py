@@ -11,27 +11,24 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from ulysses_mm.config import RunConfig, from_dict, to_dict
-from ulysses_mm.data.batch import make_batch, sp_slice
+from ulysses_mm.data.batch import Batch, make_batch
 from ulysses_mm.data.manifest import Manifest
 from ulysses_mm.data.stream import ShardStream
-from ulysses_mm.model import build_model
-from ulysses_mm.model.attention import resolve_kernel
-from ulysses_mm.parallel import Mesh, apply_ulysses, global_loss, loss_weights
-from ulysses_mm.parallel.mesh import default_backend, in_launched_world, init_distributed
-from ulysses_mm.parallel.ulysses import check_sp_shapes
+from ulysses_mm.layout import check_layout
+from ulysses_mm.parallel.mesh import in_launched_world
+from ulysses_mm.runtime import build_runtime, loss_of, open_world, train_step
 from ulysses_mm.tokenspace import TokenSpace
 from ulysses_mm.train import checkpoint
-from ulysses_mm.train.engine import build_engine, loss_scale
 from ulysses_mm.train.metrics import (
     MetricsLogger,
     causal_pairs,
@@ -52,19 +49,6 @@ class TrainResult:
     final_loss: float
 
 
-def _single_process_env() -> None:
-    """DeepSpeed needs a process group even for one process; make a one-rank world on a
-    free loopback port (it would otherwise go looking for MPI)."""
-    if in_launched_world():
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(
-        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-
-
 def model_space(cfg: RunConfig, manifest: Manifest) -> TokenSpace:
     """The model's token space: the config's when it names one (and it must match the
     data's), else the data's."""
@@ -75,59 +59,88 @@ def model_space(cfg: RunConfig, manifest: Manifest) -> TokenSpace:
     return manifest.token_space
 
 
-def _device(backend: str) -> torch.device:
-    if backend == "nccl":
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
+@dataclass
+class RunPlan:
+    """What the config and the manifests decide before any process starts."""
+
+    manifest: Manifest
+    eval_manifest: Manifest | None
+    space: TokenSpace
+    seq_len: int
+
+
+def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
+    """Every check the config, the manifests and the checkpoint decide, in one place: run
+    by the parent before it starts processes (one line, exit 2) and by each rank again.
+
+    The layout (sp and dp against the world, the heads and the sequence), the data's
+    token space against the model's and the checkpoint's, the sequence length against
+    the shards', and that a resumed run has a checkpoint."""
+    if not cfg.data.train:
+        raise ValueError("data.train is empty: give the manifest of the training shards")
+    opts = cfg.data.storage_options
+    manifest = Manifest.load(cfg.data.train, opts)
+    space = model_space(cfg, manifest)
+    seq_len = cfg.data.seq_len or manifest.seq_len
+    if seq_len != manifest.seq_len:
+        raise ValueError(
+            f"data.seq_len={seq_len} but the shards of {manifest.location} hold samples "
+            f"of {manifest.seq_len} tokens; prepare the data again or set data.seq_len=0"
+        )
+    m = cfg.model
+    check_layout(
+        cfg.parallel.sp,
+        dp=cfg.parallel.dp,
+        world=world,
+        num_heads=m.num_attention_heads,
+        num_kv_heads=m.num_key_value_heads,
+        seq_len=seq_len,
+    )
+    eval_manifest = Manifest.load(cfg.data.eval, opts) if cfg.data.eval else None
+    if eval_manifest is not None:
+        eval_manifest.check_token_space(space)
+    if resume:
+        ckpt_dir = Path(cfg.train.out_dir) / "checkpoints"
+        tag = checkpoint.latest_tag(ckpt_dir)
+        if tag is None:
+            raise FileNotFoundError(
+                f"--resume: no checkpoint to resume from in {ckpt_dir} (no 'latest' file)"
+            )
+        saved = checkpoint.saved_token_space(ckpt_dir / tag)
+        if saved is not None and saved != space:
+            raise ValueError(
+                f"--resume: checkpoint {ckpt_dir / tag} was trained on the "
+                f"{saved.describe()}, but this run's is the {space.describe()}"
+            )
+    return RunPlan(manifest, eval_manifest, space, seq_len)
+
+
+def world_size(nproc: int | None) -> int:
+    """The processes the run will have: the launcher's world, else ``--nproc``, else 1."""
+    if in_launched_world():
+        return int(os.environ["WORLD_SIZE"])
+    return nproc or 1
 
 
 class Trainer:
     def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
-        _single_process_env()
-        init_distributed(cfg.parallel.backend, cfg.parallel.timeout_s)
-        import deepspeed
-
-        deepspeed.init_distributed(default_backend(cfg.parallel.backend), verbose=False)
         self.cfg = cfg
-        self.mesh = Mesh.build(cfg.parallel.sp, cfg.parallel.dp)
+        self.world = open_world(cfg)
+        self.mesh = self.world.mesh
+        self.device = self.world.device
         self.rank0 = self.mesh.rank == 0
-        self.device = _device(default_backend(cfg.parallel.backend))
         self.run_dir = Path(cfg.train.out_dir)
         self.ckpt_dir = self.run_dir / "checkpoints"
-        opts = cfg.data.storage_options
-        if not cfg.data.train:
-            raise ValueError("data.train is empty: give the manifest of the training shards")
-        self.manifest = Manifest.load(cfg.data.train, opts)
-        self.space = model_space(cfg, self.manifest)
-        seq_len = cfg.data.seq_len or self.manifest.seq_len
-        if seq_len != self.manifest.seq_len:
-            raise ValueError(
-                f"data.seq_len={seq_len} but the shards of {self.manifest.location} hold samples "
-                f"of {self.manifest.seq_len} tokens; prepare the data again or set data.seq_len=0"
-            )
-        check_sp_shapes(seq_len, cfg.model.num_attention_heads, self.mesh.sp)
-        self.eval_manifest = Manifest.load(cfg.data.eval, opts) if cfg.data.eval else None
-        if self.eval_manifest is not None:
-            self.eval_manifest.check_token_space(self.space)
-
-        kernel = resolve_kernel(cfg.parallel.attention, self.device.type)
-        model = build_model(cfg.model, self.space, kernel, seed=cfg.train.seed)
-        apply_ulysses(model, self.mesh)
-        self.engine, self.optimizer, self.scheduler = build_engine(
-            model.to(self.device), cfg, self.mesh
+        plan = plan_run(cfg, self.mesh.world_size, resume)
+        self.manifest, self.eval_manifest, self.space = (
+            plan.manifest,
+            plan.eval_manifest,
+            plan.space,
         )
-        self.model = model
-        self.weights = loss_weights(self.space.modalities, cfg.model.loss_weights, self.device)
-        self.stream = ShardStream(
-            self.manifest,
-            dp_rank=self.mesh.dp_rank,
-            dp=self.mesh.dp,
-            micro_batch=cfg.data.micro_batch_size,
-            seed=cfg.data.seed,
-            shuffle=cfg.data.shuffle,
-            retries=cfg.data.retries,
-            backoff_s=cfg.data.retry_backoff_s,
-        )
+        self.rt = build_runtime(cfg, self.space, self.world)
+        self.engine, self.optimizer, self.model = self.rt.engine, self.rt.optimizer, self.rt.model
+        self.weights = self.rt.weights
+        self.stream = self._stream(self.manifest, cfg.data.seed, cfg.data.shuffle)
         self.step = 0
         if resume:
             client = checkpoint.load(self.engine, self.ckpt_dir)
@@ -137,17 +150,22 @@ class Trainer:
         self.tflops = peak_tflops(cfg, self.device)
 
     # ------------------------------------------------------------------ pieces
-    def _local_batch(self, samples):
-        batch = make_batch(
-            [s.tokens.astype("int64") for s in samples], [s.segments for s in samples], self.space
+    def _stream(self, manifest: Manifest, seed: int, shuffle: bool) -> ShardStream:
+        d = self.cfg.data
+        return ShardStream(
+            manifest,
+            dp_rank=self.mesh.dp_rank,
+            dp=self.mesh.dp,
+            micro_batch=d.micro_batch_size,
+            seed=seed,
+            shuffle=shuffle,
+            retries=d.retries,
+            backoff_s=d.retry_backoff_s,
         )
-        return batch, sp_slice(batch, self.mesh.sp_rank, self.mesh.sp).to(self.device)
 
-    def _forward(self, local):
-        sums, counts = self.engine(
-            local.input_ids, local.position_ids, local.doc_ids, local.labels, local.label_modality
-        )
-        return global_loss(sums, counts, self.weights, self.mesh, self.space.modalities)
+    def _batch(self, samples) -> Batch:
+        tokens = np.stack([s.tokens.astype("int64") for s in samples])
+        return make_batch(tokens, [s.segments for s in samples], self.space)
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -156,18 +174,20 @@ class Trainer:
         counts = {m: 0 for m in self.space.modalities}
         totals, tokens, pairs = [], 0, 0.0
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step applies
-        grad_norm = math.nan
-        for micro in range(gas):
-            full, local = self._local_batch(self.stream.next_batch())
-            share, report = self._forward(local)
-            self.engine.backward(share * loss_scale(self.mesh))
-            if micro == gas - 1 and self.engine.zero_optimization_stage() == 0:
-                grad_norm = _grad_norm(self.model)  # reduced already; ZeRO-0 keeps no norm
-            self.engine.step()
+        fulls: list[Batch] = []
+
+        def micro_batches():
+            for _ in range(gas):
+                fulls.append(self._batch(self.stream.next_batch()))
+                yield fulls[-1]
+
+        result = train_step(self.rt, micro_batches())
+        for report in result.reports:
             totals.append(report.total)
             for m, v in report.per_modality.items():
                 sums[m] += v * report.counts[m]
                 counts[m] += report.counts[m]
+        for full in fulls:
             tokens += full.input_ids.numel()
             pairs += causal_pairs(full.doc_ids)
         if self.device.type == "cuda":
@@ -181,7 +201,7 @@ class Trainer:
             "kind": "train",
             "loss": sum(totals) / len(totals),
             "lr": lr,
-            "grad_norm": _float(self.engine.get_global_grad_norm(), grad_norm),
+            "grad_norm": result.grad_norm,
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
             "mfu": flops / dt / (self.mesh.world_size * self.tflops * 1e12),
@@ -198,23 +218,14 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
         assert self.eval_manifest is not None
-        stream = ShardStream(
-            self.eval_manifest,
-            dp_rank=self.mesh.dp_rank,
-            dp=self.mesh.dp,
-            micro_batch=self.cfg.data.micro_batch_size,
-            seed=0,
-            shuffle=False,
-            retries=self.cfg.data.retries,
-            backoff_s=self.cfg.data.retry_backoff_s,
-        )
+        stream = self._stream(self.eval_manifest, seed=0, shuffle=False)
         batches = min(self.cfg.train.eval_batches, stream.batches_per_epoch)
         sums = {m: 0.0 for m in self.space.modalities}
         counts = {m: 0 for m in self.space.modalities}
         self.engine.eval()
         for _ in range(batches):
-            _, local = self._local_batch(stream.next_batch())
-            _, report = self._forward(local)
+            local = self.rt.local(self._batch(stream.next_batch()))
+            _, report = loss_of(self.engine, local, self.weights, self.mesh)
             for m, v in report.per_modality.items():
                 sums[m] += v * report.counts[m]
                 counts[m] += report.counts[m]
@@ -274,18 +285,6 @@ class Trainer:
         )
 
 
-def _float(x: Any, default: float = math.nan) -> float:
-    if x is None:
-        return default
-    return float(x.item() if isinstance(x, torch.Tensor) else x)
-
-
-@torch.no_grad()
-def _grad_norm(model: torch.nn.Module) -> float:
-    grads = [p.grad.float().norm() for p in model.parameters() if p.grad is not None]
-    return float(torch.stack(grads).norm()) if grads else math.nan
-
-
 def train_worker(cfg_dict: dict[str, Any], resume: bool) -> dict[str, Any]:
     trainer = Trainer(from_dict(RunConfig, cfg_dict), resume)
     result = trainer.run()
@@ -302,4 +301,6 @@ def run_train(cfg: RunConfig, nproc: int | None, resume: bool) -> dict[str, Any]
         raise ValueError(
             "--nproc starts local processes; under torchrun or the DeepSpeed launcher leave it out"
         )
-    return run_world(train_worker, nproc, to_dict(cfg), resume)[0]
+    plan_run(cfg, world_size(nproc), resume)  # what the config decides fails here, not in a rank
+    logs = Path(cfg.train.out_dir) / "logs"
+    return run_world(train_worker, nproc, to_dict(cfg), resume, log_dir=logs)[0]

@@ -1,0 +1,101 @@
+"""What the config and the manifests already decide fails in the parent before any
+process starts (one line, exit 2), and a failing rank reaches the user as one line naming
+the rank, its traceback in a log file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from train_data import prepare_dna
+
+from ulysses_mm.cli import main
+from ulysses_mm.errors import WorkerError
+from ulysses_mm.parallel.launch import run_world
+from ulysses_mm.tokenspace import TokenSpace
+
+SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def manifest(tmp_path_factory) -> Path:
+    return prepare_dna(tmp_path_factory.mktemp("preflight"), "dna", records=6, seq_len=SEQ)
+
+
+@pytest.fixture
+def no_processes(monkeypatch):
+    """Starting any process is a failure of the test: the parent must refuse first."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a process was started")
+
+    monkeypatch.setattr("ulysses_mm.parallel.launch.run_world", refuse)
+
+
+def _config(tmp: Path, manifest: Path, **model) -> Path:
+    cfg = {
+        "model": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, **model},
+        "data": {"train": str(manifest)},
+        "train": {"out_dir": str(tmp / "run")},
+        "logging": {"wandb": "disabled"},
+    }
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _refused(capsys, *argv: str) -> str:
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line
+    return err
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (["--nproc", "2", "parallel.sp=3"], "sp=3 does not divide the 4 query heads"),
+        (["--nproc", "2", "parallel.sp=2", "parallel.dp=2"], "dp=2 × sp=2 = 4 but the world has 2"),
+        (["--nproc", "3", "parallel.sp=2"], "sp=2 does not divide the world of 3 processes"),
+        (["'model.modalities={dna: 12}'"], "differs from the model's"),
+        ([f"data.seq_len={2 * SEQ}"], f"hold samples of {SEQ} tokens"),
+        (["--resume"], "no checkpoint to resume from"),
+    ],
+)
+def test_config_errors_fail_in_the_parent(tmp_path, manifest, no_processes, capsys, args, expect):
+    overrides = [a.strip("'") for a in args if "=" in a]
+    options = [a for a in args if "=" not in a]
+    err = _refused(capsys, str(_config(tmp_path, manifest)), *overrides, *options)
+    assert expect in err, err
+
+
+def test_resume_onto_another_token_space_is_refused(tmp_path, manifest, no_processes, capsys):
+    ckpt = tmp_path / "run" / "checkpoints"
+    (ckpt / "step_00000004").mkdir(parents=True)
+    (ckpt / "latest").write_text("step_00000004\n")
+    other = TokenSpace.from_vocab({"dna": 10, "audio": 256})
+    (ckpt / "step_00000004" / "token_space.json").write_text(json.dumps(other.to_dict()))
+    err = _refused(capsys, str(_config(tmp_path, manifest)), "--resume")
+    assert "was trained on the" in err and "step_00000004" in err, err
+
+
+def _fails_on_rank_one() -> int:
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom on purpose\nsecond line")
+    return 7
+
+
+def test_a_failing_rank_is_one_line_with_its_traceback_in_a_log(tmp_path):
+    with pytest.raises(WorkerError) as info:
+        run_world(_fails_on_rank_one, 2, log_dir=tmp_path / "logs")
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith("rank 1: ValueError: boom on purpose"), msg
+    log = tmp_path / "logs" / "rank-1.log"
+    assert str(log) in msg
+    text = log.read_text()
+    assert "Traceback" in text and "_fails_on_rank_one" in text and "second line" in text
