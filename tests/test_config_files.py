@@ -9,7 +9,7 @@ import pytest
 
 from ulysses_mm.config import ConfigError, PipelineConfig, RunConfig, load_config, read_yaml
 from ulysses_mm.data.prepare import DEFAULT_SUFFIXES, load_pipeline_config, route
-from ulysses_mm.data.storage import expand_braces
+from ulysses_mm.storage import expand_braces
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

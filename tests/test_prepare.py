@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 from pipeline_fakes import VIDEO, expected_documents, make_inputs, write_pipeline, write_spec
 
+from ulysses_mm import storage
 from ulysses_mm.config import PipelineConfig
-from ulysses_mm.data import storage
 from ulysses_mm.data.manifest import Manifest, read_verified_shard
 from ulysses_mm.data.prepare import PrepareError, load_pipeline_config, prepare, route
 from ulysses_mm.data.shards import read_samples

@@ -17,7 +17,8 @@ import pytest
 import webdataset as wds
 from conftest import tar_of
 
-from ulysses_mm.data import storage
+from ulysses_mm import storage
+from ulysses_mm.data.format import PackedSample, ShardFormatError
 from ulysses_mm.data.manifest import (
     InputEntry,
     Manifest,
@@ -27,9 +28,8 @@ from ulysses_mm.data.manifest import (
     read_verified_shard,
     verify_shard_bytes,
 )
-from ulysses_mm.data.packing import DocumentBlock, PackedSample, pack
+from ulysses_mm.data.packing import DocumentBlock, pack
 from ulysses_mm.data.shards import (
-    ShardFormatError,
     ShardRecord,
     ShardWriter,
     encode_sample,

@@ -13,7 +13,7 @@ again ends with exactly the bytes of an uninterrupted run:
    order and their documents in file order, whatever order the workers finish in, so
    packing, document ids, shard boundaries and bytes are a function of the inputs and
    the config alone. Shards appear under their final names only when complete (see
-   :mod:`ulysses_mm.data.storage`); ``manifest.json`` is written last. A previous
+   :mod:`ulysses_mm.storage`); ``manifest.json`` is written last. A previous
    dataset's manifest is removed just before its first shard is replaced, so a manifest
    never describes shards it does not match. The staging directory is removed at the end
    unless ``keep_staging``.
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
+from ulysses_mm import storage
 from ulysses_mm.config import (
     ConfigError,
     PipelineConfig,
@@ -55,7 +56,6 @@ from ulysses_mm.config import (
     read_yaml,
     to_dict,
 )
-from ulysses_mm.data import storage
 from ulysses_mm.data.manifest import MANIFEST_NAME, InputEntry, Manifest, ShardEntry
 from ulysses_mm.modalities import registry
 from ulysses_mm.modalities.base import (

@@ -2,7 +2,7 @@
 
 One sample is two tar members under ``__key__ = f"{global_sample_index:09d}"``::
 
-    000000042.segments.npy   int64 [rows, 5]   segment table (see ulysses_mm.data.packing)
+    000000042.segments.npy   int64 [rows, 5]   segment table (see ulysses_mm.data.format)
     000000042.tokens.npy     uint8|16|32 [N]   TokenSpace.dtype(), the smallest that holds it
 
 written by webdataset's ``TarWriter`` (so ``tar -tf`` and ``webdataset.WebDataset`` read
@@ -30,17 +30,18 @@ from typing import IO, Any
 import numpy as np
 import webdataset as wds
 
-from ulysses_mm.data.packing import NUM_COLUMNS, PackedSample
-from ulysses_mm.data.storage import temp_name
+from ulysses_mm.data.format import (
+    NUM_COLUMNS,
+    SEGMENTS_KEY,
+    TOKENS_KEY,
+    PackedSample,
+    ShardFormatError,
+    load_npy,
+)
+from ulysses_mm.storage import temp_name
 
-TOKENS_KEY = "tokens.npy"
-SEGMENTS_KEY = "segments.npy"
 _BLOCK = tarfile.BLOCKSIZE  # 512: header and data padding unit
 _RECORD = tarfile.RECORDSIZE  # 10240: a streamed tar is padded to a multiple of this
-
-
-class ShardFormatError(ValueError):
-    """A shard is not in the format above; the message names the shard and the problem."""
 
 
 def shard_name(index: int) -> str:
@@ -56,13 +57,6 @@ def npy_bytes(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.lib.format.write_array(buf, np.ascontiguousarray(array), allow_pickle=False)
     return buf.getvalue()
-
-
-def load_npy(data: bytes, where: str) -> np.ndarray:
-    try:
-        return np.load(io.BytesIO(data), allow_pickle=False)
-    except ValueError as e:  # includes "Object arrays cannot be loaded when allow_pickle=False"
-        raise ShardFormatError(f"{where}: not a plain .npy array: {e}") from e
 
 
 def encode_sample(sample: PackedSample) -> dict[str, Any]:

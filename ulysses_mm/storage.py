@@ -1,4 +1,7 @@
-"""Where datasets live: local paths or fsspec URLs, written so nothing partial is ever visible.
+"""Where files live: local paths or fsspec URLs, written so nothing partial is ever visible.
+
+General I/O on the bottom floor: datasets (``data``), fitted codebooks (``modalities``),
+checkpoints and metrics (``train``) all write through it. It imports nothing of the package.
 
 Every write goes to a temporary name in the destination's own directory (``.NAME.XXXX.tmp``)
 and is then renamed (local: ``os.replace``) or moved (object stores: upload to the temporary
