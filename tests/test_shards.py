@@ -136,6 +136,20 @@ def test_same_samples_same_bytes(tmp_path: Path):
         assert (tmp_path / "a" / r.name).read_bytes() == (tmp_path / "b" / r.name).read_bytes()
 
 
+def test_shard_bytes_are_those_of_webdataset_tarwriter(tmp_path: Path):
+    """The writer uses the standard library (webdataset imports torch), byte for byte what
+    webdataset's TarWriter writes with fixed header fields."""
+    samples = make_samples(5)
+    (record,) = write_shards(tmp_path, samples, max_bytes=1 << 30)
+    buf = io.BytesIO()
+    tw = wds.TarWriter(buf, encoder=False, mtime=0, user="ulysses", group="ulysses", mode=0o444)
+    for sample in samples:
+        tw.write(encode_sample(sample))
+    tw.close()
+    assert (tmp_path / record.name).read_bytes() == buf.getvalue()
+    assert record.bytes == len(buf.getvalue())
+
+
 def test_reader_rejects_bad_shards(tmp_path: Path):
     good = encode_sample(make_samples()[0])
     obj = io.BytesIO()
