@@ -59,7 +59,7 @@ from ulysses_mm.data.inputs import (
 )
 from ulysses_mm.data.manifest import InputEntry, Manifest, ShardEntry
 from ulysses_mm.data.output import Output
-from ulysses_mm.data.shards import ShardWriter
+from ulysses_mm.data.shards import ShardRecord, ShardWriter
 from ulysses_mm.data.workers import WorkerConfig, run_pool
 from ulysses_mm.modalities.base import TokenizerSpec, spec_table
 from ulysses_mm.tokenspace import TokenSpace
@@ -174,20 +174,7 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
         raise
     bar.close()
     output.remove_stale_shards(len(records))
-    num_samples = assembler.packer.next_sample
-    counts = assembler.counts
-    manifest = Manifest(
-        name=cfg.name,
-        token_space=space,
-        tokenizers=dict(spec_table(specs)),
-        seq_len=cfg.pack.seq_len,
-        shards=[ShardEntry(r.name, r.samples, r.first_sample, r.bytes, r.sha256) for r in records],
-        inputs=entries,
-        num_documents=assembler.packer.next_doc,
-        tokens={m: int(c) for m, c in zip(space.modalities, counts)},
-        pad_tokens=num_samples * cfg.pack.seq_len - int(counts.sum()),
-        config=_recorded_config(cfg),
-    )
+    manifest = _manifest(cfg, specs, space, assembler, records, entries)
     manifest.save(output.manifest_url, so)
     if not cfg.keep_staging:
         shutil.rmtree(staging, ignore_errors=True)
@@ -196,6 +183,29 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
     )
     print_summary(result, out)
     return result
+
+
+def _manifest(
+    cfg: PipelineConfig,
+    specs: list[TokenizerSpec],
+    space: TokenSpace,
+    assembler: Assembler,
+    records: list[ShardRecord],
+    entries: list[InputEntry],
+) -> Manifest:
+    counts = assembler.counts
+    return Manifest(
+        name=cfg.name,
+        token_space=space,
+        tokenizers=dict(spec_table(specs)),
+        seq_len=cfg.pack.seq_len,
+        shards=[ShardEntry(r.name, r.samples, r.first_sample, r.bytes, r.sha256) for r in records],
+        inputs=entries,
+        num_documents=assembler.packer.next_doc,
+        tokens={m: int(c) for m, c in zip(space.modalities, counts)},
+        pad_tokens=assembler.packer.next_sample * cfg.pack.seq_len - int(counts.sum()),
+        config=_recorded_config(cfg),
+    )
 
 
 def _worker_config(
