@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ulysses_mm.data.packing import DocumentBlock, PackedSample, Packer
+from ulysses_mm.data.format import PackedSample
+from ulysses_mm.data.packing import DocumentBlock, Packer
 from ulysses_mm.data.shards import ShardRecord, ShardWriter
 from ulysses_mm.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
 

@@ -24,9 +24,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 import torch
 
+from ulysses_mm.modalities.frames import probe_video
 from ulysses_mm.modalities.kmeans import Codebook
 from ulysses_mm.modalities.registry import load_tokenizer
-from ulysses_mm.modalities.video import VqVideoTokenizer, patchify, probe_video, psnr
+from ulysses_mm.modalities.video import VqVideoTokenizer, patchify, psnr
 from ulysses_mm.tokenspace import TokenSpace
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 
 from ulysses_mm.config import ConfigError, PipelineConfig, RunConfig, load_config, read_yaml
-from ulysses_mm.data.prepare import DEFAULT_SUFFIXES, load_pipeline_config, route
-from ulysses_mm.data.storage import expand_braces
+from ulysses_mm.data.inputs import route
+from ulysses_mm.data.prepare import load_pipeline_config
+from ulysses_mm.modalities import registry
+from ulysses_mm.storage import expand_braces
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -48,12 +50,14 @@ def test_pipeline_config_loads(path: Path):
 def test_pipeline_sources_route_to_their_tokenizers(path: Path):
     """Each source glob's suffixes reach a tokenizer the pipeline names."""
     cfg = load_config(PipelineConfig, path)
-    modalities = [Path(t).stem.split("-")[0] for t in cfg.tokenizers]
-    assert set(modalities) <= set(DEFAULT_SUFFIXES), modalities
+    specs = [read_yaml(t) for t in load_pipeline_config(path).tokenizers]  # JSON is YAML
+    kinds = {s["modality"]: s["kind"] for s in specs}
+    # every shipped tokenizer kind declares the files it reads
+    assert all(registry.kind(k).suffixes for k in kinds.values()), kinds
     for pattern in cfg.sources:
         for alt in expand_braces(pattern):
             name = Path(alt).name.replace("*", "x")
-            assert route(name, modalities, cfg.suffixes) is not None, (path.name, alt)
+            assert route(name, kinds, cfg.suffixes) is not None, (path.name, alt)
 
 
 def test_pipeline_paths_resolve_against_file_and_cwd(tmp_path: Path):

@@ -16,13 +16,15 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
-from pipeline_fakes import VIDEO, expected_documents, make_inputs, write_pipeline, write_spec
+from pipeline_fakes import KINDS, VIDEO, expected_documents, make_inputs, write_pipeline, write_spec
 
+from ulysses_mm import storage
 from ulysses_mm.config import PipelineConfig
-from ulysses_mm.data import storage
+from ulysses_mm.data.inputs import route
 from ulysses_mm.data.manifest import Manifest, read_verified_shard
-from ulysses_mm.data.prepare import PrepareError, load_pipeline_config, prepare, route
+from ulysses_mm.data.prepare import PrepareError, load_pipeline_config, prepare
 from ulysses_mm.data.shards import read_samples
+from ulysses_mm.modalities import registry
 from ulysses_mm.modalities.base import TokenizerSpec, build_token_space
 
 TESTS = Path(__file__).resolve().parent
@@ -132,6 +134,39 @@ def test_all_inputs_bad_is_an_error(tmp_path):
         and "b.seq: line 1: illegal character 'O'" in proc.stderr
     )
     assert not (out / "manifest.json").exists()
+
+
+def test_all_inputs_bad_leaves_nothing_behind(tmp_path):
+    """No dataset, no trace: neither the output folder (nor its parents) this run made,
+    nor the staging cache; the error is one line. A folder that was there stays."""
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.seq").write_text("")
+    (d / "b.seq").write_text("NOPE\n")
+    out = tmp_path / "new" / "out"
+    with pytest.raises(PrepareError) as err:
+        prepare(config(tmp_path, str(out)))
+    assert "\n" not in str(err.value) and "every input failed (3 inputs)" in str(err.value)
+    assert not (tmp_path / "new").exists()
+    assert not (tmp_path / "new" / "out.staging").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data", "pipeline.yaml", "tok"]
+
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    with pytest.raises(PrepareError, match="every input failed"):
+        prepare(config(tmp_path, str(kept)))
+    assert kept.is_dir() and not any(kept.iterdir())
+    assert not (tmp_path / "kept.staging").exists()
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ulysses_mm", "prepare", str(tmp_path / "pipeline.yaml")],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not kept.with_suffix(".staging").exists() and not any(kept.iterdir())
 
 
 def test_bad_pipeline_is_a_clear_error(tmp_path):
@@ -271,15 +306,36 @@ def test_s3_sources_and_output_on_a_local_moto_server(reference, tmp_path, s3_se
     assert result.location == "s3://ulysses-test/ds/manifest.json"
 
 
+BUILTIN_KINDS = {"dna": "dna-base", "audio": "audio-mulaw", "video": "video-vq"}
+
+
+def kinds(*modalities: str) -> dict[str, str]:
+    """A pipeline of the shipped tokenizers for ``modalities``: modality -> kind."""
+    return {m: BUILTIN_KINDS[m] for m in modalities}
+
+
 def test_routing_by_suffix():
-    mods = ["dna", "audio", "video"]
+    mods = kinds("dna", "audio", "video")
     assert route("/x/y/genome.FA.GZ", mods, {}) == "dna"
     assert route("s3://b/reads.fastq", mods, {}) == "dna"
     assert route("clip.mp4", mods, {}) == "video"
-    assert route("clip.mp4", ["dna", "audio"], {}) == "audio"  # its sound track
-    assert route("song.mp3", ["dna", "video"], {}) is None
+    assert route("clip.mp4", kinds("dna", "audio"), {}) == "audio"  # its sound track
+    assert route("song.mp3", kinds("dna", "video"), {}) is None
     assert route("notes.seq", mods, {"dna": [".seq"]}) == "dna"
     assert route("notes.txt", mods, {}) is None
+
+
+def test_routing_table_is_declared_per_tokenizer_kind():
+    """The suffixes come from the kind a pipeline's tokenizer is registered as: a kind
+    registered without suffixes gets inputs only through the pipeline's own table."""
+    registry.register_kind("test-lines", KINDS["test-lines"])  # as a pipeline registers it
+    assert route("genome.fa", {"dna": "test-lines"}, {}) is None
+    assert route("genome.seq", {"dna": "test-lines"}, {"dna": [".seq"]}) == "dna"
+    registry.register_kind("test-suffixed", "pipeline_fakes:LinesTokenizer", [".Lines"])
+    assert route("x/a.lines", {"dna": "test-suffixed"}, {}) == "dna"
+    assert route("x/a.fa", {"dna": "test-suffixed"}, {}) is None
+    # the order of the pipeline's tokenizers does not decide: a container's claimant wins
+    assert route("clip.webm", {"audio": "audio-mulaw", "video": "video-vq"}, {}) == "video"
 
 
 # ---------------------------------------------------------------- shipped pipelines

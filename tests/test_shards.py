@@ -17,7 +17,8 @@ import pytest
 import webdataset as wds
 from conftest import tar_of
 
-from ulysses_mm.data import storage
+from ulysses_mm import storage
+from ulysses_mm.data.format import PackedSample, ShardFormatError
 from ulysses_mm.data.manifest import (
     InputEntry,
     Manifest,
@@ -27,9 +28,8 @@ from ulysses_mm.data.manifest import (
     read_verified_shard,
     verify_shard_bytes,
 )
-from ulysses_mm.data.packing import DocumentBlock, PackedSample, pack
+from ulysses_mm.data.packing import DocumentBlock, pack
 from ulysses_mm.data.shards import (
-    ShardFormatError,
     ShardRecord,
     ShardWriter,
     encode_sample,
@@ -134,6 +134,20 @@ def test_same_samples_same_bytes(tmp_path: Path):
     assert [r.sha256 for r in a] == [r.sha256 for r in b]
     for r in a:
         assert (tmp_path / "a" / r.name).read_bytes() == (tmp_path / "b" / r.name).read_bytes()
+
+
+def test_shard_bytes_are_those_of_webdataset_tarwriter(tmp_path: Path):
+    """The writer uses the standard library (webdataset imports torch), byte for byte what
+    webdataset's TarWriter writes with fixed header fields."""
+    samples = make_samples(5)
+    (record,) = write_shards(tmp_path, samples, max_bytes=1 << 30)
+    buf = io.BytesIO()
+    tw = wds.TarWriter(buf, encoder=False, mtime=0, user="ulysses", group="ulysses", mode=0o444)
+    for sample in samples:
+        tw.write(encode_sample(sample))
+    tw.close()
+    assert (tmp_path / record.name).read_bytes() == buf.getvalue()
+    assert record.bytes == len(buf.getvalue())
 
 
 def test_reader_rejects_bad_shards(tmp_path: Path):

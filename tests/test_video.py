@@ -27,15 +27,10 @@ from media_factory import (
 
 from ulysses_mm.cli import main
 from ulysses_mm.modalities.base import DecodeError, TokenizerSpec, build_token_space
+from ulysses_mm.modalities.frames import sample_frames
 from ulysses_mm.modalities.kmeans import Codebook
 from ulysses_mm.modalities.registry import load_tokenizer
-from ulysses_mm.modalities.video import (
-    VqVideoTokenizer,
-    patchify,
-    psnr,
-    sample_frames,
-    unpatchify,
-)
+from ulysses_mm.modalities.video import VqVideoTokenizer, patchify, psnr, unpatchify
 from ulysses_mm.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
 
 try:

@@ -20,13 +20,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ulysses_mm.data.format import IGNORE, segments_to_ids
 from ulysses_mm.layout import check_layout
-from ulysses_mm.model.heads import IGNORE
 from ulysses_mm.tokenspace import PAD, TokenSpace, token_modalities
-
-# Segment table columns (int64 array [rows, 5]).
-SEG_START, SEG_LENGTH, SEG_MODALITY, SEG_DOC, SEG_POS = range(5)
-SEGMENT_COLUMNS = ("start", "length", "modality", "doc_id", "pos_offset")
 
 
 @dataclass
@@ -51,23 +47,6 @@ class Batch:
     @property
     def num_targets(self) -> int:
         return int((self.labels != IGNORE).sum())
-
-
-def segments_to_ids(segments: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(doc_ids [N], position_ids [N]) from a segment table. Tokens no segment covers
-    (tail padding) get doc id -1 and position 0."""
-    doc = np.full(seq_len, -1, dtype=np.int64)
-    pos = np.zeros(seq_len, dtype=np.int64)
-    seg = np.asarray(segments, dtype=np.int64).reshape(-1, len(SEGMENT_COLUMNS))
-    for i, row in enumerate(seg):
-        s, n = int(row[SEG_START]), int(row[SEG_LENGTH])
-        if s < 0 or n < 0 or s + n > seq_len:
-            raise ValueError(
-                f"segment {i} {row.tolist()} does not fit a sample of {seq_len} tokens"
-            )
-        doc[s : s + n] = i
-        pos[s : s + n] = row[SEG_POS] + np.arange(n)
-    return doc, pos
 
 
 def make_labels(

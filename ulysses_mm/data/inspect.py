@@ -24,10 +24,15 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from ulysses_mm.data import storage
-from ulysses_mm.data.batch import segments_to_ids
+from ulysses_mm import storage
+from ulysses_mm.data.format import (
+    SEG_LENGTH,
+    SEG_MODALITY,
+    SEG_START,
+    PackedSample,
+    segments_to_ids,
+)
 from ulysses_mm.data.manifest import MANIFEST_NAME, Manifest, read_verified_shard
-from ulysses_mm.data.packing import PackedSample
 from ulysses_mm.data.shards import read_samples
 from ulysses_mm.modalities import registry
 from ulysses_mm.modalities.base import Tokenizer, TokenizerSpec
@@ -284,7 +289,11 @@ def render_png(
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    names = list(space.modalities) if space else sorted({str(m) for m in sample.segments[:, 2]})
+    names = (
+        list(space.modalities)
+        if space
+        else sorted({str(m) for m in sample.segments[:, SEG_MODALITY]})
+    )
     color = {i: _COLORS[i % len(_COLORS)] for i in range(len(names))}
     n = len(sample.tokens)
     panels = max(1, len(decoded))
@@ -295,13 +304,15 @@ def render_png(
     ax = fig.add_subplot(grid[0])
     seg = sample.segments
     for i in range(len(names)):
-        rows = seg[seg[:, 2] == i]
+        rows = seg[seg[:, SEG_MODALITY] == i]
         if len(rows):
             ax.broken_barh(
-                list(zip(rows[:, 0].tolist(), rows[:, 1].tolist())), (1.05, 0.8), color=color[i]
+                list(zip(rows[:, SEG_START].tolist(), rows[:, SEG_LENGTH].tolist())),
+                (1.05, 0.8),
+                color=color[i],
             )
     if len(seg) <= 300:
-        for s in seg[1:, 0]:
+        for s in seg[1:, SEG_START]:
             ax.axvline(int(s), ymin=0.5, ymax=1.0, color="k", lw=0.6)
     if space is not None:
         doc, _ = segments_to_ids(seg, n)

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ulysses_mm.data import storage
+from ulysses_mm import storage
 from ulysses_mm.tokenspace import TokenSpace
 
 FORMAT = "ulysses-mm-shards"

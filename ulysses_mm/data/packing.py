@@ -7,15 +7,8 @@ document simply continues into the next sample, and only the last sample is padd
 N-1 tokens per dataset and never reorders a document's tokens; best-fit packing would
 save nothing here, because documents are allowed to cross sample boundaries.
 
-Each sample carries a segment table, one row per piece of a document inside it, in the
-columns of :data:`ulysses_mm.data.batch.SEGMENT_COLUMNS`::
-
-    segments  int64 [rows, 5]: start, length, modality, doc_id, pos_offset
-      start       first token of the piece inside the sample
-      length      tokens in the piece (>= 1); rows are sorted by start and contiguous
-      modality    index into the token space's modalities (the document's primary one)
-      doc_id      dataset-global document index (0, 1, … in packing order)
-      pos_offset  position of the piece's first token inside its document (0 at <doc>)
+Each sample carries a segment table (:mod:`ulysses_mm.data.format`), one row per piece of
+a document inside it.
 
 Documents arrive in blocks (all documents of one input file, concatenated), and a block
 is cut with a few vectorised ``searchsorted`` calls per sample, so cost is per sample and
@@ -29,24 +22,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ulysses_mm.data.batch import SEGMENT_COLUMNS
+from ulysses_mm.data.format import (
+    NUM_COLUMNS,
+    SEG_DOC,
+    SEG_LENGTH,
+    SEG_MODALITY,
+    SEG_POS,
+    SEG_START,
+    PackedSample,
+)
 from ulysses_mm.tokenspace import PAD
-
-NUM_COLUMNS = len(SEGMENT_COLUMNS)
-
-
-@dataclass
-class PackedSample:
-    """One training sample: ``tokens [seq_len]`` (token-space dtype) and its segment table."""
-
-    index: int  # dataset-global sample index (the shard __key__)
-    tokens: np.ndarray  # [seq_len], unsigned
-    segments: np.ndarray  # int64 [rows, 5], SEGMENT_COLUMNS
-
-    @property
-    def real_tokens(self) -> int:
-        """Tokens covered by a segment (the rest is tail padding)."""
-        return int(self.segments[:, 1].sum()) if len(self.segments) else 0
 
 
 @dataclass
@@ -137,11 +122,11 @@ class Packer:
             starts = np.maximum(offsets[i0:i1], pos)
             stops = np.minimum(offsets[i0 + 1 : i1 + 1], end)
             rows = np.empty((i1 - i0, NUM_COLUMNS), dtype=np.int64)
-            rows[:, 0] = starts - pos + self._fill
-            rows[:, 1] = stops - starts
-            rows[:, 2] = mods[i0:i1]
-            rows[:, 3] = doc_ids[i0:i1]
-            rows[:, 4] = starts - offsets[i0:i1]
+            rows[:, SEG_START] = starts - pos + self._fill
+            rows[:, SEG_LENGTH] = stops - starts
+            rows[:, SEG_MODALITY] = mods[i0:i1]
+            rows[:, SEG_DOC] = doc_ids[i0:i1]
+            rows[:, SEG_POS] = starts - offsets[i0:i1]
             self._rows.append(rows)
             self._fill += take
             pos = end
@@ -188,7 +173,7 @@ def check_sample(sample: PackedSample, seq_len: int, num_modalities: int) -> Non
         )
     if not len(seg):
         raise ValueError(f"sample {sample.index}: empty segment table")
-    starts, lengths = seg[:, 0], seg[:, 1]
+    starts, lengths = seg[:, SEG_START], seg[:, SEG_LENGTH]
     if starts[0] != 0 or (lengths < 1).any() or (starts[1:] != starts[:-1] + lengths[:-1]).any():
         raise ValueError(f"sample {sample.index}: segments are not contiguous from 0")
     end = int(starts[-1] + lengths[-1])
@@ -196,5 +181,6 @@ def check_sample(sample: PackedSample, seq_len: int, num_modalities: int) -> Non
         raise ValueError(f"sample {sample.index}: segments end at {end} > {seq_len}")
     if (t[end:] != PAD).any():
         raise ValueError(f"sample {sample.index}: non-pad tokens after the last segment")
-    if ((seg[:, 2] < 0) | (seg[:, 2] >= num_modalities)).any() or (seg[:, 3:] < 0).any():
+    mods = seg[:, SEG_MODALITY]
+    if ((mods < 0) | (mods >= num_modalities)).any() or (seg[:, [SEG_DOC, SEG_POS]] < 0).any():
         raise ValueError(f"sample {sample.index}: modality, doc_id or pos_offset out of range")

@@ -2,11 +2,13 @@
 
 One sample is two tar members under ``__key__ = f"{global_sample_index:09d}"``::
 
-    000000042.segments.npy   int64 [rows, 5]   segment table (see ulysses_mm.data.packing)
+    000000042.segments.npy   int64 [rows, 5]   segment table (see ulysses_mm.data.format)
     000000042.tokens.npy     uint8|16|32 [N]   TokenSpace.dtype(), the smallest that holds it
 
-written by webdataset's ``TarWriter`` (so ``tar -tf`` and ``webdataset.WebDataset`` read
-it) with every header field fixed (mtime 0, uid/gid 0, fixed user names, USTAR) and the
+written in the tar layout of webdataset's ``TarWriter`` (so ``tar -tf`` and
+``webdataset.WebDataset`` read it), byte for byte, by the standard library's ``tarfile``
+(webdataset itself imports torch) with every header field fixed (mtime 0, uid/gid 0,
+fixed user names) and the
 arrays serialised by ``numpy.lib.format`` without pickle, so the same samples always give
 the same bytes and the same sha256. Shards are named ``shard-000000.tar`` … and roll over
 before the next sample would take one past ``max_bytes`` (or ``max_samples``).
@@ -28,19 +30,19 @@ from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
-import webdataset as wds
 
-from ulysses_mm.data.packing import NUM_COLUMNS, PackedSample
-from ulysses_mm.data.storage import temp_name
+from ulysses_mm.data.format import (
+    NUM_COLUMNS,
+    SEGMENTS_KEY,
+    TOKENS_KEY,
+    PackedSample,
+    ShardFormatError,
+    load_npy,
+)
+from ulysses_mm.storage import temp_name
 
-TOKENS_KEY = "tokens.npy"
-SEGMENTS_KEY = "segments.npy"
 _BLOCK = tarfile.BLOCKSIZE  # 512: header and data padding unit
 _RECORD = tarfile.RECORDSIZE  # 10240: a streamed tar is padded to a multiple of this
-
-
-class ShardFormatError(ValueError):
-    """A shard is not in the format above; the message names the shard and the problem."""
 
 
 def shard_name(index: int) -> str:
@@ -56,13 +58,6 @@ def npy_bytes(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.lib.format.write_array(buf, np.ascontiguousarray(array), allow_pickle=False)
     return buf.getvalue()
-
-
-def load_npy(data: bytes, where: str) -> np.ndarray:
-    try:
-        return np.load(io.BytesIO(data), allow_pickle=False)
-    except ValueError as e:  # includes "Object arrays cannot be loaded when allow_pickle=False"
-        raise ShardFormatError(f"{where}: not a plain .npy array: {e}") from e
 
 
 def encode_sample(sample: PackedSample) -> dict[str, Any]:
@@ -93,6 +88,32 @@ class ShardRecord:
     first_sample: int
     bytes: int
     sha256: str
+
+
+class _TarStream:
+    """What webdataset's ``TarWriter(f, encoder=False, mtime=0, user=…, group=…, mode=0o444)``
+    writes, byte for byte: members ``KEY.EXT`` in sorted order, every header field fixed,
+    so identical samples give identical bytes."""
+
+    def __init__(self, f: _HashingWriter) -> None:
+        # a stream ("w|") only writes; typeshed asks every mode's file methods of fileobj
+        self._tar = tarfile.open(fileobj=f, mode="w|")  # type: ignore[call-overload]  # noqa: SIM115
+
+    def write(self, obj: dict[str, Any]) -> None:
+        key = obj["__key__"]
+        for name in sorted(obj):
+            if name.startswith("_"):
+                continue
+            data = obj[name]
+            info = tarfile.TarInfo(f"{key}.{name}")
+            info.size = len(data)
+            info.mtime = 0
+            info.mode = 0o444
+            info.uname = info.gname = "ulysses"
+            self._tar.addfile(info, io.BytesIO(data))
+
+    def close(self) -> None:
+        self._tar.close()
 
 
 class _HashingWriter:
@@ -135,7 +156,7 @@ class ShardWriter:
         self.records: list[ShardRecord] = []
         self._file: IO[bytes] | None = None
         self._hw: _HashingWriter | None = None
-        self._tar: wds.TarWriter | None = None
+        self._tar: _TarStream | None = None
         self._tmp: Path | None = None
         self._samples = 0
         self._first = 0
@@ -161,10 +182,7 @@ class ShardWriter:
         self._tmp = self.directory / temp_name(name)
         self._file = open(self._tmp, "wb")  # noqa: SIM115 (closed in _finish_shard/abort)
         self._hw = _HashingWriter(self._file)
-        # fixed header fields: identical samples give identical bytes
-        self._tar = wds.TarWriter(
-            self._hw, encoder=False, mtime=0, user="ulysses", group="ulysses", mode=0o444
-        )
+        self._tar = _TarStream(self._hw)
         self._first = first_sample
         self._samples = 0
         self._members = 0

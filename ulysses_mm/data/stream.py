@@ -30,9 +30,14 @@ from typing import Any
 import numpy as np
 import webdataset as wds
 
+from ulysses_mm.data.format import (
+    SEGMENTS_KEY,
+    TOKENS_KEY,
+    PackedSample,
+    ShardFormatError,
+    load_npy,
+)
 from ulysses_mm.data.manifest import Manifest, read_verified_shard
-from ulysses_mm.data.packing import PackedSample
-from ulysses_mm.data.shards import SEGMENTS_KEY, TOKENS_KEY, ShardFormatError, load_npy
 
 STATE_VERSION = 1
 

@@ -46,8 +46,6 @@ from ulysses_mm.modalities.media import (
 from ulysses_mm.modalities.util import DocumentFramer, ParamSchema, local_ids, spec_params
 from ulysses_mm.tokenspace import TokenSpace
 
-AUDIO_SUFFIXES = {".wav", ".wave", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".aac"}
-
 _SCHEMA: ParamSchema = {
     "sample_rate": ((int,), 16000),
     "bits": ((int,), 8),

@@ -54,11 +54,6 @@ BASES = "ACGTN"
 AMBIGUITY = "RYSWKMBDHV"  # IUPAC nucleotide ambiguity codes besides N
 _INVALID = 255  # byte-table sentinel for a character the policy rejects
 
-FASTA_SUFFIXES = {".fa", ".fasta", ".fna", ".ffn", ".frn", ".fas", ".mfa", ".seq"}
-FASTQ_SUFFIXES = {".fq", ".fastq"}
-GENBANK_SUFFIXES = {".gb", ".gbk", ".gbff", ".genbank"}
-DNA_SUFFIXES = FASTA_SUFFIXES | FASTQ_SUFFIXES | GENBANK_SUFFIXES
-
 _SCHEMA: ParamSchema = {
     "case": ((str,), "keep"),
     "iupac": ((str,), "to_n"),

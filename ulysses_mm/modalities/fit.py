@@ -28,10 +28,11 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from ulysses_mm.data.storage import atomic_write_local
 from ulysses_mm.modalities.base import DecodeError, TokenizerSpec
+from ulysses_mm.modalities.frames import sample_frames
 from ulysses_mm.modalities.kmeans import kmeans
-from ulysses_mm.modalities.video import patchify, sample_frames
+from ulysses_mm.modalities.video import patchify
+from ulysses_mm.storage import atomic_write_local
 
 
 @dataclass

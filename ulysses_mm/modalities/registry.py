@@ -1,30 +1,77 @@
-"""From a tokenizer spec to a tokenizer: ``spec.kind`` names the implementation."""
+"""From a tokenizer spec to a tokenizer: ``spec.kind`` names the implementation.
+
+Each kind is registered with the files it reads, by file-name ending: this is the one
+suffix table ``prepare`` routes inputs with (see :func:`ulysses_mm.data.inputs.route`).
+Kept here, not in the tokenizer modules, so routing never imports a decoder.
+"""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ulysses_mm.modalities.base import Tokenizer, TokenizerSpec
 
-# kind -> "module:Class", imported on first use (video needs decord/PyAV, DNA biopython).
-_KINDS: dict[str, str] = {
-    "dna-base": "ulysses_mm.modalities.dna:DnaTokenizer",
-    "audio-mulaw": "ulysses_mm.modalities.audio:MulawTokenizer",
-    "video-vq": "ulysses_mm.modalities.video:VqVideoTokenizer",
+
+@dataclass(frozen=True)
+class Kind:
+    """A tokenizer implementation and the files it reads."""
+
+    target: str  # "module:Class", imported on first use (video needs decord/PyAV, DNA biopython)
+    # file-name endings it reads (lower case)
+    suffixes: tuple[str, ...] = ()
+    # endings it reads only where no tokenizer of the pipeline claims them in ``suffixes``:
+    # the audio tokenizer reads a video container's sound track when there is no video one
+    fallback_suffixes: tuple[str, ...] = ()
+
+
+_DNA = (".fa", ".fasta", ".fna", ".ffn", ".frn", ".fas", ".fastq", ".fq", ".gb", ".gbk", ".gbff")
+_VIDEO = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
+_AUDIO = (".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".aac")
+
+_KINDS: dict[str, Kind] = {
+    "dna-base": Kind(
+        "ulysses_mm.modalities.dna:DnaTokenizer", _DNA + tuple(s + ".gz" for s in _DNA)
+    ),
+    "audio-mulaw": Kind(
+        "ulysses_mm.modalities.audio:MulawTokenizer",
+        _AUDIO,
+        fallback_suffixes=(".mp4", ".webm", ".mkv", ".mov", ".m4v"),
+    ),
+    "video-vq": Kind("ulysses_mm.modalities.video:VqVideoTokenizer", _VIDEO),
 }
 
 
-def register_kind(kind: str, target: str | type[Tokenizer]) -> None:
-    """Make ``kind`` resolvable; ``target`` is a Tokenizer class or "module:Class"."""
-    if isinstance(target, str):
-        _KINDS[kind] = target
-    else:
-        _KINDS[kind] = f"{target.__module__}:{target.__qualname__}"
+def register_kind(
+    kind: str,
+    target: str | type[Tokenizer],
+    suffixes: Sequence[str] = (),
+    fallback_suffixes: Sequence[str] = (),
+) -> None:
+    """Make ``kind`` resolvable; ``target`` is a Tokenizer class or "module:Class".
+
+    A kind registered without suffixes gets its inputs only through a pipeline's own
+    ``suffixes`` table."""
+    if not isinstance(target, str):
+        target = f"{target.__module__}:{target.__qualname__}"
+    _KINDS[kind] = Kind(
+        target,
+        tuple(s.lower() for s in suffixes),
+        tuple(s.lower() for s in fallback_suffixes),
+    )
 
 
 def kinds() -> list[str]:
     return sorted(_KINDS)
+
+
+def kind(name: str) -> Kind:
+    """The registration of kind ``name``; ValueError naming the known kinds if none."""
+    if name not in _KINDS:
+        raise ValueError(f"unknown tokenizer kind {name!r}; known: {kinds()}")
+    return _KINDS[name]
 
 
 def load_tokenizer(spec: TokenizerSpec | str | Path) -> Tokenizer:
@@ -32,6 +79,6 @@ def load_tokenizer(spec: TokenizerSpec | str | Path) -> Tokenizer:
         spec = TokenizerSpec.load(spec)
     if spec.kind not in _KINDS:
         raise ValueError(f"{spec.path}: unknown tokenizer kind {spec.kind!r}; known: {kinds()}")
-    module, _, name = _KINDS[spec.kind].partition(":")
+    module, _, name = _KINDS[spec.kind].target.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls(spec)

@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ulysses_mm.data.format import IGNORE
 from ulysses_mm.tokenspace import TokenSpace
-
-IGNORE = -100
 
 
 class ModalityHeads(nn.Module):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ulysses_mm.data.storage import atomic_write_local
+from ulysses_mm.storage import atomic_write_local
 from ulysses_mm.tokenspace import TokenSpace
 
 LATEST = "latest"

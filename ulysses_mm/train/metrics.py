@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from ulysses_mm.config import RunConfig
-from ulysses_mm.data.storage import atomic_write_local
 from ulysses_mm.model import MultimodalLM
+from ulysses_mm.storage import atomic_write_local
 
 # dense bf16 peak TFLOP/s by device name (used when train.peak_tflops is 0)
 _GPU_PEAK_TFLOPS = {

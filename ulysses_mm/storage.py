@@ -1,4 +1,7 @@
-"""Where datasets live: local paths or fsspec URLs, written so nothing partial is ever visible.
+"""Where files live: local paths or fsspec URLs, written so nothing partial is ever visible.
+
+General I/O on the bottom floor: datasets (``data``), fitted codebooks (``modalities``),
+checkpoints and metrics (``train``) all write through it. It imports nothing of the package.
 
 Every write goes to a temporary name in the destination's own directory (``.NAME.XXXX.tmp``)
 and is then renamed (local: ``os.replace``) or moved (object stores: upload to the temporary
@@ -189,6 +192,37 @@ def remove(location: str, storage_options: Mapping[str, Any] | None = None) -> N
     fs, path = url_to_fs(location, storage_options)
     if fs.exists(path):
         fs.rm(path)
+
+
+def missing_dirs(location: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """The directories :func:`makedirs` would create for ``location``, deepest first (for a
+    URL: the location itself, if absent)."""
+    if is_local(location):
+        path = local_path(location).absolute()
+        return [str(p) for p in (path, *path.parents) if not p.exists()]
+    return [] if exists(location, storage_options) else [location]
+
+
+def remove_empty_dir(location: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+    """Remove a directory (or URL prefix) if it is empty; True if it is gone."""
+    if is_local(location):
+        try:
+            local_path(location).rmdir()
+        except FileNotFoundError:
+            return True
+        except OSError:  # not empty
+            return False
+        return True
+    fs, path = url_to_fs(location, storage_options)
+    if not fs.exists(path):
+        return True
+    if fs.ls(path, detail=False):
+        return False
+    try:
+        fs.rmdir(path)
+    except (OSError, NotImplementedError):
+        return False
+    return not fs.exists(path)
 
 
 def list_names(location: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
