@@ -154,7 +154,7 @@ class StepRunner:
             self.tracker = self.counter = TensorMemoryTracker()
             self.tracker.__enter__()
         try:
-            self.kernel = resolve_kernel(cfg.parallel.attention, dev.type)
+            self.kernel = resolve_kernel(cfg.parallel.attention, dev.type, cfg.deepspeed.precision)
             self.model = build_model(cfg.model, self.space, self.kernel, seed=cfg.train.seed)
             apply_ulysses(self.model, mesh)
             self.engine, _, _ = build_engine(self.model.to(dev), cfg, mesh)

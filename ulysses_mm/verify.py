@@ -86,7 +86,7 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
     device = torch.device(
         f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if backend == "nccl" else "cpu"
     )
-    kernel = resolve_kernel(cfg.parallel.attention, device.type)
+    kernel = resolve_kernel(cfg.parallel.attention, device.type, torch.float32)  # verify runs fp32
     space = TokenSpace.from_vocab(cfg.model.modalities or DEFAULT_MODALITIES)
     weights = loss_weights(space.modalities, cfg.model.loss_weights, device)
     global_batch = random_batch(space, opts.dp * opts.micro_batch, opts.seq_len, seed=opts.seed)

@@ -110,7 +110,7 @@ class Trainer:
         if self.eval_manifest is not None:
             self.eval_manifest.check_token_space(self.space)
 
-        kernel = resolve_kernel(cfg.parallel.attention, self.device.type)
+        kernel = resolve_kernel(cfg.parallel.attention, self.device.type, cfg.deepspeed.precision)
         model = build_model(cfg.model, self.space, kernel, seed=cfg.train.seed)
         apply_ulysses(model, self.mesh)
         self.engine, self.optimizer, self.scheduler = build_engine(
