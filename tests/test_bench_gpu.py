@@ -1,6 +1,8 @@
 """benchmarks/gpu/bench_gpu.py off the GPU: it skips cleanly without CUDA, plans the GPU
 sweep from the memory estimate, and its whole path (engine per SP size, sweep, simulated
-out-of-memory, fresh-process probes, JSON and PNG) runs on CPU processes with tiny sizes.
+out-of-memory — raised as the plain RuntimeError some paths raise —, fresh-process probes,
+JSON and PNG) runs on CPU processes with tiny sizes, as does a worker that fails before its
+first length.
 On a machine with a GPU, the ``gpu`` test runs it for real on the debug model."""
 
 from __future__ import annotations
@@ -71,6 +73,15 @@ def test_plan_for_one_and_eight_gpus():
     # more GPUs in the SP group: a longer estimated fit
     fits = [plan8["sp"][sp]["estimated_max"] for sp in (1, 2, 4, 8)]
     assert fits == sorted(fits) and fits[0] < fits[-1]
+    assert plan8["sp"][1]["cfg"].parallel.backend == "auto"
+
+
+def test_cpu_smoke_plan_never_takes_nccl():
+    """--device cpu means gloo, even on a machine with GPUs."""
+    bench = _module()
+    args = bench.resolve(bench.build_parser().parse_args(["--device", "cpu"]))
+    plan = bench.make_plan(args, n_gpus=2, gpu_mem_gib=None)
+    assert {spec["cfg"].parallel.backend for spec in plan["sp"].values()} == {"gloo"}
 
 
 def test_cpu_smoke_run_sweeps_probes_and_writes_json_and_png(tmp_path: Path):
@@ -113,6 +124,47 @@ def test_cpu_smoke_run_sweeps_probes_and_writes_json_and_png(tmp_path: Path):
     assert (out / "bench_gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(out.glob(".progress_*"))
     assert "SP=1: longest sequence that trained 384, shortest that did not 512" in res.stdout
+
+
+def test_out_of_memory_is_recognised_whatever_exception_carries_it():
+    bench = _module()
+    assert bench.is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB"))
+    # some releases and paths (cuBLAS, NCCL, the caching allocator's retry) raise plain ones
+    assert bench.is_oom(RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"))
+    assert bench.is_oom(RuntimeError("NCCL error: unhandled cuda error, out of memory"))
+    assert not bench.is_oom(RuntimeError("shape '[2, 8]' is invalid for input of size 3"))
+    assert not bench.is_oom(ValueError("out of memory"))  # not a runtime failure
+
+
+def test_a_worker_failing_before_its_first_length_is_reported(tmp_path: Path):
+    """The engine cannot be built (an explicit flash_varlen without flash-attn or a GPU):
+    no length ever starts, yet the JSON and PNG are written and name the real cause."""
+    out = tmp_path / "bench"
+    res = _run(
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--sp",
+        "1",
+        "--seq-lens",
+        "256",
+        "--max-probes",
+        "0",
+        "--steps",
+        "1",
+        "deepspeed.precision=bf16",
+        "parallel.attention=flash_varlen",
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    data = json.loads((out / "bench_gpu.json").read_text())
+    assert data["points"] == []  # no made-up point at seq_len 0
+    error = data["longest"]["1"]["error"]
+    assert error.startswith("failed before its first length: RuntimeError: ")
+    assert "needs flash-attn and a CUDA GPU" in error and "(rank 0)" in error
+    assert data["longest"]["1"]["trained"] == 0
+    assert (out / "bench_gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "SP=1: failed before its first length: RuntimeError:" in res.stdout
 
 
 @pytest.mark.gpu

@@ -9,7 +9,8 @@ from torch.testing import assert_close
 from ulysses_mm.config import ModelConfig
 from ulysses_mm.data.synthetic import random_batch
 from ulysses_mm.model import available_kernels, build_model
-from ulysses_mm.model.attention import DocumentMask, LocalAttention
+from ulysses_mm.model.attention import DocumentMask, LocalAttention, resolve_kernel
+from ulysses_mm.model.llama import RotaryEmbedding
 
 pytestmark = pytest.mark.gpu
 
@@ -50,3 +51,45 @@ def test_model_trains_a_step_on_gpu():
     )
     (sums.sum() / counts.sum()).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_auto_runs_fp32_gqa_on_gpu_without_flash_attn_and_matches_cpu():
+    """fp32 on CUDA: auto must not pick flash-attn, and SDPA runs GQA by expanding k, v."""
+    assert resolve_kernel("auto", "cuda", torch.float32) == "sdpa_varlen"
+    q, k, v, mask = _qkv(torch.float32)
+    got = LocalAttention("auto")(q, k, v, mask)
+    cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    want = LocalAttention("sdpa_varlen")(*cpu, DocumentMask(mask.doc_ids.cpu()))
+    assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    for a, b in zip((q, k, v), cpu):
+        assert_close(a.grad.cpu(), b.grad, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("s", [600, 2048])
+def test_flex_block_mask_from_spans_on_gpu(s):
+    q, k, v, mask = _qkv(torch.bfloat16, s=s)
+    want = LocalAttention("sdpa_varlen")(q, k, v, mask)
+    got = LocalAttention("flex")(q, k, v, mask)
+    assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+def test_rope_on_gpu_at_2_25_matches_fp64():
+    rope = RotaryEmbedding(128, 500000.0).cuda().bfloat16()
+    pos = torch.arange(1 << 25, (1 << 25) + 16, device="cuda").reshape(1, -1)
+    cos, _ = rope(pos, torch.float32)
+    assert rope.inv_freq.dtype == torch.float32
+    angles = pos.double()[..., None] * rope.inv_freq.double()
+    assert_close(cos.double(), torch.cat((angles, angles), -1).cos(), rtol=0, atol=2e-6)
+
+
+def test_flash_varlen_over_65535_documents():
+    if "flash_varlen" not in available_kernels(device="cuda"):
+        pytest.skip("flash-attn not available")
+    s = 70_000
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = torch.randn(3, 1, s, 2, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    doc = torch.arange(s, device="cuda").reshape(1, s)  # one-token documents
+    out = LocalAttention("flash_varlen")(q, k, v, DocumentMask(doc))
+    assert_close(out, v)  # a one-token document attends to itself only

@@ -62,6 +62,7 @@ def _refused(capsys, *argv: str) -> str:
         (["'model.modalities={dna: 12}'"], "differs from the model's"),
         ([f"data.seq_len={2 * SEQ}"], f"hold samples of {SEQ} tokens"),
         (["--resume"], "no checkpoint to resume from"),
+        (["parallel.attention=flash_varlen"], "flash_varlen"),
     ],
 )
 def test_config_errors_fail_in_the_parent(tmp_path, manifest, no_processes, capsys, args, expect):

@@ -395,9 +395,18 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--reserve",
         type=float,
-        default=1.0,
+        default=None,
         metavar="GB",
-        help="runtime reserve per GPU in GiB: CUDA context, NCCL, cuBLAS (default 1.0)",
+        help="flat runtime reserve per GPU in GiB, replacing the computed one (default: 1.0 "
+        "for the CUDA context and cuBLAS + --nccl-reserve per NCCL communicator)",
+    )
+    p.add_argument(
+        "--nccl-reserve",
+        type=float,
+        default=0.5,
+        metavar="GB",
+        help="NCCL memory per communicator in GiB (world, SP and DP groups of more than one "
+        "rank; 0.5-1.6 on NVLink nodes, more with NVLS; default 0.5)",
     )
     p.add_argument(
         "--device",

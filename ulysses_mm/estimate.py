@@ -33,7 +33,12 @@ What is counted, per rank:
   layer keeps only its input (D·a) and one layer is recomputed at a time in backward.
   "Checkpoints offloaded" is the same with those inputs in host memory — a what-if figure:
   training has no such option yet. The ``sdpa_dense`` kernel adds its [b, s, s] boolean
-  mask and, per layer, the additive mask SDPA saves: O(s²) per rank whatever sp is.
+  mask and, per layer, the additive mask SDPA saves: O(s²) per rank whatever sp is. The
+  ``flex`` kernel adds its block mask: four int32 [b, s/128, s/128] block tables
+  (partial and full blocks, by query and by key block), built from the document spans.
+  SDPA on a GPU takes GQA natively only in its flash backend (fp16/bf16, no explicit
+  mask); in fp32, and always for ``sdpa_dense``, the kernel expands k, v to the query
+  heads and saves them: 2·Q·a per token more.
 - Working sets on top, each at the moment it peaks: the attention forward (the caller's
   q, k, v, the replicated k, v, the all-to-all send/receive buffers, the output exchange)
   and backward (kernel gradients, the exchanged gradients, on a GPU the flash kernel's fp32
@@ -44,8 +49,11 @@ What is counted, per rank:
   on CUDA runs foreach: one fp32 copy of the states it updates; on CPU single-tensor: two of
   its largest tensor).
 - On a GPU: allocator headroom (fragmentation of the caching allocator, a fraction of the
-  tensor peak) and a fixed runtime reserve (CUDA context, NCCL and cuBLAS workspaces:
-  device memory that is not tensors).
+  tensor peak) and a runtime reserve, device memory that is not tensors: the CUDA context
+  and cuBLAS workspaces (``CONTEXT_RESERVE_GIB``) plus NCCL's buffers for every
+  communicator this rank is in — the world group and the SP and DP groups of more than
+  one rank — at ``NCCL_GIB_PER_COMMUNICATOR`` each (0.5–1.6 GB per communicator on NVLink
+  nodes, more with NVLS; an option). A flat ``reserve_gib`` replaces the whole figure.
 
 The tensor peak is what ``torch.cuda.max_memory_allocated`` reports on a GPU and what
 :class:`ulysses_mm.memory.TensorMemoryTracker` counts on CPU. ``device="cpu"`` estimates
@@ -81,6 +89,15 @@ DS_ZERO_DEFAULTS: dict[str, Any] = {
 DS_ALLREDUCE_BUCKET = 500_000_000
 # A sequence length searched by --max is a multiple of sp × this.
 MAX_GRANULARITY = 1024
+# Runtime reserve on a GPU (device memory that is not tensors): the CUDA context with its
+# kernels and cuBLAS/cuDNN workspaces ...
+CONTEXT_RESERVE_GIB = 1.0
+# ... and NCCL's buffers per communicator (channels × peers × NCCL_BUFFSIZE, plus NVLS
+# buffers on NVSwitch nodes): reported at 0.5–1.6 GB each on NVLink nodes; the low end by
+# default, ``--nccl-reserve`` to change it.
+NCCL_GIB_PER_COMMUNICATOR = 0.5
+# torch's flex attention block (ulysses_mm.model.attention.FLEX_BLOCK)
+FLEX_BLOCK = 128
 
 
 # --------------------------------------------------------------------------- inputs
@@ -193,6 +210,20 @@ class Layout:
     @property
     def full_tokens(self) -> int:
         return self.micro_batch * self.seq_len
+
+    @property
+    def communicators(self) -> int:
+        """NCCL communicators one rank is in: the world and its SP and DP groups, each
+        when it has more than one rank (ulysses_mm.parallel.Mesh.build)."""
+        return sum(n > 1 for n in (self.gpus, self.sp, self.dp))
+
+
+def flex_block_mask_bytes(micro_batch: int, seq_len: int) -> int:
+    """What flex attention's BlockMask holds (ulysses_mm.model.attention.DocumentMask
+    .block_mask): kv and q block indices for partial and full blocks, int32
+    [b, 1, nb, nb] each, and their int32 [b, 1, nb] counts (nb = s / 128, rounded up)."""
+    nb = -(-seq_len // FLEX_BLOCK)
+    return 4 * 4 * micro_batch * nb * (nb + 1)
 
 
 def layout_for(cfg: RunConfig, seq_len: int, gpus: int | None, sp: int | None) -> Layout:
@@ -423,6 +454,13 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
     x = T * D * a
     norm = T * (4 * D + 2 * a * D + 4)
     kernel_saved = T * ((2 * Q + 2 * E) * a + 4 * sh.heads)
+    # SDPA on a GPU without native GQA (fp32, or any explicit mask): k, v expanded to the
+    # query heads and saved by the kernel. Without SP the unexpanded k, v are freed; under
+    # SP they are views of the all-to-all's receive buffer, which q keeps alive.
+    if cuda and sh.heads > e and (kernel == "sdpa_dense" or (kernel == "sdpa_varlen" and a == 4)):
+        kernel_saved += 2 * T * Q * a - (2 * T * E * a if P == 1 else 0)
+    if kernel == "flex":
+        fixed += flex_block_mask_bytes(lay.micro_batch, lay.seq_len)
     if kernel == "sdpa_dense":
         # the [b, 1, s, s] boolean mask (once per step) and, saved by every layer's
         # kernel, the additive mask SDPA makes of it in the compute dtype: O(s²) per rank
@@ -791,7 +829,8 @@ def estimate(
     space_from: str = "",
     device: str = "cuda",
     headroom: float = 0.10,
-    reserve_gib: float = 1.0,
+    reserve_gib: float | None = None,
+    nccl_gib: float = NCCL_GIB_PER_COMMUNICATOR,
     gpu_mem_gib: float | None = None,
     config_name: str = "",
 ) -> Estimate:
@@ -799,7 +838,8 @@ def estimate(
 
     ``device='cuda'`` estimates a GPU (foreach AdamW, flash scratch, allocator headroom,
     runtime reserve); ``device='cpu'`` the tensor memory of a CPU process, which
-    :mod:`ulysses_mm.measure` measures."""
+    :mod:`ulysses_mm.measure` measures. The runtime reserve is CONTEXT_RESERVE_GIB plus
+    ``nccl_gib`` per NCCL communicator of the layout, or ``reserve_gib`` flat when given."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     if space is None:
@@ -811,10 +851,11 @@ def estimate(
         raise ValueError("deepspeed.offload_param needs deepspeed.zero_stage=3")
     lay = layout_for(cfg, seq_len, gpus, sp)
     sh = model_shape(cfg, space)
+    from ulysses_mm.model.attention import choose_kernel
+
     cuda = device == "cuda"
-    kernel = cfg.parallel.attention
-    if kernel == "auto":
-        kernel = "flash_varlen" if cuda else "sdpa_varlen"
+    # the kernel a GPU with flash-attn (or a CPU) runs for this precision
+    kernel = choose_kernel(cfg.parallel.attention, device, ds.precision, flash=cuda)
     a = 4 if ds.precision == "fp32" else 2
     zs = zero_states(cfg, sh, space, a, lay.gpus, lay.sp, cuda)
     act = activations(cfg, sh, lay, a, cuda, kernel)
@@ -828,7 +869,14 @@ def estimate(
     if kernel == "sdpa_dense":
         notes.append("sdpa_dense keeps [b, s, s] masks: memory grows with s² whatever sp is")
     if kernel == "flex":
-        notes.append("flex attention is counted like the flash kernels (its block mask is small)")
+        notes.append(
+            "flex attention is counted like the flash kernels, plus its block mask "
+            f"({flex_block_mask_bytes(lay.micro_batch, lay.seq_len) / (1 << 20):.1f} MiB)"
+        )
+    if cuda and reserve_gib is None:
+        reserve = int((CONTEXT_RESERVE_GIB + nccl_gib * lay.communicators) * GiB)
+    else:
+        reserve = int((reserve_gib or 0.0) * GiB) if cuda else 0
     return Estimate(
         config=config_name,
         space=space.vocab(),
@@ -854,7 +902,7 @@ def estimate(
         peak_phase=top.name,
         peak=top.bytes,
         headroom_fraction=headroom if cuda else 0.0,
-        reserve=int(reserve_gib * GiB) if cuda else 0,
+        reserve=reserve,
         host=host,
         offloaded_peak=offloaded,
         gpu_mem=int(gpu_mem_gib * GiB) if gpu_mem_gib else None,
@@ -1002,7 +1050,14 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         out.append(
             row(f"allocator headroom, {est.headroom_fraction:.0%} of the peak", est.headroom)
         )
-        out.append(row("runtime reserve: CUDA context, NCCL, cuBLAS", est.reserve))
+        comms = est.layout.communicators
+        out.append(
+            row(
+                "runtime reserve: CUDA context, cuBLAS, NCCL",
+                est.reserve,
+                f"{comms} NCCL communicator{'s' if comms != 1 else ''}" if comms else "",
+            )
+        )
     verdict = ""
     if est.gpu_mem is not None:
         spare = est.gpu_mem - est.total
@@ -1042,6 +1097,7 @@ def run_cli(args: Any) -> int:
         device=args.device,
         headroom=args.headroom,
         reserve_gib=args.reserve,
+        nccl_gib=getattr(args, "nccl_reserve", NCCL_GIB_PER_COMMUNICATOR),
         config_name=str(args.config),
     )
     longest = None

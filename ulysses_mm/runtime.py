@@ -139,7 +139,7 @@ def build_runtime(
     """Model → :func:`apply_ulysses` → DeepSpeed engine for this rank of ``world``."""
     from ulysses_mm.train.engine import build_engine
 
-    kernel = resolve_kernel(cfg.parallel.attention, world.device.type)
+    kernel = resolve_kernel(cfg.parallel.attention, world.device.type, cfg.deepspeed.precision)
     model = build_parallel_model(cfg, space, world.mesh, kernel, stats)
     engine, optimizer, scheduler = build_engine(model, cfg, world.mesh)
     if world.device.type == "cuda":

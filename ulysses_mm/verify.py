@@ -21,7 +21,7 @@ from ulysses_mm.config import RunConfig, from_dict, to_dict
 from ulysses_mm.data.batch import sp_slice
 from ulysses_mm.data.synthetic import random_batch
 from ulysses_mm.layout import check_layout, expanded_kv_heads
-from ulysses_mm.model.attention import resolve_kernel
+from ulysses_mm.model.attention import check_kernel_config, resolve_kernel
 from ulysses_mm.parallel import CommStats, Mesh, loss_weights
 from ulysses_mm.parallel.mesh import in_launched_world
 from ulysses_mm.runtime import build_parallel_model, forward_backward, open_world
@@ -64,7 +64,7 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
     cfg = from_dict(RunConfig, cfg_dict)
     world = open_world(cfg, engine=False)
     mesh, device = world.mesh, world.device
-    kernel = resolve_kernel(cfg.parallel.attention, device.type)
+    kernel = resolve_kernel(cfg.parallel.attention, device.type, torch.float32)  # verify runs fp32
     space = TokenSpace.from_vocab(cfg.model.modalities or DEFAULT_MODALITIES)
     weights = loss_weights(space.modalities, cfg.model.loss_weights, device)
     b = opts.micro_batch
@@ -171,6 +171,7 @@ def run_verify(cfg: RunConfig, opts: VerifyOptions) -> int:
     from ulysses_mm.parallel.launch import run_world
 
     p, m = cfg.parallel, cfg.model
+    check_kernel_config(p.attention, "fp32")  # verify compares in fp32
     launched = in_launched_world()
     # verify starts dp × sp processes itself unless a launcher made the world
     dp = check_layout(

@@ -59,6 +59,39 @@ def _append(path: str, record: dict[str, Any]) -> None:
         f.flush()
 
 
+def is_oom(e: BaseException) -> bool:
+    """An out-of-memory, whether torch raised its OutOfMemoryError or a plain RuntimeError
+    with the allocator's message ("CUDA out of memory", NCCL/cuBLAS "out of memory")."""
+    import torch
+
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and "out of memory" in str(e).lower()
+
+
+def _cause(e: BaseException) -> str:
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def recorded_worker(*args: Any) -> None:
+    """:func:`sweep_worker`, and any failure it did not record itself (one before the
+    first length: building the engine, joining the world) appended to the progress file
+    with its cause, so that the report can show it."""
+    try:
+        sweep_worker(*args)
+    except BaseException as e:
+        if not getattr(e, "_bench_recorded", False):
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+            _append(
+                args[5],
+                {"event": "error", "rank": rank, "oom": is_oom(e), "error": _cause(e)},
+            )
+        raise
+
+
 def sweep_worker(
     cfg_dict: dict[str, Any],
     lengths: list[int],
@@ -70,7 +103,8 @@ def sweep_worker(
 ) -> None:
     """On every rank of a launched world: build the engine once, then measure each length
     in turn. Rank 0 appends events to ``progress`` (JSON lines); a rank that runs out of
-    memory records it and raises, so the launcher stops the world."""
+    memory records it and raises, so the launcher stops the world. ``simulate_oom_at``
+    raises an out-of-memory as the allocator of some releases does: a plain RuntimeError."""
     import torch
     import torch.distributed as dist
 
@@ -108,13 +142,15 @@ def sweep_worker(
                 _append(progress, {"event": "start", "seq_len": n})
             try:
                 if simulate_oom_at and n >= simulate_oom_at:
-                    raise torch.OutOfMemoryError(f"simulated out-of-memory at {n} tokens")
+                    raise RuntimeError(f"CUDA out of memory (simulated at {n} tokens)")
                 m = runner.measure(n, doc_len, steps)
-            except torch.OutOfMemoryError as e:
+            except Exception as e:
+                event = "oom" if is_oom(e) else "error"
                 _append(
                     progress,
-                    {"event": "oom", "seq_len": n, "rank": mesh.rank, "error": str(e)[:300]},
+                    {"event": event, "seq_len": n, "rank": mesh.rank, "error": _cause(e)},
                 )
+                e._bench_recorded = True  # type: ignore[attr-defined]
                 raise
             peak = torch.tensor([float(m.peak)], device=runner.device)
             if mesh.distributed:
@@ -164,6 +200,7 @@ def make_plan(args: argparse.Namespace, n_gpus: int, gpu_mem_gib: float | None) 
                 f"parallel.sp={sp}",
                 "parallel.dp=1",
                 f"parallel.timeout_s={args.collective_timeout}",
+                *([] if cuda else ["parallel.backend=gloo"]),  # --device cpu: never NCCL
             ],
         )
         granule = sp * args.granularity
@@ -200,10 +237,19 @@ def _launch(sp: int, *args: Any) -> tuple[bool, str]:
     from ulysses_mm.parallel.launch import launch_local
 
     try:
-        launch_local(sweep_worker, sp, *args)
+        launch_local(recorded_worker, sp, *args)
         return True, ""
     except Exception as e:  # a worker failed (out of memory, or an error): its log says
         return False, f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+
+
+def _worker_error(events: list[dict[str, Any]], launch_error: str) -> str:
+    """The real cause of a failed launch: the first error a worker recorded, else what
+    the launcher said."""
+    for e in events:
+        if e["event"] == "error":
+            return f"{e['error']} (rank {e['rank']})"
+    return launch_error
 
 
 def _read(progress: str) -> list[dict[str, Any]]:
@@ -241,6 +287,7 @@ def run_sp(args, sp: int, spec: dict, deadline: float, out_dir: Path, gpu_mem: f
     startup = (ready or {}).get("build_s", 0.0) + 10.0
     kernel = (ready or {}).get("kernel", "")
     last_ok, first_fail, step_at = 0, 0, None
+    cause = _worker_error(events, err)
     for ev in events:
         if ev["event"] == "done":
             rec = {"sp": sp, "seq_len": ev["seq_len"], "status": "ok", "kernel": kernel}
@@ -258,11 +305,13 @@ def run_sp(args, sp: int, spec: dict, deadline: float, out_dir: Path, gpu_mem: f
                 points.append({"sp": sp, "seq_len": ev["seq_len"], "status": "oom"})
         elif ev["event"] == "skip":
             points.append({"sp": sp, "seq_len": ev["seq_len"], "status": "skipped (budget)"})
+    failed_early = ""
     if not ok and not first_fail:
         started = [e["seq_len"] for e in events if e["event"] == "start"]
-        points.append(
-            {"sp": sp, "seq_len": started[-1] if started else 0, "status": f"error: {err}"}
-        )
+        if started:
+            points.append({"sp": sp, "seq_len": started[-1], "status": f"error: {cause}"})
+        else:  # no length to put it at: the report carries it beside the SP size
+            failed_early = cause
     for p in points:
         p.update(_estimates(cfg, p["seq_len"], sp, "cuda" if device == "cuda" else "cpu", gpu_mem))
 
@@ -274,6 +323,8 @@ def run_sp(args, sp: int, spec: dict, deadline: float, out_dir: Path, gpu_mem: f
         "probes": [],
         "sweep_s": time.time() - t0,
     }
+    if failed_early:
+        longest["error"] = f"failed before its first length: {failed_early}"
     granule = spec["granule"]
     lo, hi = last_ok, first_fail or None
     for _ in range(args.max_probes):
@@ -306,9 +357,9 @@ def run_sp(args, sp: int, spec: dict, deadline: float, out_dir: Path, gpu_mem: f
             rec = {"seq_len": cand, "status": "ok", "peak_gib": done["peak"] / GiB}
             rec.update(step_s=done["step_s"], tokens_per_s=done["tokens_per_s"], mfu=done["mfu"])
         else:
-            oom = any(e["event"] == "oom" for e in evs)
+            oom = any(e["event"] == "oom" or e.get("oom") for e in evs)
             hi = cand
-            rec = {"seq_len": cand, "status": "oom" if oom else f"error: {err}"}
+            rec = {"seq_len": cand, "status": "oom" if oom else f"error: {_worker_error(evs, err)}"}
         rec.update(_estimates(cfg, cand, sp, "cuda" if device == "cuda" else "cpu", gpu_mem))
         longest["probes"].append(rec)
         if hi is not None and hi - lo <= max(granule, lo // 20):
@@ -545,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         points, longest = run_sp(args, sp, plan["sp"][sp], share_end, out_dir, gpu_mem)
         result["points"] += points
         result["longest"][str(sp)] = longest
+        if longest.get("error"):
+            print(f"  SP={sp}: {longest['error']}", flush=True)
         for p in points:
             if p["status"] == "ok":
                 print(

@@ -12,6 +12,7 @@ D hidden, hq/hk query/key-value heads, d head dim.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -40,21 +41,37 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> Tensor:
+    """Llama's RoPE frequencies, fp32 (as ``transformers`` computes them)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    return 1.0 / (theta**exponents)
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE as in Llama (rotate-half layout); positions come from the packed sample, so
-    they restart at every document."""
+    they restart at every document — but a document may be millions of tokens long.
+
+    The angles are computed in fp64 and reduced mod 2π before the fp32 cos/sin, so their
+    precision does not depend on the absolute position (in fp32 the angle of position 2^20
+    is off by up to 0.03 rad, and past 2^24 neighbouring positions get the same angle). The
+    frequencies are Llama's fp32 ones, so an exported model computes the same logits at
+    every position where fp32 angles are exact. ``inv_freq`` stays fp32 even where an
+    engine casts buffers to bf16: it is restored from (head_dim, theta) at use."""
 
     inv_freq: Tensor
 
     def __init__(self, head_dim: int, theta: float) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        # [b, n] x [d/2] -> [b, n, d/2] -> [b, n, d]
-        freqs = position_ids.float()[..., None] * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1)
+        if self.inv_freq.dtype != torch.float32:  # cast by an engine (bf16/fp16 buffers)
+            self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.inv_freq.device)
+        # [b, n] x [d/2] -> [b, n, d/2], exact in fp64, then reduced to [0, 2π)
+        angles = position_ids.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
+        freqs = torch.remainder(angles, 2 * math.pi).float()
+        emb = torch.cat((freqs, freqs), dim=-1)  # [b, n, d]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -85,15 +85,51 @@ class Mesh:
         return f"rank {self.rank}/{self.world_size}: dp {self.dp_rank}/{self.dp} × sp {self.sp_rank}/{self.sp}"
 
 
-def default_backend(backend: str = "auto") -> str:
-    if backend != "auto":
-        return backend
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def choose_backend(requested: str, device: str, cuda_devices: int, local_world_size: int) -> str:
+    """The torch.distributed backend for ``requested`` ("auto", "gloo", "nccl") when
+    ``device`` ("auto", "cuda", "cpu") is asked for, ``cuda_devices`` GPUs are visible and
+    ``local_world_size`` processes run on this machine.
+
+    NCCL needs a GPU of its own for every local rank (rank r uses cuda:r): ``auto`` picks it
+    only then, and never for ``device="cpu"``; anything else is gloo. An explicit choice
+    that cannot run is refused here, in one line, instead of failing in set_device."""
+    if requested not in ("auto", "gloo", "nccl"):
+        raise ValueError(f"unknown backend {requested!r}; choose auto, gloo or nccl")
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"unknown device {device!r}; choose auto, cuda or cpu")
+    enough = cuda_devices >= max(1, local_world_size)
+    if device == "cuda" and not enough:
+        raise ValueError(
+            f"{local_world_size} local processes need {local_world_size} GPUs; "
+            f"{cuda_devices} visible"
+        )
+    if requested == "nccl" and (device == "cpu" or not enough):
+        raise ValueError(
+            f"backend nccl needs a GPU per local process ({local_world_size} processes, "
+            f"{cuda_devices} GPUs{', device cpu' if device == 'cpu' else ''}); use gloo or auto"
+        )
+    if requested != "auto":
+        return requested
+    return "nccl" if device != "cpu" and enough else "gloo"
+
+
+def default_backend(backend: str = "auto", device: str = "auto") -> str:
+    """:func:`choose_backend` for this machine and the launched world's local size
+    (LOCAL_WORLD_SIZE from torchrun, LOCAL_SIZE from the DeepSpeed launcher; at least
+    LOCAL_RANK + 1)."""
+    env = os.environ
+    local = int(env.get("LOCAL_WORLD_SIZE") or env.get("LOCAL_SIZE") or 1)
+    local = max(local, int(env.get("LOCAL_RANK", "0")) + 1)
+    gpus = torch.cuda.device_count() if device != "cpu" else 0
+    return choose_backend(backend, device, gpus, local)
 
 
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, int]:
     """Join the world that torchrun / the DeepSpeed launcher / our spawner describes in the
-    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Returns (rank, world)."""
+    environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Returns (rank, world).
+
+    With NCCL the default group is bound to this rank's GPU (``device_id``): it is created
+    eagerly and the groups made later are split from it, so they can share its resources."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     missing = [
@@ -105,9 +141,13 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
             "DeepSpeed launcher or --nproc"
         )
     backend = default_backend(backend)
+    device_id = None
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(
+        backend=backend, timeout=timedelta(seconds=timeout_s), device_id=device_id
+    )
     return dist.get_rank(), dist.get_world_size()
 
 

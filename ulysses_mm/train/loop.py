@@ -25,6 +25,7 @@ from ulysses_mm.data.batch import Batch, make_batch
 from ulysses_mm.data.manifest import Manifest
 from ulysses_mm.data.stream import ShardStream
 from ulysses_mm.layout import check_layout
+from ulysses_mm.model.attention import check_kernel_config
 from ulysses_mm.parallel.mesh import in_launched_world
 from ulysses_mm.runtime import build_runtime, loss_of, open_world, train_step
 from ulysses_mm.tokenspace import TokenSpace
@@ -73,9 +74,10 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     """Every check the config, the manifests and the checkpoint decide, in one place: run
     by the parent before it starts processes (one line, exit 2) and by each rank again.
 
-    The layout (sp and dp against the world, the heads and the sequence), the data's
-    token space against the model's and the checkpoint's, the sequence length against
-    the shards', and that a resumed run has a checkpoint."""
+    The layout (sp and dp against the world, the heads and the sequence), the attention
+    kernel against the precision, the data's token space against the model's and the
+    checkpoint's, the sequence length against the shards', and that a resumed run has a
+    checkpoint."""
     if not cfg.data.train:
         raise ValueError("data.train is empty: give the manifest of the training shards")
     opts = cfg.data.storage_options
@@ -87,6 +89,7 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
             f"data.seq_len={seq_len} but the shards of {manifest.location} hold samples "
             f"of {manifest.seq_len} tokens; prepare the data again or set data.seq_len=0"
         )
+    check_kernel_config(cfg.parallel.attention, cfg.deepspeed.precision)
     m = cfg.model
     check_layout(
         cfg.parallel.sp,
