@@ -272,7 +272,7 @@ def test_cli_refusals(capsys):
     rc, _, err = _cli(capsys, cfg, "--max")
     assert rc == 2 and "--max needs --gpu-mem" in err
     rc, _, err = _cli(capsys, cfg, "--gpus", "6", "--seq-len", "6144")
-    assert rc == 2 and "sp=6 must divide" in err
+    assert rc == 2 and "sp=6 does not divide the 32 query heads" in err
     rc, _, err = _cli(capsys, cfg, "model.hidden_szie=3", "--seq-len", "8192")
     assert rc == 2 and "did you mean 'model.hidden_size'" in err
 
