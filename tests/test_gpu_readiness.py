@@ -424,3 +424,35 @@ def test_cli_takes_the_nccl_figure(capsys):
 
     out = json.loads(capsys.readouterr().out)
     assert out["reserve"] == int((CONTEXT_RESERVE_GIB + 2 * 1.5) * GiB)
+
+
+def test_deepspeed_is_handed_the_host_model_and_peaks_start_after_set_up(monkeypatch):
+    """Item 9: the fp32 model is never moved to the GPU before DeepSpeed casts it (a
+    6 bytes/parameter transient), and the peak-memory counters are reset once the engine
+    exists, so logged peaks are training's. A GPU world is faked: nothing touches CUDA."""
+    from ulysses_mm import runtime
+    from ulysses_mm.parallel import Mesh
+    from ulysses_mm.tokenspace import TokenSpace
+
+    seen: dict[str, object] = {}
+
+    def fake_engine(model, cfg, mesh):
+        seen["devices"] = {p.device.type for p in model.parameters()}
+        seen["dtypes"] = {p.dtype for p in model.parameters()}
+        seen["reset_after_engine"] = False
+        return object(), object(), object()
+
+    def reset(device=None):
+        seen["reset_after_engine"] = "devices" in seen
+
+    monkeypatch.setattr("ulysses_mm.train.engine.build_engine", fake_engine)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(runtime, "loss_weights", lambda mods, weights, device: None)
+    monkeypatch.setattr(runtime, "resolve_kernel", lambda name, device, dtype: "sdpa_varlen")
+    cfg = load_config(RunConfig, None, ["deepspeed.precision=bf16", "model.hidden_size=32"])
+    world = runtime.World(Mesh.single(), torch.device("cuda", 0), "nccl")
+    rt = runtime.build_runtime(cfg, TokenSpace.from_vocab({"dna": 10}), world)
+    assert seen["devices"] == {"cpu"} and seen["dtypes"] == {torch.float32}
+    assert seen["reset_after_engine"] is True
+    assert rt.device == torch.device("cuda", 0)
