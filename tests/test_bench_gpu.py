@@ -76,6 +76,7 @@ def test_plan_for_one_and_eight_gpus():
 def test_cpu_smoke_run_sweeps_probes_and_writes_json_and_png(tmp_path: Path):
     out = tmp_path / "bench"
     res = _run(
+        "train.peak_tflops=0.1",  # a CPU has no known peak; MFU needs one
         "--device",
         "cpu",
         "--out",

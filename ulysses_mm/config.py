@@ -212,7 +212,9 @@ class TrainConfig:
     checkpoint_every: int = _help("Save a checkpoint every K steps (0 = only at the end).", 0)
     keep_checkpoints: int = _help("Checkpoints kept on disk (oldest removed first; 0 = all).", 3)
     peak_tflops: float = _help(
-        "Peak device TFLOP/s for the MFU estimate (0 = a guess from the device).", 0.0
+        "Peak device TFLOP/s for the MFU estimate (0 = the figure of a known GPU at "
+        "deepspeed.precision; no MFU is logged on other devices).",
+        0.0,
     )
 
 

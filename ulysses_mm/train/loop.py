@@ -184,7 +184,11 @@ class Trainer:
             "grad_norm": _float(self.engine.get_global_grad_norm(), grad_norm),
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
-            "mfu": flops / dt / (self.mesh.world_size * self.tflops * 1e12),
+            **(
+                {"mfu": flops / dt / (self.mesh.world_size * self.tflops * 1e12)}
+                if self.tflops
+                else {}
+            ),
             "peak_memory_mb": peak_memory_mb(self.device),
         }
         for m in self.space.modalities:
