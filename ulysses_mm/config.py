@@ -179,9 +179,14 @@ class OptimizerConfig:
 @dataclass
 class SchedulerConfig:
     type: Literal["WarmupCosineLR", "WarmupLR", "none"] = _help(
-        "DeepSpeed LR scheduler.", "WarmupCosineLR"
+        "LR schedule: linear warm-up to the peak, then a cosine to min_lr_ratio "
+        "(WarmupCosineLR) or flat (WarmupLR); none = the optimizer's lr throughout.",
+        "WarmupCosineLR",
     )
-    warmup_steps: int = _help("Linear warm-up steps.", 10)
+    warmup_steps: int = _help(
+        "Linear warm-up steps W: step k <= W runs at lr·k/W, step W at the peak (0 = from step 1).",
+        10,
+    )
     min_lr_ratio: float = _help("Final LR as a fraction of the peak (cosine).", 0.1)
 
 
