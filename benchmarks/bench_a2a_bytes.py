@@ -17,6 +17,10 @@ import math
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch.profiler's Kineto logs a USDT "profiler_start"/"profiler_stop" line to stderr
+# around every profile, at its highest level: 6 is above every level it has, so its lines
+# stop (the table is printed by this process on stdout). The workers inherit it.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 CASES = [  # (P, heads, kv heads)
     (2, 8, 8),

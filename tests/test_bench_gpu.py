@@ -87,6 +87,7 @@ def test_cpu_smoke_plan_never_takes_nccl():
 def test_cpu_smoke_run_sweeps_probes_and_writes_json_and_png(tmp_path: Path):
     out = tmp_path / "bench"
     res = _run(
+        "train.peak_tflops=0.1",  # a CPU has no known peak; MFU needs one
         "--device",
         "cpu",
         "--out",

@@ -9,6 +9,7 @@ from ulysses_mm.config import (
     ConfigError,
     ModelConfig,
     RunConfig,
+    deep_merge,
     describe,
     from_dict,
     load_config,
@@ -89,6 +90,42 @@ def test_overrides_parse_yaml_values():
     }
     with pytest.raises(ConfigError, match="not of the form section.key=value"):
         parse_overrides(["model.hidden_size"])
+
+
+def test_an_override_replaces_the_value_at_its_key(tmp_path):
+    p = _write(
+        tmp_path,
+        "model:\n  modalities: {dna: 10, audio: 256, video: 256}\n  num_attention_heads: 8\n"
+        "  num_key_value_heads: 2\n",
+    )
+    assert load_config(RunConfig, p).model.modalities == {"dna": 10, "audio": 256, "video": 256}
+    assert load_config(RunConfig, p, ["model.modalities={}"]).model.modalities == {}
+    cfg = load_config(RunConfig, p, ["model.modalities={text: 151931}"])
+    assert cfg.model.modalities == {"text": 151931}
+    # dotted overrides of different keys of one section still combine, over the file
+    cfg = load_config(RunConfig, p, ["model.hidden_size=64", "model.num_hidden_layers=2"])
+    assert (cfg.model.hidden_size, cfg.model.num_hidden_layers) == (64, 2)
+    assert (cfg.model.num_attention_heads, cfg.model.num_key_value_heads) == (8, 2)
+    assert cfg.model.modalities == {"dna": 10, "audio": 256, "video": 256}
+    # the last override of a key wins; a later dotted override adds to an earlier mapping
+    cfg = load_config(
+        RunConfig,
+        p,
+        ["model.modalities.audio=7", "model.modalities={dna: 3}", "model.modalities.video=5"],
+    )
+    assert cfg.model.modalities == {"dna": 3, "video": 5}
+
+
+def test_override_mappings_come_out_plain():
+    """The replace mark stays inside the config merge: ``deepspeed.extra`` still merges
+    into the generated ds_config key by key."""
+    cfg = load_config(
+        RunConfig, None, ["deepspeed.extra.zero_optimization={reduce_bucket_size: 8}"]
+    )
+    assert type(cfg.deepspeed.extra["zero_optimization"]) is dict
+    merged = deep_merge({"zero_optimization": {"stage": 2}}, cfg.deepspeed.extra)
+    assert merged["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 8}
+    assert type(deep_merge({}, parse_overrides(["a={b: {c: 1}}"]))["a"]) is dict
 
 
 def test_bad_yaml_files(tmp_path):

@@ -78,6 +78,16 @@ def test_pipeline_paths_resolve_against_file_and_cwd(tmp_path: Path):
     assert cfg.tokenizers == [str(tmp_path / "tok/dna.json")]  # untouched by overrides
 
 
+def test_pipeline_overrides_replace_the_value_at_their_key(tmp_path: Path):
+    p = tmp_path / "p.yaml"
+    p.write_text("suffixes: {dna: [.seq], audio: [.snd]}\npack: {seq_len: 64}\n")
+    assert load_pipeline_config(p).suffixes == {"dna": [".seq"], "audio": [".snd"]}
+    assert load_pipeline_config(p, ["suffixes={}"]).suffixes == {}
+    cfg = load_pipeline_config(p, ["suffixes={video: [.vid]}", "shards.max_samples=3"])
+    assert cfg.suffixes == {"video": [".vid"]}
+    assert (cfg.pack.seq_len, cfg.shards.max_samples) == (64, 3)
+
+
 def test_pipeline_config_rejects_bad_keys_and_values(tmp_path: Path):
     p = tmp_path / "p.yaml"
     p.write_text("sources: [a]\npack: {seq_lenn: 4}\n")

@@ -5,6 +5,8 @@ steps torch's AdamW takes, and the ds_config follows the run config."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from distributed import run_distributed
@@ -15,9 +17,10 @@ from ulysses_mm.data.batch import Batch, sp_slice
 from ulysses_mm.data.synthetic import random_batch
 from ulysses_mm.model import build_model
 from ulysses_mm.parallel import Mesh, loss_weights
-from ulysses_mm.runtime import Runtime, build_runtime, forward_backward, open_world
+from ulysses_mm.runtime import Runtime, build_runtime, forward_backward, open_world, train_step
 from ulysses_mm.tokenspace import TokenSpace
 from ulysses_mm.train.engine import ds_config
+from ulysses_mm.train.schedule import WarmupSchedule, lr_factor, lr_schedule
 
 VOCAB = {"dna": 10, "audio": 32}
 SPACE = TokenSpace.from_vocab(VOCAB)
@@ -64,7 +67,8 @@ def _engine_backward(engine, local: Batch, mesh: Mesh):
 def _runtime(cfg: RunConfig, sp: int) -> Runtime:
     """This rank's model → Ulysses → engine, as training builds it."""
     cfg.parallel.sp = sp
-    return build_runtime(cfg, SPACE, open_world(cfg, device="cpu"))
+    space = TokenSpace.from_vocab(cfg.model.modalities)
+    return build_runtime(cfg, space, open_world(cfg, device="cpu"))
 
 
 def _engine_grads(rank, world, sp, stages, gas):
@@ -139,10 +143,11 @@ def test_ds_config_follows_the_run_config():
     )
     assert z["reduce_scatter"] is False and z["stage3_max_live_parameters"] == 1000
     assert ds["optimizer"]["params"]["torch_adam"] is False  # CPU offload needs DeepSpeed's Adam
-    assert (
-        ds["scheduler"]["params"]["warmup_num_steps"] == 7
-        and ds["scheduler"]["params"]["total_num_steps"] == 100
+    assert "scheduler" not in ds  # build_engine hands DeepSpeed the schedule itself
+    sched = lr_schedule(cfg.deepspeed.scheduler, cfg.train.steps)(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     )
+    assert sched.warmup == 7 and sched.total == 100 and sched.cosine
     with pytest.raises(ValueError, match="offload_param needs deepspeed.zero_stage=3"):
         ds_config(load_config(RunConfig, None, ["deepspeed.offload_param=cpu"]), Mesh.single())
 
@@ -189,3 +194,65 @@ def test_cpu_offload_adam_matches_torch_adamw_at_sp2():
 
     CPUAdamBuilder().load()
     run_distributed(_offload_params, 2, 3, [2, 3], timeout=420)
+
+
+def _schedule_lrs(rank, world, kind):
+    """The lr each step of a real DeepSpeed engine applies, and whether step 1 moved the
+    weights."""
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            "model.modalities={dna: 10}",
+            "model.hidden_size=32",
+            "model.intermediate_size=64",
+            "model.num_hidden_layers=1",
+            "deepspeed.optimizer.lr=0.01",
+            f"deepspeed.scheduler.type={kind}",
+            "deepspeed.scheduler.warmup_steps=4",
+            "deepspeed.scheduler.min_lr_ratio=0.1",
+            "train.steps=8",
+        ],
+    )
+    rt = _runtime(cfg, 1)
+    params = rt.engine.module.parameters
+    batch = random_batch(rt.space, 1, 64, seed=0)
+    lrs, moved = [], []
+    for _ in range(8):
+        before = [p.detach().clone() for p in params()]
+        lrs.append(rt.optimizer.param_groups[0]["lr"])  # what this step applies
+        train_step(rt, [batch])
+        moved.append(any(not torch.equal(a, p) for a, p in zip(before, params())))
+    return lrs, moved, rt.engine.lr_scheduler.state_dict()
+
+
+@pytest.mark.parametrize("kind", ["WarmupCosineLR", "WarmupLR"])
+def test_step_one_trains_and_warm_up_reaches_the_peak(kind):
+    [(lrs, moved, state)] = run_distributed(_schedule_lrs, 1, kind, timeout=300)
+    assert lrs[0] > 0 and all(moved)  # step 1 already changes the weights
+    assert lrs[:4] == pytest.approx([0.0025, 0.005, 0.0075, 0.01])
+    assert lrs[3] == 0.01  # the peak, exactly, at the end of warm-up
+    if kind == "WarmupCosineLR":
+        assert all(a > b for a, b in itertools.pairwise(lrs[3:]))
+        assert lrs[7] == pytest.approx(0.001)  # min_lr_ratio × peak at train.steps
+    else:
+        assert lrs[4:] == [0.01] * 4
+    assert state == {"steps": 8}
+
+
+def test_schedule_factor_and_state():
+    assert [lr_factor(k, 4, 8, 0.1, True) for k in (1, 2, 3, 4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_factor(8, 4, 8, 0.1, True) == pytest.approx(0.1)
+    assert lr_factor(20, 4, 8, 0.1, True) == pytest.approx(0.1)  # past the end: the floor
+    assert lr_factor(1, 0, 8, 0.1, False) == 1.0  # no warm-up: the peak from step 1
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    sched = WarmupSchedule(opt, 4, 8, 0.1, cosine=True)
+    for _ in range(5):
+        sched.step()
+    again = WarmupSchedule(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0), 4, 8, 0.1, True
+    )
+    again.load_state_dict(sched.state_dict())
+    assert again.get_last_lr() == sched.get_last_lr() == [2.0 * lr_factor(6, 4, 8, 0.1, True)]
+    again.load_state_dict({"last_batch_iteration": 4})  # DeepSpeed's count, from -1
+    assert again.steps == 5

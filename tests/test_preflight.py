@@ -63,6 +63,8 @@ def _refused(capsys, *argv: str) -> str:
         ([f"data.seq_len={2 * SEQ}"], f"hold samples of {SEQ} tokens"),
         (["--resume"], "no checkpoint to resume from"),
         (["parallel.attention=flash_varlen"], "flash_varlen"),
+        (["deepspeed.offload_param=cpu"], "offload_param needs deepspeed.zero_stage=3"),
+        (["deepspeed.extra={scheduler: {type: WarmupLR}}"], "both set the LR schedule"),
     ],
 )
 def test_config_errors_fail_in_the_parent(tmp_path, manifest, no_processes, capsys, args, expect):

@@ -35,7 +35,13 @@ BASE = {
     },
     "parallel": {"sp": 2, "timeout_s": 120},
     "data": {"micro_batch_size": 1, "seed": 5},
-    "train": {"steps": STEPS, "checkpoint_every": CKPT_EVERY, "keep_checkpoints": 2, "seed": 3},
+    "train": {
+        "steps": STEPS,
+        "checkpoint_every": CKPT_EVERY,
+        "keep_checkpoints": 2,
+        "seed": 3,
+        "peak_tflops": 0.1,  # a CPU has no known peak: MFU is logged only with one given
+    },
     "deepspeed": {"optimizer": {"lr": 0.01, "weight_decay": 0.0}, "scheduler": {"warmup_steps": 2}},
     "logging": {"wandb": "disabled"},
 }
@@ -179,6 +185,98 @@ def test_export_loads_in_transformers_and_gives_the_backbone_hidden_states(refer
         logits = hf(input_ids=ids, position_ids=pos).logits
         assert_close(logits, want @ ours.heads.lm_head_weight().T, rtol=1e-4, atol=1e-4)
     assert hf.config.vocab_size == space.vocab_size
+
+
+def _alternating_history(steps: int = 40) -> list[dict]:
+    """Odd steps mostly DNA (loss near 1.4), even steps mostly video (near 5): the total
+    jumps from step to step while each modality falls slowly."""
+    records = []
+    for step in range(1, steps + 1):
+        dna, video = 1.4 - 0.005 * step, 5.0 - 0.02 * step
+        share = 0.9 if step % 2 else 0.1
+        records.append(
+            {
+                "step": step,
+                "kind": "train",
+                "loss": share * dna + (1 - share) * video,
+                "loss/dna": dna,
+                "loss/video": video,
+                "lr": 1e-3,
+            }
+        )
+        if step % 10 == 0:
+            records.append({"step": step, "kind": "eval", "eval/loss/dna": dna})
+    return records
+
+
+def test_report_smooths_the_total_and_keeps_each_modality(tmp_path):
+    from ulysses_mm.train.report import loss_series, plot
+
+    records = _alternating_history()
+    s = loss_series(records)
+    jumps = [abs(b - a) for a, b in zip(s.total, s.total[1:])]
+    smooth_jumps = [abs(b - a) for a, b in zip(s.total_smoothed, s.total_smoothed[1:])]
+    assert sum(smooth_jumps) < sum(jumps) / 4
+    assert max(smooth_jumps[10:]) < min(jumps) / 4  # once ten steps are in the average
+    assert s.total_smoothed[0] == pytest.approx(s.total[0])  # debiased: starts at the first value
+    assert sorted(s.modalities) == ["dna", "video"] and s.evals["dna"][0] == [10, 20, 30, 40]
+    assert s.modalities["video"][1] == [r["loss/video"] for r in records if r["kind"] == "train"]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    png = plot(run, tmp_path / "plots" / "loss.png")
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("umask,folder,file", [(0o022, 0o755, 0o644), (0o027, 0o750, 0o640)])
+def test_export_honours_the_umask(tmp_path, umask, folder, file):
+    from safetensors.torch import save_file
+
+    from ulysses_mm.config import RunConfig, load_config, to_dict
+    from ulysses_mm.model import build_model
+    from ulysses_mm.tokenspace import TokenSpace
+    from ulysses_mm.train.checkpoint import CONFIG_FILE, MODEL_FILE, SPACE_FILE
+    from ulysses_mm.train.export import export
+
+    cfg = load_config(RunConfig, None, [f"model.{k}={v}" for k, v in BASE["model"].items()])
+    space = TokenSpace.from_vocab({"dna": 10})
+    weights = build_model(cfg.model, space, seed=0).state_dict()
+    ckpt = tmp_path / "step_00000001"
+    ckpt.mkdir()
+    save_file({k: v.clone().contiguous() for k, v in weights.items()}, str(ckpt / MODEL_FILE))
+    (ckpt / CONFIG_FILE).write_text(yaml.safe_dump(to_dict(cfg)))
+    (ckpt / SPACE_FILE).write_text(json.dumps(space.to_dict()))
+    old = os.umask(umask)
+    try:
+        out = export(ckpt, tmp_path / "exports" / "hf")
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == folder
+    files = sorted(out.iterdir())
+    assert {p.name for p in files} >= {"config.json", "model.safetensors", "token_space.json"}
+    assert {p.name: p.stat().st_mode & 0o777 for p in files} == {p.name: file for p in files}
+
+
+def test_mfu_needs_a_known_peak():
+    from ulysses_mm.config import RunConfig, load_config
+    from ulysses_mm.train.metrics import known_peak_tflops, peak_tflops
+
+    cfg = load_config(RunConfig)
+    assert peak_tflops(cfg, torch.device("cpu")) is None  # no guess: no MFU on a CPU
+    given = load_config(RunConfig, None, ["train.peak_tflops=2.5"])
+    assert peak_tflops(given, torch.device("cpu")) == 2.5
+    for name, precision, want in [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H200", "bf16", 989.0),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+        ("NVIDIA L4", "fp16", 121.0),
+        ("NVIDIA L40S", "bf16", 362.0),
+        ("NVIDIA GeForce RTX 4090", "bf16", 165.0),
+        ("NVIDIA GeForce GTX 1080", "fp32", None),
+    ]:
+        assert known_peak_tflops(name, precision) == want, name
 
 
 def test_sigkill_then_resume_gives_the_uninterrupted_losses(data, reference):

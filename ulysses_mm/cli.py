@@ -7,6 +7,7 @@ schema's defaults.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 
@@ -461,9 +462,28 @@ def _strip_local_rank(argv: Sequence[str]) -> list[str]:
     return out
 
 
+# ``section.key=value``: a dotted key of letters, digits, '_' and '-', then '='.
+_OVERRIDE = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*=")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args``, with ``key=value`` overrides accepted after options too.
+
+    argparse gives a ``nargs="*"`` positional only the words before the first option
+    (``train CONFIG --nproc 2 train.steps=1`` would leave ``train.steps=1`` unrecognized);
+    the words it could not place that are overrides join ``overrides``, in order."""
+    args, extras = parser.parse_known_args(_strip_local_rank(argv))
+    if extras:
+        takes = isinstance(getattr(args, "overrides", None), list)
+        rest = [a for a in extras if not (takes and _OVERRIDE.match(a))]
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = [*args.overrides, *extras]
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(_strip_local_rank(sys.argv[1:] if argv is None else argv))
+    args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args))
     except ConfigError as e:

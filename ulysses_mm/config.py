@@ -179,9 +179,14 @@ class OptimizerConfig:
 @dataclass
 class SchedulerConfig:
     type: Literal["WarmupCosineLR", "WarmupLR", "none"] = _help(
-        "DeepSpeed LR scheduler.", "WarmupCosineLR"
+        "LR schedule: linear warm-up to the peak, then a cosine to min_lr_ratio "
+        "(WarmupCosineLR) or flat (WarmupLR); none = the optimizer's lr throughout.",
+        "WarmupCosineLR",
     )
-    warmup_steps: int = _help("Linear warm-up steps.", 10)
+    warmup_steps: int = _help(
+        "Linear warm-up steps W: step k <= W runs at lr·k/W, step W at the peak (0 = from step 1).",
+        10,
+    )
     min_lr_ratio: float = _help("Final LR as a fraction of the peak (cosine).", 0.1)
 
 
@@ -212,7 +217,9 @@ class TrainConfig:
     checkpoint_every: int = _help("Save a checkpoint every K steps (0 = only at the end).", 0)
     keep_checkpoints: int = _help("Checkpoints kept on disk (oldest removed first; 0 = all).", 3)
     peak_tflops: float = _help(
-        "Peak device TFLOP/s for the MFU estimate (0 = a guess from the device).", 0.0
+        "Peak device TFLOP/s for the MFU estimate (0 = the figure of a known GPU at "
+        "deepspeed.precision; no MFU is logged on other devices).",
+        0.0,
     )
 
 
@@ -339,10 +346,18 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return dataclasses.asdict(obj)
 
 
+class _Replace(dict):
+    """A mapping given whole by an override (``model.modalities={text: 8}``): it replaces
+    the value at its key, where a mapping read from a file merges into the one below it."""
+
+
 def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
     """``["model.hidden_size=128", "data.train=s3://b/m.json"]`` to a nested mapping.
 
-    Values are parsed as YAML scalars/flows (``3``, ``true``, ``[1, 2]``, ``{a: 1}``)."""
+    Values are parsed as YAML scalars/flows (``3``, ``true``, ``[1, 2]``, ``{a: 1}``). An
+    override replaces the value at its key: merged with :func:`deep_merge`, a mapping
+    value does not merge into the file's mapping at that key (``'model.modalities={}'``
+    empties it), while overrides of different keys of one section still combine."""
     nested: dict[str, Any] = {}
     for item in overrides:
         if "=" not in item:
@@ -361,16 +376,20 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
                     f"override '{item}' conflicts with an earlier override of '{part}'"
                 )
             node = child
-        node[parts[-1]] = value
+        node[parts[-1]] = _Replace(value) if isinstance(value, dict) else value
     return nested
 
 
 def deep_merge(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
-    """``top`` over ``base``: mappings merge key by key, anything else replaces."""
+    """``top`` over ``base``: mappings merge key by key, anything else replaces, and so
+    does a mapping that came whole from an override (see :func:`parse_overrides`). The
+    mappings of ``top`` are copied into plain dicts."""
     out = dict(base)
     for key, value in top.items():
-        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = deep_merge(out[key], value)
+        if isinstance(value, Mapping):
+            below = out.get(key)
+            merge = isinstance(below, Mapping) and not isinstance(value, _Replace)
+            out[key] = deep_merge(below if merge else {}, value)  # type: ignore[arg-type]
         else:
             out[key] = value
     return out

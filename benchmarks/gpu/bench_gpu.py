@@ -119,7 +119,7 @@ def sweep_worker(
     rank0 = mesh.rank == 0
     t_build = time.time()
     runner = StepRunner(cfg, world)
-    tflops = peak_tflops(cfg, runner.device)
+    tflops = peak_tflops(cfg, runner.device) or float("nan")  # unknown peak: MFU nan
     if rank0:
         _append(
             progress, {"event": "ready", "build_s": time.time() - t_build, "kernel": runner.kernel}

@@ -22,6 +22,7 @@ import torch
 
 from ulysses_mm.config import RunConfig, deep_merge
 from ulysses_mm.parallel.mesh import Mesh
+from ulysses_mm.train.schedule import lr_schedule
 
 
 class SequenceParallelMPU:
@@ -66,6 +67,11 @@ def ds_config(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
     sp = mesh.sp
     d = cfg.deepspeed
     opt = d.optimizer
+    if "scheduler" in d.extra and d.scheduler.type != "none":
+        raise ValueError(
+            f"deepspeed.extra.scheduler and deepspeed.scheduler.type={d.scheduler.type} both "
+            "set the LR schedule; set deepspeed.scheduler.type=none to use DeepSpeed's"
+        )
     zero: dict[str, Any] = {"stage": d.zero_stage}
     if d.zero_stage == 3 and sp > 1:
         # ZeRO-3's reduce-scatter path averages gradients over all dp × sp ranks (it does
@@ -95,28 +101,9 @@ def ds_config(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
         "wall_clock_breakdown": False,
         "checkpoint": {"use_node_local_storage": False},
     }
-    s = d.scheduler
-    if s.type == "WarmupCosineLR":
-        config["scheduler"] = {
-            "type": "WarmupCosineLR",
-            "params": {
-                "total_num_steps": max(cfg.train.steps, s.warmup_steps + 1),
-                "warmup_num_steps": s.warmup_steps,
-                "cos_min_ratio": s.min_lr_ratio,
-                "warmup_min_ratio": 0.0,
-                "warmup_type": "linear",
-            },
-        }
-    elif s.type == "WarmupLR":
-        config["scheduler"] = {
-            "type": "WarmupLR",
-            "params": {
-                "warmup_min_lr": 0.0,
-                "warmup_max_lr": opt.lr,
-                "warmup_num_steps": s.warmup_steps,
-                "warmup_type": "linear",
-            },
-        }
+    # No "scheduler" entry: the LR schedule (deepspeed.scheduler) is handed to
+    # deepspeed.initialize by build_engine; see ulysses_mm.train.schedule for why it is
+    # not DeepSpeed's WarmupCosineLR / WarmupLR.
     return copy.deepcopy(deep_merge(config, d.extra))
 
 
@@ -150,6 +137,7 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, mesh: Mesh):
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=ds_config(cfg, mesh),
         mpu=SequenceParallelMPU(mesh) if mesh.sp > 1 else None,
+        lr_scheduler=lr_schedule(cfg.deepspeed.scheduler, cfg.train.steps),
     )
     engine.checkpoint_engine = _safe_engine_class()(engine._config)
     return engine, optimizer, scheduler

@@ -32,6 +32,13 @@ def hf_state_dict(weights: dict[str, torch.Tensor], space: TokenSpace) -> dict[s
     return out
 
 
+def _umask() -> int:
+    """The process's umask (read by setting it, then putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     from safetensors.torch import load_file, save_file
     from transformers import LlamaConfig
@@ -53,10 +60,16 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     )
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    # Written into a temporary sibling, then renamed into place whole. mkdtemp makes the
+    # folder 0700 and safetensors' save_file its file 0600; the published folder takes the
+    # modes of every other file instead (0777 / 0666 less the umask).
+    umask = _umask()
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        tmp.chmod(0o777 & ~umask)
         hf_config.save_pretrained(tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "model.safetensors").chmod(0o666 & ~umask)
         (tmp / "token_space.json").write_text(json.dumps(space.to_dict(), indent=1) + "\n")
         if out.exists():
             shutil.rmtree(out)

@@ -26,10 +26,12 @@ from ulysses_mm.data.manifest import Manifest
 from ulysses_mm.data.stream import ShardStream
 from ulysses_mm.layout import check_layout
 from ulysses_mm.model.attention import check_kernel_config
+from ulysses_mm.parallel import Mesh
 from ulysses_mm.parallel.mesh import in_launched_world
 from ulysses_mm.runtime import build_runtime, loss_of, open_world, train_step
 from ulysses_mm.tokenspace import TokenSpace
 from ulysses_mm.train import checkpoint
+from ulysses_mm.train.engine import ds_config
 from ulysses_mm.train.metrics import (
     MetricsLogger,
     causal_pairs,
@@ -91,7 +93,7 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
         )
     check_kernel_config(cfg.parallel.attention, cfg.deepspeed.precision)
     m = cfg.model
-    check_layout(
+    dp = check_layout(
         cfg.parallel.sp,
         dp=cfg.parallel.dp,
         world=world,
@@ -99,6 +101,7 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
         num_kv_heads=m.num_key_value_heads,
         seq_len=seq_len,
     )
+    ds_config(cfg, Mesh(dp=dp, sp=cfg.parallel.sp, rank=0))  # DeepSpeed settings that clash
     eval_manifest = Manifest.load(cfg.data.eval, opts) if cfg.data.eval else None
     if eval_manifest is not None:
         eval_manifest.check_token_space(space)
@@ -207,7 +210,11 @@ class Trainer:
             "grad_norm": result.grad_norm,
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
-            "mfu": flops / dt / (self.mesh.world_size * self.tflops * 1e12),
+            **(
+                {"mfu": flops / dt / (self.mesh.world_size * self.tflops * 1e12)}
+                if self.tflops
+                else {}
+            ),
             "peak_memory_mb": peak_memory_mb(self.device),
         }
         for m in self.space.modalities:

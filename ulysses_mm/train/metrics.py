@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import resource
 import uuid
 from pathlib import Path
@@ -22,25 +23,43 @@ from ulysses_mm.config import RunConfig
 from ulysses_mm.model import MultimodalLM
 from ulysses_mm.storage import atomic_write_local
 
-# dense bf16 peak TFLOP/s by device name (used when train.peak_tflops is 0)
-_GPU_PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "A10G": 125.0,
-    "4090": 165.0,
-}
-_CPU_PEAK_TFLOPS = 0.1  # per process (about one core of fp32 FMA); a rough guess
+# Dense (no sparsity) peak TFLOP/s of known GPUs, by a pattern of the name
+# torch.cuda.get_device_name gives: (bf16/fp16 tensor cores, fp32). The first match wins,
+# so each specific name comes before the family name it contains.
+_GPU_PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    (r"\bGH200\b", 989.0, 67.0),
+    (r"\bH200 NVL\b", 835.0, 60.0),
+    (r"\bH200\b", 989.0, 67.0),
+    (r"\bH100 PCIe\b", 756.0, 51.0),
+    (r"\bH100 NVL\b", 835.0, 60.0),
+    (r"\bH100\b", 989.0, 67.0),  # SXM ("NVIDIA H100 80GB HBM3")
+    (r"\bA100\b", 312.0, 19.5),
+    (r"\bL40S\b", 362.0, 91.6),
+    (r"\bL40\b", 181.0, 90.5),
+    (r"\bL4\b", 121.0, 30.3),
+    (r"\bA10G?\b", 125.0, 31.2),
+    (r"\b4090\b", 165.0, 82.6),
+)
 
 
-def peak_tflops(cfg: RunConfig, device: torch.device) -> float:
+def known_peak_tflops(device_name: str, precision: str) -> float | None:
+    """Dense peak TFLOP/s of a GPU named ``device_name`` at ``precision`` (bf16, fp16 or
+    fp32); None for a device the table does not know."""
+    for pattern, half, single in _GPU_PEAK_TFLOPS:
+        if re.search(pattern, device_name):
+            return single if precision == "fp32" else half
+    return None
+
+
+def peak_tflops(cfg: RunConfig, device: torch.device) -> float | None:
+    """``train.peak_tflops`` when set, else the table's figure for a CUDA device; None
+    when unknown (a CPU, an unlisted GPU), and then no MFU is logged: a guessed peak gives
+    a figure that reads like a measurement (over 100 % on a laptop)."""
     if cfg.train.peak_tflops > 0:
         return cfg.train.peak_tflops
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return next((v for k, v in _GPU_PEAK_TFLOPS.items() if k in name), 100.0)
-    return _CPU_PEAK_TFLOPS
+        return known_peak_tflops(torch.cuda.get_device_name(device), cfg.deepspeed.precision)
+    return None
 
 
 def train_flops(

@@ -1,0 +1,59 @@
+"""The command line: ``section.key=value`` overrides are taken wherever they stand."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import REPO
+
+from ulysses_mm.cli import build_parser, main, parse_args
+
+TINY = str(REPO / "configs" / "debug-tiny.yaml")
+
+
+def _parse(*argv: str):
+    return parse_args(build_parser(), argv)
+
+
+@pytest.mark.parametrize(
+    "argv,field,value",
+    [
+        (["train", TINY, "--nproc", "2", "train.steps=1"], "config", TINY),
+        (["train", TINY, "train.steps=1", "--nproc", "2"], "config", TINY),
+        (["prepare", "pipelines/dna.yaml", "--print-config", "train.steps=1"], "pipeline", None),
+        (["verify", "--sp", "2", "train.steps=1", "--dp", "1"], "sp", 2),
+        (["estimate", TINY, "--gpus", "2", "train.steps=1", "--max"], "gpus", 2),
+        (["config", TINY, "--keys", "train.steps=1"], "keys", True),
+    ],
+)
+def test_overrides_after_options(argv, field, value):
+    args = _parse(*argv)
+    assert "train.steps=1" in args.overrides
+    if value is not None:
+        assert getattr(args, field) == value
+
+
+def test_overrides_keep_their_order_around_options_and_local_rank():
+    args = _parse(
+        "train", TINY, "a.b=1", "--local_rank=0", "--nproc", "2", "a.b=2", "--resume", "c=x=y"
+    )
+    assert args.config == TINY and args.nproc == 2 and args.resume
+    assert args.overrides == ["a.b=1", "a.b=2", "c=x=y"]
+
+
+def test_words_that_are_not_overrides_are_still_rejected(capsys):
+    for argv in (
+        ["train", TINY, "--nproc", "2", "extra.yaml"],
+        ["train", TINY, "--nproc", "2", "--bogus"],
+        ["export", "ckpt", "out", "train.steps=1"],  # export takes no overrides
+    ):
+        with pytest.raises(SystemExit) as e:
+            _parse(*argv)
+        assert e.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_prepare_print_config_takes_overrides_after_the_flag(capsys):
+    pipeline = str(REPO / "pipelines" / "dna.yaml")
+    assert main(["prepare", pipeline, "--print-config", "pack.seq_len=64", "workers=3"]) == 0
+    out = capsys.readouterr().out
+    assert "seq_len: 64" in out and "workers: 3" in out
