@@ -130,11 +130,12 @@ class ParallelConfig:
     sp: int = _help("Sequence-parallel size P (Ulysses all-to-all group).", 1)
     dp: int = _help("Data-parallel size D; 0 = world_size / sp.", 0)
     backend: Literal["auto", "gloo", "nccl"] = _help(
-        "torch.distributed backend; auto = nccl with CUDA, else gloo.", "auto"
+        "torch.distributed backend; auto = nccl when every local rank has its own GPU, else gloo.",
+        "auto",
     )
     attention: AttentionKernel = _help(
-        "Local attention kernel run on H/P heads: auto = flash_varlen when flash-attn and a GPU "
-        "are present, else sdpa_varlen.",
+        "Local attention kernel run on H/P heads: auto = flash_varlen on a GPU in bf16/fp16 "
+        "when flash-attn loads, else sdpa_varlen; flash_varlen in fp32 is refused.",
         "auto",
     )
     timeout_s: int = _help("Collective timeout in seconds (a hang becomes an error).", 600)
