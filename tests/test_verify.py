@@ -97,9 +97,9 @@ def test_verify_exit_status_follows_the_comparison(monkeypatch, capsys):
 
 @pytest.mark.parametrize("sp,dp", [(2, 2)])
 def test_verify_dp_times_sp_in_process_api(sp, dp):
-    cfg = RunConfig()
+    cfg = load_config(RunConfig, None, [f"parallel.sp={sp}", f"parallel.dp={dp}"])
     cfg.model.modalities = {"dna": 16, "audio": 32}
-    assert run_verify(cfg, VerifyOptions(sp=sp, dp=dp, seq_len=128)) == 0
+    assert run_verify(cfg, VerifyOptions(seq_len=128)) == 0
 
 
 def test_verify_reads_the_run_config_and_its_overrides(monkeypatch, tmp_path, capsys):
