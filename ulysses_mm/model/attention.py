@@ -228,7 +228,10 @@ def _sdpa_varlen(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
 def _compiled_flex() -> Callable[..., Tensor]:
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # dynamic=None: the first new sequence length recompiles once with symbolic shapes, and
+    # later lengths reuse that graph (dynamic=False would compile once per length and, past
+    # torch's recompile limit, fall back to eager attention)
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
