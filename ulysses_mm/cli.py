@@ -277,7 +277,14 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
 
         return cli_fit(args)
 
-    p = sub.add_parser("tokenizer", help="fit learned tokenizers (video codebooks)")
+    def run_eval(args: argparse.Namespace) -> int:
+        from ulysses_mm.modalities.evaluate import cli_eval
+
+        return cli_eval(args)
+
+    p = sub.add_parser(
+        "tokenizer", help="fit learned tokenizers (video codebooks); measure any tokenizer"
+    )
     tsub = p.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
     f = tsub.add_parser(
         "fit",
@@ -333,6 +340,24 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
         help="reuse this fitted codebook .npy instead of fitting (SOURCES not needed)",
     )
     f.set_defaults(func=run_fit)
+    e = tsub.add_parser(
+        "eval",
+        help="fidelity of a tokenizer on files: DNA exact, audio SNR dB, video PSNR dB",
+        description=(
+            "Tokenize each file as prepare would and decode the tokens back: DNA records must "
+            "come back exactly; audio is the SNR (dB) of the decoded waveform against the one "
+            "the tokenizer read (resampled, mono); video the PSNR (dB) of the decoded frames "
+            "against the sampled, cropped frames. Exit 1 if a file cannot be read."
+        ),
+    )
+    e.add_argument("spec", help="tokenizer spec JSON, e.g. tokenizers/video-vq.json")
+    e.add_argument("files", nargs="+", help="files to measure")
+    e.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (per-file exact / snr_db / psnr_db, and a summary)",
+    )
+    e.set_defaults(func=run_eval)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:

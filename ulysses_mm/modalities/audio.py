@@ -256,6 +256,10 @@ class MulawTokenizer(Tokenizer):
         """float32 mono at the spec's rate -> local ids."""
         return mulaw_encode(samples, self.bits)
 
+    def decode_waveform(self, ids: np.ndarray) -> np.ndarray:
+        """local ids -> float32 waveform at the spec's rate."""
+        return mulaw_decode(ids, self.bits)
+
     def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
         frame = DocumentFramer(space, self.modality)
         wave = self.load(str(path))
