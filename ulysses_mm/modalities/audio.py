@@ -229,7 +229,7 @@ def load_waveform(
     limit = None if max_seconds is None else round(max_seconds * rate)
     capped = False
     start_time: float | None = None
-    resampler = _Resampler(rate, resampler)
+    resample = _Resampler(rate, resampler)
     with ffmpeg_log() as logs:
         container = open_media(path)
         with container:
@@ -247,12 +247,12 @@ def load_waveform(
                 for frame in container.decode(stream):
                     if start_time is None and frame.time is not None:
                         start_time = float(frame.time)
-                    resampler.push(frame)
+                    resample.push(frame)
                     seconds_in += frame.samples / frame.sample_rate
                     if max_seconds is not None and seconds_in >= max_seconds + 0.1:
                         capped = True
                         break
-                samples = resampler.finish()
+                samples = resample.finish()
             except av.error.FFmpegError as e:
                 raise DecodeError(
                     f"{path}: corrupt or truncated audio: {e.strerror} after {seconds_in:.2f} s"
