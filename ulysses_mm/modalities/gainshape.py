@@ -61,9 +61,9 @@ class GainShapeModel:
     def vocab_size(self) -> int:
         return 1 + 2 * self.per_mode
 
-    def _quantise(self, r: torch.Tensor) -> torch.Tensor:
-        """Residual patches [n, d] -> ids within one mode [n] (0: keep)."""
-        z = r @ self._b.t()  # [n, D]
+    def _quantise(self, z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residuals in the basis [n, D] -> (ids within one mode [n], 0: keep; their
+        quantised value g·s [n, D])."""
         corr = z @ self._s.t()  # [n, K]
         best = corr.abs().argmax(dim=1)
         g = corr.gather(1, best[:, None])[:, 0]
@@ -72,22 +72,28 @@ class GainShapeModel:
         level = (mag.log()[:, None] - self._log_g[None, :]).abs().argmin(dim=1)
         sign = (g < 0).to(torch.int64)
         ids = 1 + (best * 2 + sign) * self.gains.shape[0] + level
-        return torch.where(mag < 0.5 * float(self.gains[0]), torch.zeros_like(ids), ids)
+        keep = mag < 0.5 * float(self.gains[0])
+        gq = torch.from_numpy(self.gains)[level] * (1 - 2 * sign).to(torch.float32)
+        gq = torch.where(keep, torch.zeros_like(gq), gq)
+        return torch.where(keep, torch.zeros_like(ids), ids), gq[:, None] * self._s[best]
 
     def step(self, x: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame's patches [n, d] and the previous reconstruction [n, d] -> (ids [n],
         reconstruction [n, d]): per patch the better of predicting from the previous frame
-        (inter) or from mid-grey (intra, a scene cut or fast motion)."""
-        inter = self._quantise(x - prev)
-        intra = self._quantise(x - GREY)
-        intra = torch.where(intra == 0, intra, intra + self.per_mode)  # intra ids: 2nd half
-        rec_inter = self.reconstruct(inter, prev)
-        rec_intra = self.reconstruct(intra, prev)
-        e_inter = ((x - rec_inter) ** 2).sum(1)
-        e_intra = ((x - rec_intra) ** 2).sum(1)
-        use_intra = e_intra < e_inter
-        ids = torch.where(use_intra, intra, inter)
-        return ids, torch.where(use_intra[:, None], rec_intra, rec_inter)
+        (inter) or from mid-grey (intra: a scene cut, fast motion)."""
+        zx = x @ self._b.t()
+        choices = []
+        for base in (prev, torch.full_like(prev, GREY)):
+            z = zx - base @ self._b.t()
+            ids, q = self._quantise(z)
+            # ||r - qB||² = ||r||² - ||z||² (outside the basis) + ||z - q||² (inside)
+            err = ((x - base) ** 2).sum(1) - (z * z).sum(1) + ((z - q) ** 2).sum(1)
+            choices.append((ids, err))
+        (ids_p, e_p), (ids_g, e_g) = choices
+        intra = e_g < e_p
+        ids = torch.where(intra & (ids_g > 0), ids_g + self.per_mode, ids_p)
+        ids = torch.where(intra & (ids_g == 0), torch.zeros_like(ids), ids)
+        return ids, self.reconstruct(ids, prev)
 
     def reconstruct(self, ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
         """ids [n] and the previous reconstruction [n, d] -> this frame's [n, d] (0..255)."""
