@@ -2,13 +2,15 @@
 
 Per clip, frames as the ``video-vq`` kind samples them (fps, resize, centre crop, patches)::
 
-    prediction  P_t = the decoder's reconstruction of frame t-1 (mid-grey before frame 0)
-    residual    r   = x - P_t, per patch, projected on a fitted basis B [D, p·p·3]
+    base        inter: the decoder's reconstruction of the previous frame (grey before
+                frame 0); intra: mid-grey — per patch, whichever codes it with less error
+    residual    r   = x - base, per patch, projected on a fitted basis B [D, p·p·3]
     shape       s   = the codeword of a unit-norm codebook [K, D] with the largest |r·s|
     gain        g   = r·s, its magnitude quantised to one of L log-spaced levels, its sign kept
-    id          0 (keep the patch: |g| below the smallest level), else
-                1 + (s·2 + sign)·L + level         (vocab_size = 1 + 2·K·L)
-    reconstruction  P_t + g·(s B), rounded and clipped to 0..255: the next prediction
+    id          0 (keep the patch: |g| below half the smallest level), else
+                1 + mode·2KL + (s·2 + sign)·L + level  (mode 0 inter, 1 intra;
+                vocab_size = 1 + 4·K·L)
+    reconstruction  base + g·(s B), rounded and clipped to 0..255: the next prediction
 
 The encoder runs the decoder's own reconstruction (closed loop), so errors never drift.
 Gain–shape splits how much changes (gain, any scale) from how it looks (shape, unit norm):
