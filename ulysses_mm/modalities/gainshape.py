@@ -52,8 +52,7 @@ class GainShapeModel:
         self._b = torch.from_numpy(self.basis)
         self._s = torch.from_numpy(self.shapes)
         self._log_g = torch.from_numpy(np.log(self.gains))
-        # decoded pixel-space offset of every (shape, sign, level): built lazily, [V-1, d]
-        self._atoms: torch.Tensor | None = None
+        self._z_grey: torch.Tensor | None = None
 
     @property
     def per_mode(self) -> int:
@@ -79,17 +78,28 @@ class GainShapeModel:
         gq = torch.where(keep, torch.zeros_like(gq), gq)
         return torch.where(keep, torch.zeros_like(ids), ids), gq[:, None] * self._s[best]
 
-    def step(self, x: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """Patches [..., d] -> their coordinates in the basis [..., D]."""
+        return x @ self._b.t()
+
+    def step(
+        self, x: torch.Tensor, prev: torch.Tensor, zx: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One frame's patches [n, d] and the previous reconstruction [n, d] -> (ids [n],
         reconstruction [n, d]): per patch the better of predicting from the previous frame
-        (inter) or from mid-grey (intra: a scene cut, fast motion)."""
-        zx = x @ self._b.t()
+        (inter) or from mid-grey (intra: a scene cut, fast motion). ``zx``: x projected,
+        if the caller has it (one matmul for a batch of frames)."""
+        if zx is None:
+            zx = self.project(x)
+        if self._z_grey is None:
+            self._z_grey = self.project(torch.full((1, x.shape[1]), GREY))
         choices = []
-        for base in (prev, torch.full_like(prev, GREY)):
-            z = zx - base @ self._b.t()
+        for base, z_base in ((prev, self.project(prev)), (None, self._z_grey)):
+            z = zx - z_base
             ids, q = self._quantise(z)
+            r2 = ((x - (GREY if base is None else base)) ** 2).sum(1)
             # ||r - qB||² = ||r||² - ||z||² (outside the basis) + ||z - q||² (inside)
-            err = ((x - base) ** 2).sum(1) - (z * z).sum(1) + ((z - q) ** 2).sum(1)
+            err = r2 - (z * z).sum(1) + ((z - q) ** 2).sum(1)
             choices.append((ids, err))
         (ids_p, e_p), (ids_g, e_g) = choices
         intra = e_g < e_p
@@ -153,8 +163,9 @@ class GainShapeVideoTokenizer(VqVideoTokenizer):
             x = torch.from_numpy(patchify(frames, self.patch)).to(torch.float32)
             x = x.reshape(frames.shape[0], self.tokens_per_frame, -1)
             out = np.empty((frames.shape[0], self.tokens_per_frame), dtype=np.int64)
+            zx = self.model.project(x)  # one matmul for the batch
             for i in range(frames.shape[0]):
-                ids, prev = self.model.step(x[i], prev)
+                ids, prev = self.model.step(x[i], prev, zx[i])
                 out[i] = ids.numpy()
             return out
 
