@@ -128,3 +128,16 @@ def test_never_downloads_and_checks_the_spec(model_dir: Path, tmp_path: Path) ->
         load_tokenizer(_spec(tmp_path, str(model_dir), vocab=64))
     with pytest.raises(ValueError, match="no bandwidth giving 3 quantizers"):
         load_tokenizer(_spec(tmp_path, str(model_dir), n_q=3, tps=1500, vocab=48))
+
+
+def test_tokenizer_eval_measures_a_codec(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ulysses_mm.cli import main
+
+    wav = write_audio(tmp_path / "a.wav", tone(0.25, RATE, 300.0, 0.5), RATE)
+    assert (
+        main(["tokenizer", "eval", str(_spec(tmp_path, str(model_dir))), str(wav), "--json"]) == 0
+    )
+    (entry,) = json.loads(capsys.readouterr().out)["files"]
+    assert entry["tokens_per_second"] == 1000.0 and isinstance(entry["snr_db"], float)
