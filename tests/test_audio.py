@@ -238,3 +238,70 @@ def test_copy_is_readable_through_any_name(tmp_path: Path) -> None:
     odd = tmp_path / "speech.bin"
     shutil.copy(TEST_DATA / "ljspeech_LJ001-0001.wav", odd)
     assert tokenizer(max_seconds=1.0).load(str(odd)).samples.shape[0] == 16000
+
+
+# --------------------------------------------------------------------------- resampling
+def _ideal_resample(x: np.ndarray, rate: int, out_rate: int) -> np.ndarray:
+    """Brick-wall band-limited resample (FFT, periodic signal): the reference."""
+    n = x.shape[0]
+    m = n * out_rate // rate
+    spectrum = np.fft.rfft(x.astype(np.float64))[: m // 2 + 1]
+    return np.fft.irfft(spectrum, m) * (m / n)
+
+
+def _synth(kind: str, rate: int = 44100, seconds: float = 1.0) -> np.ndarray:
+    """Speech-like (glottal harmonics under formants), music (a chord, rich harmonics) or a
+    bird-like call (fast chirps sweeping 6.5-7.5 kHz); faded in and out (periodic-safe)."""
+    t = np.arange(int(rate * seconds)) / rate
+    rng = np.random.default_rng(0)
+    x = np.zeros_like(t)
+    if kind == "speech":
+        phase = 2 * np.pi * np.cumsum(120 + 30 * np.sin(2 * np.pi * 3 * t)) / rate
+        for k in range(1, 90):  # harmonics to ~13 kHz, formants at 500 / 1500 / 2500 Hz
+            f = 120 * k
+            env = sum(np.exp(-(((f - c) / 300) ** 2)) for c in (500, 1500, 2500)) + 0.02
+            x += env / k**0.5 * np.sin(k * phase + rng.uniform(0, 6.3))
+    elif kind == "music":
+        for f0 in (220.0, 277.2, 329.6, 440.0):
+            for k in range(1, 40):
+                if f0 * k < rate / 2:
+                    x += np.sin(2 * np.pi * f0 * k * t + rng.uniform(0, 6.3)) / k**1.5
+    else:  # bird: 8 syllables, each a 60 ms sweep 6.5 -> 7.5 kHz
+        for s in range(8):
+            t0 = 0.05 + s * 0.11
+            local = t - t0
+            on = (local >= 0) & (local < 0.06)
+            f = 6500 + 1000 * local / 0.06
+            x += on * np.sin(2 * np.pi * np.cumsum(f) / rate) * np.sin(np.pi * local / 0.06) ** 2
+    fade = np.minimum(1.0, np.minimum(t, seconds - t) / 0.02)
+    x = x * fade
+    return (0.5 * x / np.abs(x).max()).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind", ["speech", "music", "bird"])
+def test_resample_matches_an_ideal_band_limited_one(tmp_path: Path, kind: str) -> None:
+    x = _synth(kind)
+    path = write_audio(tmp_path / f"{kind}.wav", x, 44100)
+    ref = _ideal_resample(x, 44100, 16000)
+    got = load_waveform(str(path), 16000).samples
+    assert got.shape[0] == ref.shape[0]
+    assert snr_db(ref, got) >= 30.0, f"{kind}: {snr_db(ref, got):.1f} dB"
+    if kind == "bird":  # libswresample's default filter loses the call's top (the old path)
+        old = load_waveform(str(path), 16000, resampler="swr").samples
+        assert snr_db(ref, old[: ref.shape[0]]) < 25.0, f"swr: {snr_db(ref, old):.1f} dB"
+
+
+def test_16k_keeps_the_band_to_7500_hz(tmp_path: Path) -> None:
+    for f in (1000.0, 7000.0, 7500.0):
+        path = write_audio(tmp_path / f"t{int(f)}.wav", tone(1.0, 44100, f, 0.5), 44100)
+        y = load_waveform(str(path), 16000).samples[2000:-2000]
+        gain_db = 20 * np.log10(np.sqrt(2 * np.mean(y.astype(np.float64) ** 2)) / 0.5)
+        assert abs(gain_db) < 1.0, f"{f} Hz: {gain_db:.2f} dB"
+    path = write_audio(tmp_path / "t8200.wav", tone(1.0, 44100, 8200.0, 0.5), 44100)
+    alias = load_waveform(str(path), 16000).samples[2000:-2000]
+    assert np.sqrt(np.mean(alias**2)) < 0.5 * 10 ** (-60 / 20)  # stop band: no alias at 7.8 kHz
+
+
+def test_resampler_param_is_checked() -> None:
+    with pytest.raises(ValueError, match="resampler"):
+        tokenizer(resampler="linear")

@@ -278,7 +278,14 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
 
         return cli_fit(args)
 
-    p = sub.add_parser("tokenizer", help="fit learned tokenizers (video codebooks)")
+    def run_eval(args: argparse.Namespace) -> int:
+        from ulysses_mm.modalities.evaluate import cli_eval
+
+        return cli_eval(args)
+
+    p = sub.add_parser(
+        "tokenizer", help="fit learned tokenizers (video codebooks); measure any tokenizer"
+    )
     tsub = p.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
     f = tsub.add_parser(
         "fit",
@@ -333,7 +340,40 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="reuse this fitted codebook .npy instead of fitting (SOURCES not needed)",
     )
+    f.add_argument(
+        "--kind",
+        choices=["video-vq", "video-gsvq"],
+        default="video-vq",
+        help="video-vq: k-means codebook (default); video-gsvq: predictive gain-shape VQ",
+    )
+    f.add_argument("--dims", type=int, default=64, help="video-gsvq: basis dimensions (64)")
+    f.add_argument("--shapes", type=int, default=512, help="video-gsvq: shape codewords (512)")
+    f.add_argument("--levels", type=int, default=16, help="video-gsvq: gain levels (16)")
+    f.add_argument(
+        "--synthetic",
+        type=int,
+        default=0,
+        help="video-gsvq: also fit on N generated synthetic clips (default 0)",
+    )
     f.set_defaults(func=run_fit)
+    e = tsub.add_parser(
+        "eval",
+        help="fidelity of a tokenizer on files: DNA exact, audio SNR dB, video PSNR dB",
+        description=(
+            "Tokenize each file as prepare would and decode the tokens back: DNA records must "
+            "come back exactly; audio is the SNR (dB) of the decoded waveform against the one "
+            "the tokenizer read (resampled, mono); video the PSNR (dB) of the decoded frames "
+            "against the sampled, cropped frames. Exit 1 if a file cannot be read."
+        ),
+    )
+    e.add_argument("spec", help="tokenizer spec JSON, e.g. tokenizers/video-vq.json")
+    e.add_argument("files", nargs="+", help="files to measure")
+    e.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document (per-file exact / snr_db / psnr_db, and a summary)",
+    )
+    e.set_defaults(func=run_eval)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:

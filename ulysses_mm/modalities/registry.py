@@ -40,7 +40,13 @@ _KINDS: dict[str, Kind] = {
         _AUDIO,
         fallback_suffixes=(".mp4", ".webm", ".mkv", ".mov", ".m4v"),
     ),
+    "audio-codec": Kind(
+        "ulysses_mm.modalities.codec:CodecAudioTokenizer",
+        _AUDIO,
+        fallback_suffixes=(".mp4", ".webm", ".mkv", ".mov", ".m4v"),
+    ),
     "video-vq": Kind("ulysses_mm.modalities.video:VqVideoTokenizer", _VIDEO),
+    "video-gsvq": Kind("ulysses_mm.modalities.gainshape:GainShapeVideoTokenizer", _VIDEO),
 }
 
 

@@ -23,7 +23,7 @@ video-only document; the dataset's token space must hold the audio modality too 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -118,10 +118,14 @@ class VqVideoTokenizer(Tokenizer):
         self.size: int = p["size"]
         self.patch: int = p["patch"]
         self.tokens_per_frame = (self.size // self.patch) ** 2  # then one <eof>
-        self.codebook = load_codebook(spec, self.patch)
+        self.load_artifact()
         self.audio: MulawTokenizer | None = None
         if p["audio"] is not None:
             self.audio = self._load_audio(p["audio"])
+
+    def load_artifact(self) -> None:
+        """The learned state the spec's artifact holds (here: the k-means codebook)."""
+        self.codebook = load_codebook(self.spec, self.patch)
 
     def _load_audio(self, cfg: dict[str, Any]) -> MulawTokenizer:
         from ulysses_mm.modalities.registry import load_tokenizer
@@ -158,6 +162,11 @@ class VqVideoTokenizer(Tokenizer):
         ids = self.codebook.encode(patchify(frames, self.patch))
         return ids.reshape(frames.shape[0], self.tokens_per_frame)
 
+    def encoder(self) -> Callable[[np.ndarray], np.ndarray]:
+        """A per-clip encoder: batches of a clip's frames, in order -> local ids [t, N].
+        (Here frames are independent; a predictive kind keeps state across batches.)"""
+        return self.encode_frames
+
     def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
         source = str(path)
         r = space.range(self.modality)  # KeyError now if the space lacks video
@@ -169,7 +178,8 @@ class VqVideoTokenizer(Tokenizer):
                     f"{ar.size} ids, {self.audio.spec.name} uses {self.audio.spec.vocab_size}"
                 )
         probe = probe_video(source)
-        ids = np.concatenate([self.encode_frames(b) for b in self.frames(source, probe)])
+        encode = self.encoder()
+        ids = np.concatenate([encode(b) for b in self.frames(source, probe)])
         # [t, N + 1] unified ids: each frame's patches, then <eof>
         frames = np.empty((ids.shape[0], self.tokens_per_frame + 1), dtype=np.int64)
         frames[:, :-1] = ids + r.start
