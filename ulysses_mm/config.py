@@ -75,6 +75,23 @@ class ModelConfig:
     )
     mlp_tile_tokens: int = _help("Tokens per MLP tile (0 = no MLP tiling).", 0)
     activation_checkpointing: bool = _help("Recompute each decoder layer in backward.", False)
+    qk_norm: bool = _help(
+        "RMSNorm of each query and key head before RoPE (Qwen3); export writes a Qwen3 model.",
+        False,
+    )
+    attention_bias: bool = _help(
+        "Biases on the q/k/v projections (Qwen2); export writes a Qwen2 model.", False
+    )
+    init_from: str = _help(
+        "A transformers Llama/Qwen2/Qwen3 checkpoint directory (safetensors) to start from: "
+        "its backbone loads as is, its embedding and LM-head rows go to the range of "
+        "model.text_modality ('' = random init). `ulysses-mm config --from-hf DIR` prints "
+        "the matching model section.",
+        "",
+    )
+    text_modality: str = _help(
+        "The modality whose id range takes the init_from checkpoint's vocabulary.", "text"
+    )
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
