@@ -41,6 +41,7 @@ _KINDS: dict[str, Kind] = {
         fallback_suffixes=(".mp4", ".webm", ".mkv", ".mov", ".m4v"),
     ),
     "video-vq": Kind("ulysses_mm.modalities.video:VqVideoTokenizer", _VIDEO),
+    "text": Kind("ulysses_mm.modalities.text:TextTokenizer", (".txt", ".jsonl")),
 }
 
 
