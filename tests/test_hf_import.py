@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ from ulysses_mm.parallel.loss import loss_weights
 from ulysses_mm.runtime import forward_backward
 from ulysses_mm.tokenspace import TokenSpace
 
+REPO = Path(__file__).resolve().parents[1]
 TEXT_VOCAB = 300
 SHAPE = dict(
     hidden_size=32,
@@ -260,3 +262,53 @@ def test_config_from_hf_prints_the_matching_run_config(tmp_path):
     state = load_file(str(path / "model.safetensors"))
     assert_close(built.model.embed_tokens.weight[r.start :], state["model.embed_tokens.weight"])
     assert_close(built.heads.heads["text"].weight, state["lm_head.weight"])
+
+
+def test_tied_embeddings_load_into_the_text_head_too(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=TEXT_VOCAB, tie_word_embeddings=True, **SHAPE))
+    hf.eval().save_pretrained(tmp_path / "hf")
+    model = _imported("qwen3", tmp_path / "hf")
+    batch, raw = _text_batch(model.space, 32)
+    with torch.no_grad():
+        hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
+        assert_close(model.heads.heads["text"](hidden), hf(input_ids=raw).logits)
+    assert_close(model.heads.heads["text"].weight, hf.model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("kw", [dict(qk_norm=True), dict(attention_bias=True)])
+def test_estimate_counts_the_qk_norms_and_biases(kw):
+    from ulysses_mm.estimate import model_shape
+
+    cfg = RunConfig(model=ModelConfig(**SHAPE, **kw, modalities={"dna": 10, "text": 40}))
+    space = TokenSpace.from_vocab(cfg.model.modalities)
+    model = build_model(cfg.model, space)
+    assert model_shape(cfg, space).params == sum(p.numel() for p in model.parameters())
+
+
+def test_the_shipped_finetune_config_is_what_from_hf_prints_for_qwen3_4b(tmp_path):
+    """Qwen3-4B's published config.json (no weights needed) gives the shipped model section."""
+    from transformers import Qwen3Config
+
+    from ulysses_mm.config import load_config
+
+    qwen3_4b = dict(
+        vocab_size=151936,
+        hidden_size=2560,
+        intermediate_size=9728,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+    )
+    Qwen3Config(**qwen3_4b).save_pretrained(tmp_path / "Qwen3-4B")
+    fields = hf_model_fields(tmp_path / "Qwen3-4B")
+    shipped = load_config(RunConfig, REPO / "configs" / "qwen3-4b-finetune.yaml").model
+    assert shipped.modalities[shipped.text_modality] == fields.pop("vocab_size")
+    assert {k: getattr(shipped, k) for k in fields} == fields
