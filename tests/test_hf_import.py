@@ -21,7 +21,12 @@ from ulysses_mm.data.batch import Batch, sp_slice
 from ulysses_mm.data.format import IGNORE
 from ulysses_mm.data.synthetic import random_batch
 from ulysses_mm.model import build_model
-from ulysses_mm.model.hf_import import InitFromError, hf_model_fields, load_pretrained
+from ulysses_mm.model.hf_import import (
+    InitFromError,
+    hf_model_fields,
+    load_pretrained,
+    model_section,
+)
 from ulysses_mm.parallel import Mesh, apply_ulysses
 from ulysses_mm.parallel.loss import loss_weights
 from ulysses_mm.runtime import forward_backward
@@ -178,6 +183,8 @@ def test_export_then_init_from_gives_the_same_logits_on_every_modality(arch, kw,
 
     fields = hf_model_fields(out)
     assert fields.pop("vocab_size") == space.vocab_size
+    # config --from-hf of an export gives back its whole token space
+    assert model_section(out, {"modalities": {"text": 1}})["modalities"] == vocab
     dst = build_model(ModelConfig(**fields, modalities=vocab, init_from=str(out)), space, seed=9)
     load_pretrained(dst, out)
     batch = random_batch(space, 2, 96, seed=4, min_doc=3)

@@ -45,16 +45,12 @@ def _cmd_config(args: argparse.Namespace) -> int:
         return 0
     if args.from_hf:
         from ulysses_mm.config import deep_merge, from_dict, parse_overrides, read_yaml
-        from ulysses_mm.model.hf_import import hf_model_fields
+        from ulysses_mm.model.hf_import import model_section
 
         # defaults < file < the checkpoint's model section < overrides
         data = read_yaml(args.config) if args.config else {}
-        text = str(data.get("model", {}).get("text_modality", "text"))
-        fields = hf_model_fields(args.from_hf)
-        vocab = fields.pop("vocab_size")
-        fields.update(init_from=args.from_hf, modalities={text: vocab})
-        data = deep_merge(deep_merge(data, {"model": fields}), parse_overrides(args.overrides))
-        cfg = from_dict(RunConfig, data)
+        data["model"] = model_section(args.from_hf, data.get("model"))
+        cfg = from_dict(RunConfig, deep_merge(data, parse_overrides(args.overrides)))
     else:
         cfg = load_config(RunConfig, args.config, args.overrides)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")

@@ -16,6 +16,7 @@ config is refused with a one-line message naming the first difference, and
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,23 @@ def hf_model_fields(path: str | Path, hf: dict[str, Any] | None = None) -> dict[
     )
 
 
+def model_section(path: str | Path, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``model:`` section ``base`` (a config file's) made to start from checkpoint
+    ``path``: its architecture, ``init_from``, and the modality ``text_modality`` sized to
+    its vocabulary (kept in its place, else last) — or, for an ``ulysses-mm export``, the
+    whole token space of its token_space.json."""
+    out = dict(base or {})
+    fields = hf_model_fields(path)
+    vocab = fields.pop("vocab_size")
+    exported = _exported_space(Path(path))
+    if exported is not None:
+        modalities = exported.vocab()
+    else:
+        modalities = dict(out.get("modalities") or {})
+        modalities[str(out.get("text_modality", "text"))] = vocab
+    return out | fields | {"init_from": str(path), "modalities": modalities}
+
+
 def check_matches(cfg: ModelConfig, path: str | Path, fields: dict[str, Any]) -> None:
     """Refuse a checkpoint whose architecture differs from ``cfg``: the first difference."""
     for name in ARCH_FIELDS:
@@ -140,26 +158,22 @@ def _exported_space(path: Path) -> TokenSpace | None:
     return TokenSpace.from_dict(json.loads(p.read_text())) if p.is_file() else None
 
 
-@torch.no_grad()
-def load_pretrained(model: Any, path: str | Path) -> None:
-    """Load checkpoint ``path`` into ``model`` (a MultimodalLM, before Ulysses or the
-    engine wrap it): backbone as is, vocabulary rows into the text range (all rows when
-    the checkpoint is an export of this very token space). Refuses any difference."""
+def check_init_from(cfg: ModelConfig, space: TokenSpace, path: str | Path) -> slice:
+    """Everything about checkpoint ``path`` that its config.json (and token_space.json)
+    decide, without reading a tensor: the architecture and the vocabulary against ``cfg``
+    and ``space``. Returns the token-space rows its vocabulary goes to (cheap enough for
+    a launcher to run before it starts processes)."""
     path = Path(path)
     where = f"init_from {path}"
-    cfg: ModelConfig = model.config
-    space: TokenSpace = model.space
     fields = hf_model_fields(path)
     check_matches(cfg, path, fields)
-    tensors = _open_tensors(path)
     exported = _exported_space(path)
     if exported is not None and exported != space:
         raise InitFromError(
             f"{where}: its token_space.json ({exported.describe()}) is not the run's "
             f"({space.describe()})"
         )
-    full = exported is not None
-    if full:
+    if exported is not None:
         rows = slice(0, space.vocab_size)
     else:
         if cfg.text_modality not in space.modalities:
@@ -169,13 +183,28 @@ def load_pretrained(model: Any, path: str | Path) -> None:
             )
         r = space.range(cfg.text_modality)
         rows = slice(r.start, r.stop)
-    want_vocab = rows.stop - rows.start
-    if fields["vocab_size"] != want_vocab:
-        what = "token space" if full else f"modality {cfg.text_modality!r}"
+    if fields["vocab_size"] != rows.stop - rows.start:
+        what = "token space" if exported is not None else f"modality {cfg.text_modality!r}"
         raise InitFromError(
             f"{where}: the checkpoint has vocab_size={fields['vocab_size']}, the {what} "
-            f"has {want_vocab} ids (model.modalities.{cfg.text_modality})"
+            f"has {rows.stop - rows.start} ids (model.modalities.{cfg.text_modality})"
         )
+    return rows
+
+
+@torch.no_grad()
+def load_pretrained(model: Any, path: str | Path) -> None:
+    """Load checkpoint ``path`` into ``model`` (a MultimodalLM, before Ulysses or the
+    engine wrap it): backbone as is, vocabulary rows into the text range (all rows when
+    the checkpoint is an export of this very token space). Refuses any difference."""
+    path = Path(path)
+    where = f"init_from {path}"
+    cfg: ModelConfig = model.config
+    space: TokenSpace = model.space
+    rows = check_init_from(cfg, space, path)
+    full = rows.stop - rows.start == space.vocab_size and rows.start == 0
+    want_vocab = rows.stop - rows.start
+    tensors = _open_tensors(path)
 
     def read(name: str, shape: list[int]) -> torch.Tensor:
         if name not in tensors:
