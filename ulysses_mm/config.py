@@ -42,7 +42,8 @@ def _help(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclas
 @dataclass
 class ModelConfig:
     """A Llama-style decoder. The architecture fields map one-to-one onto
-    ``transformers.LlamaConfig`` (see :meth:`to_llama_config_kwargs`)."""
+    ``transformers.LlamaConfig`` (see :meth:`to_llama_config_kwargs`); ``qk_norm`` makes it
+    a Qwen3, ``attention_bias`` a Qwen2."""
 
     hidden_size: int = _help("Model width D (LlamaConfig.hidden_size).", 64)
     intermediate_size: int = _help("SwiGLU inner width (LlamaConfig.intermediate_size).", 172)
