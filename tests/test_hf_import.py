@@ -319,3 +319,12 @@ def test_the_shipped_finetune_config_is_what_from_hf_prints_for_qwen3_4b(tmp_pat
     shipped = load_config(RunConfig, REPO / "configs" / "qwen3-4b-finetune.yaml").model
     assert shipped.modalities[shipped.text_modality] == fields.pop("vocab_size")
     assert {k: getattr(shipped, k) for k in fields} == fields
+
+
+def test_a_sharded_checkpoint_loads_like_one_file(tmp_path):
+    hf = _save_hf("llama", tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    one, sharded = _imported("llama", tmp_path / "one"), _imported("llama", tmp_path / "sharded")
+    for (name, a), (_, b) in zip(one.state_dict().items(), sharded.state_dict().items()):
+        assert_close(a, b, rtol=0, atol=0, msg=name)
