@@ -43,7 +43,16 @@ def _cmd_config(args: argparse.Namespace) -> int:
         for key, tp, text in describe(RunConfig):
             print(f"{key:<40s} {tp:<24s} {text}")
         return 0
-    cfg = load_config(RunConfig, args.config, args.overrides)
+    if args.from_hf:
+        from ulysses_mm.config import deep_merge, from_dict, parse_overrides, read_yaml
+        from ulysses_mm.model.hf_import import model_section
+
+        # defaults < file < the checkpoint's model section < overrides
+        data = read_yaml(args.config) if args.config else {}
+        data["model"] = model_section(args.from_hf, data.get("model"))
+        cfg = from_dict(RunConfig, deep_merge(data, parse_overrides(args.overrides)))
+    else:
+        cfg = load_config(RunConfig, args.config, args.overrides)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     return 0
 
@@ -86,6 +95,14 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", help=_overrides_help())
     p.add_argument(
         "--keys", action="store_true", help="list every config key with its type and help"
+    )
+    p.add_argument(
+        "--from-hf",
+        default=None,
+        metavar="DIR",
+        help="fill the model section from a transformers Llama/Qwen2/Qwen3 checkpoint "
+        "(architecture, init_from=DIR, the text modality sized to its vocabulary); "
+        "overrides still win",
     )
     p.set_defaults(func=_cmd_config)
 

@@ -42,7 +42,8 @@ def _help(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclas
 @dataclass
 class ModelConfig:
     """A Llama-style decoder. The architecture fields map one-to-one onto
-    ``transformers.LlamaConfig`` (see :meth:`to_llama_config_kwargs`)."""
+    ``transformers.LlamaConfig`` (see :meth:`to_llama_config_kwargs`); ``qk_norm`` makes it
+    a Qwen3, ``attention_bias`` a Qwen2."""
 
     hidden_size: int = _help("Model width D (LlamaConfig.hidden_size).", 64)
     intermediate_size: int = _help("SwiGLU inner width (LlamaConfig.intermediate_size).", 172)
@@ -75,6 +76,23 @@ class ModelConfig:
     )
     mlp_tile_tokens: int = _help("Tokens per MLP tile (0 = no MLP tiling).", 0)
     activation_checkpointing: bool = _help("Recompute each decoder layer in backward.", False)
+    qk_norm: bool = _help(
+        "RMSNorm of each query and key head before RoPE (Qwen3); export writes a Qwen3 model.",
+        False,
+    )
+    attention_bias: bool = _help(
+        "Biases on the q/k/v projections (Qwen2); export writes a Qwen2 model.", False
+    )
+    init_from: str = _help(
+        "A transformers Llama/Qwen2/Qwen3 checkpoint directory (safetensors) to start from: "
+        "its backbone loads as is, its embedding and LM-head rows go to the range of "
+        "model.text_modality ('' = random init). `ulysses-mm config --from-hf DIR` prints "
+        "the matching model section.",
+        "",
+    )
+    text_modality: str = _help(
+        "The modality whose id range takes the init_from checkpoint's vocabulary.", "text"
+    )
 
     def __post_init__(self) -> None:
         if self.head_dim is None:

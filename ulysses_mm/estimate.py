@@ -116,6 +116,8 @@ class ModelShape:
     specials: int
     vocab: int  # the whole token space: embedding rows, and all heads' rows together
     widest_head: int  # specials + the largest modality vocabulary
+    qk_norm: bool = False  # q/k RMSNorm weights, head_dim each (Qwen3)
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
 
     @property
     def q_width(self) -> int:
@@ -131,7 +133,9 @@ class ModelShape:
 
     def _layer_tensors(self) -> list[int]:
         d, q, k, i = self.hidden, self.q_width, self.kv_width, self.inter
-        return [d * q, d * k, d * k, q * d, d * i, d * i, i * d, d, d]
+        extra = [self.head_dim, self.head_dim] if self.qk_norm else []
+        extra += [q, k, k] if self.attention_bias else []
+        return [d * q, d * k, d * k, q * d, d * i, d * i, i * d, d, d, *extra]
 
     @property
     def layer_params(self) -> int:
@@ -172,6 +176,8 @@ def model_shape(cfg: RunConfig, space: TokenSpace) -> ModelShape:
         specials=space.num_specials,
         vocab=space.vocab_size,
         widest_head=space.num_specials + max(r.size for r in space.ranges),
+        qk_norm=m.qk_norm,
+        attention_bias=m.attention_bias,
     )
 
 

@@ -101,8 +101,12 @@ def build_parallel_model(
     cfg: RunConfig, space: TokenSpace, mesh: Mesh, kernel: str, stats: CommStats | None = None
 ) -> MultimodalLM:
     """The run's model (seeded by ``train.seed``) with Ulysses applied over ``mesh.sp``,
-    on the host."""
+    on the host; ``model.init_from`` loads a pretrained checkpoint into it first."""
     model = build_model(cfg.model, space, kernel, seed=cfg.train.seed)
+    if cfg.model.init_from:
+        from ulysses_mm.model.hf_import import load_pretrained
+
+        load_pretrained(model, cfg.model.init_from)
     return apply_ulysses(model, mesh, stats)
 
 

@@ -28,6 +28,13 @@ Vocabulary (local ids; ``vocab_size`` in the spec must equal its length)::
 so A C G T N are ids 0-4 under every policy. Decoding gives back exactly the input
 sequence under the policy: ``decode(encode(s)) == policy(s)``. GenBank ORIGIN blocks are
 case-insensitive by convention and Biopython reads them uppercase.
+
+``annotations`` (null, or ``{"spec": "<text spec>.json", "place": "document"|"prefix"}``):
+each record's header (FASTA/FASTQ: the whole title line; GenBank: id, description and
+the feature table, one feature a line) is also tokenized with that text tokenizer, as
+a text document just before the sequence's (``document``), or as a ``<|text|>`` run at
+the start of the sequence's own document, so the bases can attend to it (``prefix``).
+The text modality must then be in the token space too (a companion spec).
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ _SCHEMA: ParamSchema = {
     "iupac": ((str,), "to_n"),
     "invalid": ((str,), "error"),
     "format": ((str, type(None)), None),  # null: from the file name, else sniffed
+    "annotations": ((dict, type(None)), None),  # null, or {"spec": ..., "place": ...}
 }
 
 
@@ -111,6 +119,12 @@ def iter_records(path: str, fmt: str | None = None) -> Iterator[tuple[str, str]]
 
     The format is sniffed from the content; ``fmt`` (the spec's ``format``) must agree.
     Parser and gzip failures become DecodeError with the parser's own reason."""
+    for rec_id, seq, _ in iter_annotated_records(path, fmt):
+        yield rec_id, seq
+
+
+def iter_annotated_records(path: str, fmt: str | None = None) -> Iterator[tuple[str, str, str]]:
+    """(record id, sequence, header text) for every record: see :func:`iter_records`."""
     try:
         with open_text(path) as handle:
             head = handle.read(4096)
@@ -130,7 +144,17 @@ def iter_records(path: str, fmt: str | None = None) -> Iterator[tuple[str, str]]
         raise DecodeError(f"{path}: cannot read as {fmt or 'a sequence file'}: {reason}") from None
 
 
-def _parse(path: str, handle: IO[str], fmt: str) -> Iterator[tuple[str, str]]:
+def genbank_text(rec: Any) -> str:
+    """A GenBank record's annotation as text: id and description, then one line per feature
+    (type, 1-based location, qualifiers)."""
+    lines = [f"{rec.id} {rec.description}".strip()]
+    for f in rec.features:
+        quals = " ".join(f"/{k}={v}" for k, vals in f.qualifiers.items() for v in vals)
+        lines.append(f"{f.type} {f.location} {quals}".rstrip())
+    return "\n".join(lines)
+
+
+def _parse(path: str, handle: IO[str], fmt: str) -> Iterator[tuple[str, str, str]]:
     from Bio import SeqIO
     from Bio.Seq import UndefinedSequenceError
     from Bio.SeqIO.FastaIO import SimpleFastaParser
@@ -138,10 +162,10 @@ def _parse(path: str, handle: IO[str], fmt: str) -> Iterator[tuple[str, str]]:
 
     if fmt == "fasta":
         for title, seq in SimpleFastaParser(handle):
-            yield title.split(None, 1)[0] if title.strip() else "", seq
+            yield title.split(None, 1)[0] if title.strip() else "", seq, title
     elif fmt == "fastq":
         for title, seq, _qual in FastqGeneralIterator(handle):
-            yield title.split(None, 1)[0] if title.strip() else "", seq
+            yield title.split(None, 1)[0] if title.strip() else "", seq, title
     else:
         for rec in SeqIO.parse(handle, "genbank"):
             try:
@@ -151,7 +175,7 @@ def _parse(path: str, handle: IO[str], fmt: str) -> Iterator[tuple[str, str]]:
                     f"{path}#{rec.id}: GenBank record has no sequence data (empty or absent "
                     "ORIGIN, e.g. a CONTIG-only record)"
                 ) from None
-            yield rec.id, seq
+            yield rec.id, seq, genbank_text(rec)
 
 
 class DnaTokenizer(Tokenizer):
@@ -175,6 +199,34 @@ class DnaTokenizer(Tokenizer):
             )
         self.table = translation_table(p["case"], p["iupac"], p["invalid"])
         self._letters_u8 = np.frombuffer(self.letters.encode("ascii"), dtype=np.uint8)
+        self.text: Any = None  # the annotations' TextTokenizer
+        self.place = "document"
+        if p["annotations"] is not None:
+            self.text, self.place = self._load_text(p["annotations"])
+
+    def _load_text(self, cfg: dict[str, Any]) -> tuple[Any, str]:
+        from ulysses_mm.modalities.registry import load_tokenizer
+        from ulysses_mm.modalities.text import TextTokenizer
+
+        where = self.spec.path or self.spec.name
+        place = cfg.get("place", "document")
+        if not set(cfg) <= {"spec", "place"} or not isinstance(cfg.get("spec"), str):
+            raise ValueError(
+                f"{where}: param 'annotations' must be "
+                '{"spec": "<text spec>.json", "place": "document" or "prefix"}'
+            )
+        check_choice(self.spec, "annotations.place", place, ("document", "prefix"))
+        path = Path(self.spec.path).parent / cfg["spec"] if self.spec.path else Path(cfg["spec"])
+        if not path.is_file():
+            raise ValueError(f"{where}: text spec {cfg['spec']} not found (looked at {path})")
+        text = load_tokenizer(path)
+        if not isinstance(text, TextTokenizer):
+            raise ValueError(f"{where}: {cfg['spec']} is not a text tokenizer spec")
+        return text, place
+
+    def companion_specs(self) -> list[TokenizerSpec]:
+        """The text spec of the annotations: its modality must be in the token space."""
+        return [] if self.text is None else [self.text.spec]
 
     # ------------------------------------------------------------------ encode
     def encode_sequence(self, seq: str | bytes, where: str = "sequence") -> np.ndarray:
@@ -196,16 +248,24 @@ class DnaTokenizer(Tokenizer):
         if not Path(source).is_file():
             raise DecodeError(f"{source}: no such file")
         fmt = self.params["format"]
+        text_frame = None if self.text is None else DocumentFramer(space, self.text.modality)
         seen: dict[str, int] = {}
         n = 0
-        for rec_id, seq in iter_records(source, fmt):
+        for rec_id, seq, header in iter_annotated_records(source, fmt):
             rid = rec_id or f"record{n}"
             k = seen.get(rid, 0)
             seen[rid] = k + 1
             key = f"{source}#{rid}" if k == 0 else f"{source}#{rid}~{k}"
             ids = self.encode_sequence(seq, where=f"{source}#{rid}")
             n += 1
-            yield TokenDocument(source, key, self.modality, frame(ids))
+            tokens = frame(ids)
+            if text_frame is not None and header.strip():
+                words = text_frame(self.text.encode_text(header))  # <doc> <|text|> … </doc>
+                if self.place == "document":
+                    yield TokenDocument(source, key + "#header", self.text.modality, words)
+                else:  # <doc> <|text|> … <|dna|> bases </doc>
+                    tokens = np.concatenate([words[:-1], tokens[1:]])
+            yield TokenDocument(source, key, self.modality, tokens)
         if n == 0:
             raise DecodeError(f"{source}: no sequence records")
 

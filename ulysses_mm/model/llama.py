@@ -94,10 +94,14 @@ class Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         d = cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * d, bias=False)
+        bias = cfg.attention_bias  # Qwen2: q/k/v biases, none on o_proj
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, cfg.hidden_size, bias=False)
+        # Qwen3: RMSNorm over each head's d features of q and k, before RoPE
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.core: nn.Module = LocalAttention(kernel)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
@@ -105,6 +109,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)  # [b, n, hq, d]
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)  # [b, n, hk, d]
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)  # [b, n, hk, d]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # per head, over d
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = self.core(q, k, v, mask)  # [b, n, hq, d]
         return self.o_proj(out.reshape(b, n, self.num_heads * self.head_dim))
@@ -196,6 +202,8 @@ class MultimodalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 module.weight.normal_(0.0, std)
+                if isinstance(module, nn.Linear) and module.bias is not None:
+                    module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 

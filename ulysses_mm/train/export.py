@@ -1,4 +1,5 @@
-"""``ulysses-mm export``: a checkpoint to a transformers Llama checkpoint.
+"""``ulysses-mm export``: a checkpoint to a transformers Llama checkpoint (Qwen3 when
+``model.qk_norm``, Qwen2 when ``model.attention_bias``).
 
 The backbone's parameter names are already ``LlamaModel``'s (under ``model.``); the
 per-modality heads, concatenated in token-id order (shared specials, then each modality's
@@ -15,10 +16,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ulysses_mm.config import RunConfig, from_dict, read_yaml
+from ulysses_mm.config import ModelConfig, RunConfig, from_dict, read_yaml
 from ulysses_mm.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
 from ulysses_mm.train.checkpoint import CONFIG_FILE, MODEL_FILE, SPACE_FILE, read_checkpoint_dir
 
@@ -32,6 +34,39 @@ def hf_state_dict(weights: dict[str, torch.Tensor], space: TokenSpace) -> dict[s
     return out
 
 
+def hf_config_for(model: ModelConfig, vocab_size: int, dtype: torch.dtype) -> Any:
+    """The transformers config of the backbone: Llama, or Qwen3 (q/k norm) or Qwen2 (q/k/v
+    biases), whose parameter names are the backbone's."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    kwargs = model.to_llama_config_kwargs()
+    if model.qk_norm and model.attention_bias:
+        raise ValueError(
+            "model.qk_norm with model.attention_bias has no transformers architecture "
+            "(Qwen3 biases o_proj too)"
+        )
+    cls: type[Any] = LlamaConfig
+    arch = "LlamaForCausalLM"
+    if model.qk_norm or model.attention_bias:
+        for key in ("attention_bias", "mlp_bias"):
+            kwargs.pop(key)
+        kwargs["use_sliding_window"] = False
+        cls, arch = (
+            (Qwen3Config, "Qwen3ForCausalLM")
+            if model.qk_norm
+            else (Qwen2Config, "Qwen2ForCausalLM")
+        )
+    return cls(
+        vocab_size=vocab_size,
+        pad_token_id=PAD,
+        bos_token_id=DOC_START,
+        eos_token_id=DOC_END,
+        architectures=[arch],
+        dtype=str(dtype).removeprefix("torch."),
+        **kwargs,
+    )
+
+
 def _umask() -> int:
     """The process's umask (read by setting it, then putting it back)."""
     mask = os.umask(0o022)
@@ -41,7 +76,6 @@ def _umask() -> int:
 
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     from safetensors.torch import load_file, save_file
-    from transformers import LlamaConfig
 
     src = read_checkpoint_dir(Path(checkpoint))
     cfg = from_dict(RunConfig, read_yaml(src / CONFIG_FILE))
@@ -49,15 +83,7 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     weights = load_file(str(src / MODEL_FILE))
     state = hf_state_dict(weights, space)
     dtype = next(iter(state.values())).dtype
-    hf_config = LlamaConfig(
-        vocab_size=space.vocab_size,
-        pad_token_id=PAD,
-        bos_token_id=DOC_START,
-        eos_token_id=DOC_END,
-        architectures=["LlamaForCausalLM"],
-        dtype=str(dtype).removeprefix("torch."),
-        **cfg.model.to_llama_config_kwargs(),
-    )
+    hf_config = hf_config_for(cfg.model, space.vocab_size, dtype)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     # Written into a temporary sibling, then renamed into place whole. mkdtemp makes the

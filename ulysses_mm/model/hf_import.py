@@ -1,0 +1,236 @@
+"""``model.init_from``: start from a transformers Llama, Qwen2 or Qwen3 checkpoint.
+
+The backbone's parameter names are already those of ``transformers`` (``model.layers.0.
+self_attn.q_proj.weight`` …), so the decoder loads tensor by tensor. The vocabulary is
+the one thing that differs: a checkpoint's embedding and LM-head rows are one
+modality's (``model.text_modality``) slice of the token space, and the rows of the
+specials and of every other modality keep the initialisation the config gives. A
+checkpoint written by ``ulysses-mm export`` carries its ``token_space.json``; when that
+space is the model's, every row loads (export → init_from is the identity).
+
+Nothing is guessed: an architecture field or a tensor shape that differs from the
+config is refused with a one-line message naming the first difference, and
+``ulysses-mm config --from-hf DIR`` prints the model section that matches.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ulysses_mm.config import ModelConfig
+from ulysses_mm.tokenspace import TokenSpace
+
+SUPPORTED = ("llama", "qwen2", "qwen3")
+# ModelConfig fields an init_from checkpoint fixes, in the order they are compared
+ARCH_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "qk_norm",
+    "attention_bias",
+    "rms_norm_eps",
+    "rope_theta",
+)
+
+
+class InitFromError(ValueError):
+    """A checkpoint that cannot start this run; ``str(e)`` is one line naming the directory."""
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` as a mapping (one-line error when unreadable)."""
+    p = Path(path) / "config.json"
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise InitFromError(f"init_from {path}: cannot read {p}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise InitFromError(f"init_from {path}: {p} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise InitFromError(f"init_from {path}: {p} is not a JSON object")
+    return data
+
+
+def _rope_theta(hf: dict[str, Any], where: str) -> float:
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
+    if kind not in (None, "default"):
+        raise InitFromError(f"{where}: RoPE scaling {kind!r} is not supported (only plain RoPE)")
+    theta = hf.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
+    return float(theta if theta is not None else 10000.0)
+
+
+def hf_model_fields(path: str | Path, hf: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ModelConfig fields (architecture, plus ``init_from``) that match a checkpoint,
+    and ``vocab_size``: its vocabulary (rows of the embedding)."""
+    where = f"init_from {path}"
+    hf = read_hf_config(path) if hf is None else hf
+    kind = hf.get("model_type")
+    if kind not in SUPPORTED:
+        raise InitFromError(f"{where}: model_type {kind!r} is not one of {list(SUPPORTED)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise InitFromError(f"{where}: hidden_act {hf['hidden_act']!r} (only silu/SwiGLU)")
+    if hf.get("use_sliding_window"):
+        raise InitFromError(f"{where}: sliding-window attention is not supported")
+    if kind == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+        raise InitFromError(f"{where}: a Llama with attention_bias/mlp_bias is not supported")
+    if kind == "qwen3" and hf.get("attention_bias"):
+        raise InitFromError(f"{where}: a Qwen3 with attention_bias is not supported")
+    heads = int(hf["num_attention_heads"])
+    return dict(
+        hidden_size=int(hf["hidden_size"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        num_hidden_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        qk_norm=kind == "qwen3",
+        attention_bias=kind == "qwen2",
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(hf, where),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 1 << 20)),
+        vocab_size=int(hf["vocab_size"]),
+    )
+
+
+def model_section(path: str | Path, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The ``model:`` section ``base`` (a config file's) made to start from checkpoint
+    ``path``: its architecture, ``init_from``, and the modality ``text_modality`` sized to
+    its vocabulary (kept in its place, else last) — or, for an ``ulysses-mm export``, the
+    whole token space of its token_space.json."""
+    out = dict(base or {})
+    fields = hf_model_fields(path)
+    vocab = fields.pop("vocab_size")
+    exported = _exported_space(Path(path))
+    if exported is not None:
+        modalities = exported.vocab()
+    else:
+        modalities = dict(out.get("modalities") or {})
+        modalities[str(out.get("text_modality", "text"))] = vocab
+    return out | fields | {"init_from": str(path), "modalities": modalities}
+
+
+def check_matches(cfg: ModelConfig, path: str | Path, fields: dict[str, Any]) -> None:
+    """Refuse a checkpoint whose architecture differs from ``cfg``: the first difference."""
+    for name in ARCH_FIELDS:
+        mine, theirs = getattr(cfg, name), fields[name]
+        if mine != theirs:
+            raise InitFromError(
+                f"init_from {path}: the checkpoint has {name}={theirs}, the config "
+                f"model.{name}={mine} (`ulysses-mm config --from-hf {path}` prints the match)"
+            )
+
+
+def _open_tensors(path: Path) -> dict[str, Any]:
+    """Tensor name -> an open safetensors file holding it (one file or an indexed set)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = {
+            f: safe_open(str(path / f), framework="pt") for f in sorted(set(weight_map.values()))
+        }
+        return {name: files[f] for name, f in weight_map.items()}
+    single = path / "model.safetensors"
+    if not single.is_file():
+        raise InitFromError(
+            f"init_from {path}: no model.safetensors or model.safetensors.index.json there"
+        )
+    handle = safe_open(str(single), framework="pt")
+    return {name: handle for name in handle.keys()}  # noqa: SIM118 (not a dict)
+
+
+def _shape(handle: Any, name: str) -> list[int]:
+    return list(handle.get_slice(name).get_shape())
+
+
+def _exported_space(path: Path) -> TokenSpace | None:
+    p = path / "token_space.json"
+    return TokenSpace.from_dict(json.loads(p.read_text())) if p.is_file() else None
+
+
+def check_init_from(cfg: ModelConfig, space: TokenSpace, path: str | Path) -> slice:
+    """Everything about checkpoint ``path`` that its config.json (and token_space.json)
+    decide, without reading a tensor: the architecture and the vocabulary against ``cfg``
+    and ``space``. Returns the token-space rows its vocabulary goes to (cheap enough for
+    a launcher to run before it starts processes)."""
+    path = Path(path)
+    where = f"init_from {path}"
+    fields = hf_model_fields(path)
+    check_matches(cfg, path, fields)
+    exported = _exported_space(path)
+    if exported is not None and exported != space:
+        raise InitFromError(
+            f"{where}: its token_space.json ({exported.describe()}) is not the run's "
+            f"({space.describe()})"
+        )
+    if exported is not None:
+        rows = slice(0, space.vocab_size)
+    else:
+        if cfg.text_modality not in space.modalities:
+            raise InitFromError(
+                f"{where}: the token space {list(space.modalities)} has no modality "
+                f"{cfg.text_modality!r} (model.text_modality) to take its vocabulary"
+            )
+        r = space.range(cfg.text_modality)
+        rows = slice(r.start, r.stop)
+    if fields["vocab_size"] != rows.stop - rows.start:
+        what = "token space" if exported is not None else f"modality {cfg.text_modality!r}"
+        raise InitFromError(
+            f"{where}: the checkpoint has vocab_size={fields['vocab_size']}, the {what} "
+            f"has {rows.stop - rows.start} ids (model.modalities.{cfg.text_modality})"
+        )
+    return rows
+
+
+@torch.no_grad()
+def load_pretrained(model: Any, path: str | Path) -> None:
+    """Load checkpoint ``path`` into ``model`` (a MultimodalLM, before Ulysses or the
+    engine wrap it): backbone as is, vocabulary rows into the text range (all rows when
+    the checkpoint is an export of this very token space). Refuses any difference."""
+    path = Path(path)
+    where = f"init_from {path}"
+    cfg: ModelConfig = model.config
+    space: TokenSpace = model.space
+    rows = check_init_from(cfg, space, path)
+    full = rows.stop - rows.start == space.vocab_size and rows.start == 0
+    want_vocab = rows.stop - rows.start
+    tensors = _open_tensors(path)
+
+    def read(name: str, shape: list[int]) -> torch.Tensor:
+        if name not in tensors:
+            raise InitFromError(f"{where}: the checkpoint has no tensor {name}")
+        got = _shape(tensors[name], name)
+        if got != shape:
+            raise InitFromError(f"{where}: tensor {name} has shape {got}, the model {shape}")
+        return tensors[name].get_tensor(name)
+
+    state = model.state_dict()
+    backbone = [k for k in state if k.startswith("model.") and k != "model.embed_tokens.weight"]
+    known = set(backbone) | {"model.embed_tokens.weight", "lm_head.weight"}
+    extra = sorted(k for k in tensors if k not in known and "rotary_emb" not in k)
+    if extra:
+        raise InitFromError(f"{where}: tensor {extra[0]} has no place in the model")
+    for name in backbone:
+        state[name].copy_(read(name, list(state[name].shape)))
+    d = cfg.hidden_size
+    embed = read("model.embed_tokens.weight", [want_vocab, d])
+    model.model.embed_tokens.weight[rows] = embed.to(model.model.embed_tokens.weight.dtype)
+    lm_head = read("lm_head.weight", [want_vocab, d]) if "lm_head.weight" in tensors else embed
+    heads = model.heads
+    if full:
+        ns = space.num_specials
+        heads.special.weight.copy_(lm_head[:ns])
+        for r in space.ranges:
+            heads.heads[r.name].weight.copy_(lm_head[r.start : r.stop])
+    else:
+        heads.heads[cfg.text_modality].weight.copy_(lm_head)
