@@ -65,6 +65,7 @@ def _refused(capsys, *argv: str) -> str:
         (["parallel.attention=flash_varlen"], "flash_varlen"),
         (["deepspeed.offload_param=cpu"], "offload_param needs deepspeed.zero_stage=3"),
         (["deepspeed.extra={scheduler: {type: WarmupLR}}"], "both set the LR schedule"),
+        (["model.init_from=/nonexistent/ckpt"], "/nonexistent/ckpt"),
     ],
 )
 def test_config_errors_fail_in_the_parent(tmp_path, manifest, no_processes, capsys, args, expect):

@@ -165,10 +165,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
     from ulysses_mm.train.export import export
 
     out = export(args.checkpoint, args.out)
-    print(f"wrote a transformers Llama checkpoint to {out} (AutoModelForCausalLM.from_pretrained)")
+    arch = json.loads((Path(out) / "config.json").read_text())["architectures"][0]
+    print(f"wrote a transformers {arch} checkpoint to {out} (AutoModelForCausalLM.from_pretrained)")
     return 0
 
 

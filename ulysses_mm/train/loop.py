@@ -26,6 +26,7 @@ from ulysses_mm.data.manifest import Manifest
 from ulysses_mm.data.stream import ShardStream
 from ulysses_mm.layout import check_layout
 from ulysses_mm.model.attention import check_kernel_config
+from ulysses_mm.model.hf_import import check_init_from
 from ulysses_mm.parallel import Mesh
 from ulysses_mm.parallel.mesh import in_launched_world
 from ulysses_mm.runtime import build_runtime, loss_of, open_world, train_step
@@ -77,8 +78,9 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     by the parent before it starts processes (one line, exit 2) and by each rank again.
 
     The layout (sp and dp against the world, the heads and the sequence), the attention
-    kernel against the precision, the data's token space against the model's and the
-    checkpoint's, the sequence length against the shards', and that a resumed run has a
+    kernel against the precision, DeepSpeed's settings, a pretrained start
+    (``model.init_from``) against the model, the data's token space against the model's
+    and the checkpoint's, the sequence length against the shards', and that a resumed run has a
     checkpoint."""
     if not cfg.data.train:
         raise ValueError("data.train is empty: give the manifest of the training shards")
@@ -102,6 +104,8 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
         seq_len=seq_len,
     )
     ds_config(cfg, Mesh(dp=dp, sp=cfg.parallel.sp, rank=0))  # DeepSpeed settings that clash
+    if cfg.model.init_from:
+        check_init_from(cfg.model, space, cfg.model.init_from)
     eval_manifest = Manifest.load(cfg.data.eval, opts) if cfg.data.eval else None
     if eval_manifest is not None:
         eval_manifest.check_token_space(space)
