@@ -4,8 +4,8 @@ order that is a function of (seed, epoch, manifest), resumable at any sample.
 Order. Epoch e of a source visits each of its samples once: shards in a permutation drawn
 from (seed, e), inside each shard its samples in a permutation drawn from (seed, e, shard),
 and then a bounded shuffle buffer blends the seams between shards (every sample moves by
-less than ``shuffle_buffer`` positions, drawn from (seed, e) again, so at most two shards
-are live at a time). Position p of the epoch is thus a pure function of (seed, e, p).
+less than ``shuffle_buffer`` positions, at most half a typical shard, drawn from (seed, e)
+again, so about two shards are live at a time). Position p of the epoch is thus a pure function of (seed, e, p).
 
 Mixing. With several sources (manifests with weights), global position p draws from the
 source :func:`~ulysses_mm.data.mixing.sources_of` assigns it (a pure function of
@@ -109,9 +109,9 @@ class _Source:
     ) -> None:
         self.manifest = manifest
         self.seed, self.shuffle = seed, shuffle
-        smallest = min(s.samples for s in manifest.shards)
-        # at most two shards live at a time: samples move by less than half a shard
-        self.buffer = max(0, min(shuffle_buffer, smallest // 2)) if shuffle else 0
+        typical = int(np.median([s.samples for s in manifest.shards]))
+        # samples move by less than half a typical shard, so about two shards are live
+        self.buffer = max(0, min(shuffle_buffer, typical // 2)) if shuffle else 0
         self.n = manifest.num_samples
         self.firsts = np.array([s.first_sample for s in manifest.shards], dtype=np.int64)
         self._orders: dict[int, np.ndarray] = {}
