@@ -295,7 +295,7 @@ class Trainer:
         return out
 
     def save(self) -> Path:
-        return checkpoint.save(
+        path = checkpoint.save(
             self.engine,
             self.ckpt_dir,
             self.step,
@@ -304,6 +304,8 @@ class Trainer:
             self.space,
             self.cfg.train.keep_checkpoints,
         )
+        self.logger.checkpointed(self.step)  # W&B gets only steps a resume will not redo
+        return path
 
     def run(self) -> TrainResult:
         t = self.cfg.train
