@@ -88,7 +88,7 @@ def test_a_stalled_s3_server_ends_in_one_line_within_the_bound(
     message, took = _stalled_read(m)
     assert message.startswith(f"could not read shard s3://bucket/ds/{dataset.shards[0].url}")
     assert "\n" not in message
-    assert took < BOUND_S + 2.0, f"took {took:.2f}s, bound {BOUND_S:.2f}s"
+    assert took < BOUND_S + 1.5, f"took {took:.2f}s, bound {BOUND_S:.2f}s"  # + client start
 
 
 class _CountingHandler(http.server.SimpleHTTPRequestHandler):

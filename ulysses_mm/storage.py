@@ -214,7 +214,7 @@ def with_timeouts(
         config = dict(opts.get("config_kwargs") or {})
         config.setdefault("connect_timeout", connect_s)
         config.setdefault("read_timeout", read_s)
-        config.setdefault("retries", {"max_attempts": 1, "mode": "standard"})
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
         opts["config_kwargs"] = config
     elif proto in ("gs", "gcs"):
         opts.setdefault("timeout", connect_s + read_s)

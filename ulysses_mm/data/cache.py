@@ -34,6 +34,7 @@ class NodeCache:
         remove_stale_temps(str(self.directory))
         self.max_bytes = max_bytes
         self.hits = self.misses = self.evictions = 0
+        self.fetched_bytes = 0  # what this process downloaded into the cache
         self._stats_lock = threading.Lock()
 
     def path(self, sha256: str) -> Path:
@@ -69,6 +70,8 @@ class NodeCache:
                 data = fetch()
                 atomic_write_local(self.path(sha256), data)
                 self._count("misses")
+                with self._stats_lock:
+                    self.fetched_bytes += len(data)
                 self._evict(keep=self.path(sha256))
                 return data
             finally:

@@ -82,11 +82,24 @@ class Prefetcher:
         self._futures: OrderedDict[Hashable, Future] = OrderedDict()
         self._recent: OrderedDict[Hashable, Future] = OrderedDict()
         self.waited_s = 0.0  # time the caller spent blocked on a result
+        self.loaded_s = 0.0  # time the worker spent loading
+
+    def _timed(self, key: Hashable) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self._load(key)
+        finally:
+            self.loaded_s += time.perf_counter() - t0
+
+    @property
+    def busy(self) -> bool:
+        """Whether anything is fetched or in flight (False before the first schedule)."""
+        return bool(self._futures or self._recent)
 
     def get(self, key: Hashable) -> Any:
         fut = self._recent.pop(key, None) or self._futures.pop(key, None)
         if fut is None:
-            fut = self._pool.submit(self._load, key)
+            fut = self._pool.submit(self._timed, key)
         t0 = time.perf_counter()
         try:
             result = fut.result()
@@ -114,7 +127,7 @@ class Prefetcher:
                 fut.cancel()
         for key in wanted:
             if key not in self._futures:
-                self._futures[key] = self._pool.submit(self._load, key)
+                self._futures[key] = self._pool.submit(self._timed, key)
 
     def close(self) -> None:
         for fut in self._futures.values():

@@ -118,7 +118,7 @@ class _Source:
 
     def order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
-            if len(self._orders) >= 3:
+            if len(self._orders) >= 4:
                 self._orders.pop(min(self._orders))
             self._orders[epoch] = self._make_order(epoch)
         return self._orders[epoch]
@@ -201,7 +201,11 @@ class ShardStream:
         self.epoch = 0
         self.position = 0
         self.counts = np.zeros(len(pairs), dtype=np.int64)  # draws per source so far
-        self._prefetch = Prefetcher(self._load, prefetch_bytes) if prefetch_bytes > 0 else None
+        # the live shards: about two per source (the buffer blends seams) and the one before
+        self._keep = 3 * len(pairs)
+        self._prefetch = (
+            Prefetcher(self._load, prefetch_bytes, keep=self._keep) if prefetch_bytes > 0 else None
+        )
         self._recent: dict[tuple[int, int], list[PackedSample]] = {}
 
     # ----------------------------------------------------------------- order
@@ -263,7 +267,7 @@ class ShardStream:
         if self._prefetch is not None:
             return self._prefetch.get(key)
         if key not in self._recent:
-            if len(self._recent) >= 3:  # the live shards (two) and the one before
+            if len(self._recent) >= self._keep:
                 self._recent.pop(next(iter(self._recent)))
             self._recent[key] = self._load(key)
         return self._recent[key]
@@ -279,8 +283,12 @@ class ShardStream:
             )
         return sample
 
-    def upcoming_shards(self, positions: int = _LOOKAHEAD) -> list[tuple[tuple[int, int], int]]:
-        """The shards the next ``positions`` positions read, in first-use order, with sizes."""
+    def upcoming_shards(self, positions: int = 0) -> list[tuple[tuple[int, int], int]]:
+        """The shards the next ``positions`` positions read, in first-use order, with sizes
+        (by default up to ``_LOOKAHEAD`` positions, and no more than one pass over the data)."""
+        if positions <= 0:
+            total = sum(source.n for source in self.sources)
+            positions = max(self.global_batch, min(_LOOKAHEAD, total))
         src, idx, *_ = self._span(self.epoch, self.position, self.counts, positions)
         firsts: list[tuple[int, int, int]] = []  # (first position, source, shard)
         for s, source in enumerate(self.sources):
@@ -292,6 +300,8 @@ class ShardStream:
 
     def next_batch(self) -> list[PackedSample]:
         """This DP rank's ``micro_batch`` samples of the next global micro-batch."""
+        if self._prefetch is not None and not self._prefetch.busy:  # first batch, or resumed
+            self._prefetch.schedule(self.upcoming_shards())
         src, idx, epoch, position, counts = self._span(
             self.epoch, self.position, self.counts, self.global_batch
         )
