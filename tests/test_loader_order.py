@@ -127,3 +127,26 @@ def test_resuming_with_another_dp_continues_the_same_global_order(two, mixed):
         long_a, state = run(2, 3, 10)
         long_b, _ = run(4, 1, 15, state)
         assert long_a + long_b == run(1, 2, 60)[0]  # 120 samples: several epochs of b
+
+
+def test_plan_run_checks_every_mixed_manifest_and_the_loader_budgets(two, tmp_path):
+    from ulysses_mm.config import RunConfig, load_config
+    from ulysses_mm.train.loop import plan_run
+
+    a, b = two
+    short = Manifest.load(str(prepare_dna(tmp_path, "short", records=6, seq_len=128, seed=3)))
+
+    def plan(*overrides: str):
+        return plan_run(load_config(RunConfig, None, list(overrides)), world=1)
+
+    mix = f"data.train={{{a.location}: 0.7, {b.location}: 0.3}}"
+    p = plan(mix)
+    assert [(m.location, w) for m, w in p.sources] == [(a.location, 0.7), (b.location, 0.3)]
+    with pytest.raises(ValueError, match=rf"the shards of {short.location} hold samples of 128"):
+        plan(f"data.train={{{a.location}: 0.5, {short.location}: 0.5}}")
+    with pytest.raises(ValueError, match=rf"the weight of {b.location} is 0"):
+        plan(f"data.train={{{a.location}: 1, {b.location}: 0}}")
+    with pytest.raises(ValueError, match=r"data.cache_bytes=1000 cannot hold two shards"):
+        plan(mix, f"data.cache_dir={tmp_path / 'cache'}", "data.cache_bytes=1000")
+    with pytest.raises(ValueError, match=r"data.read_timeout_s=0.0: give a positive"):
+        plan(mix, "data.read_timeout_s=0")
