@@ -150,3 +150,9 @@ def test_plan_run_checks_every_mixed_manifest_and_the_loader_budgets(two, tmp_pa
         plan(mix, f"data.cache_dir={tmp_path / 'cache'}", "data.cache_bytes=1000")
     with pytest.raises(ValueError, match=r"data.read_timeout_s=0.0: give a positive"):
         plan(mix, "data.read_timeout_s=0")
+
+
+def test_sources_are_labelled_by_their_directory(two):
+    a, b = two
+    assert ShardStream([(a, 1), (b, 1)], 0, 1, 1).source_labels == ["a", "b"]
+    assert ShardStream([(a, 1), (a, 1)], 0, 1, 1).source_labels == ["0.a", "1.a"]

@@ -208,6 +208,17 @@ class ShardStream:
         )
         self._recent: dict[tuple[int, int], list[PackedSample]] = {}
 
+    @property
+    def source_labels(self) -> list[str]:
+        """A short distinct name per source: the directory of its manifest (else numbered)."""
+        labels = [
+            m.location.rstrip("/").rsplit("/", 2)[-2] if "/" in m.location else m.name
+            for m in self.manifests
+        ]
+        if len(set(labels)) < len(labels):
+            labels = [f"{i}.{label}" for i, label in enumerate(labels)]
+        return labels
+
     # ----------------------------------------------------------------- order
     @property
     def batches_per_epoch(self) -> int:

@@ -262,8 +262,8 @@ class Trainer:
             metrics["bits_per_base/dna"] = metrics["loss/dna"] / LN2  # one token per base
         if self.stream.mixed:  # each source's share of the samples so far, against its weight
             drawn = self.stream.counts / max(1, int(self.stream.counts.sum()))
-            for source, share in zip(self.stream.manifests, drawn):
-                metrics[f"mix/{source.name}"] = float(share)
+            for label, share in zip(self.stream.source_labels, drawn):
+                metrics[f"mix/{label}"] = float(share)
         return metrics
 
     @torch.no_grad()
