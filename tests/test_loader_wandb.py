@@ -2,8 +2,8 @@
 
 A process logs steps 1..7 with a checkpoint at 5 and is killed with SIGKILL (with its
 whole process group, W&B's service included, which had stored nothing yet); the resumed
-logger redoes 6..10. The offline runs' histories ``wandb sync`` would upload hold each of
-1..10 exactly once."""
+logger redoes 6..12 and is killed after the checkpoint at 10; the next one ends at 13. The offline runs' histories ``wandb sync`` would upload hold each of
+1..13 exactly once."""
 
 from __future__ import annotations
 
@@ -57,16 +57,9 @@ def _steps(run: Path) -> list[int]:
 
 def test_kill_9_then_resume_leaves_no_gap_and_no_duplicate(tmp_path):
     run = tmp_path / "run"
-    killed = _run(run, 0, 7, "os.killpg(os.getpgrp(), signal.SIGKILL)")
-    assert killed == -signal.SIGKILL
-    assert _run(run, 5, 10, "logger.finish()") == 0
-    assert _steps(run) == list(range(1, 11))
-
-
-def test_a_resume_supersedes_the_killed_offline_run(tmp_path):
-    run = tmp_path / "run"
-    assert _run(run, 0, 5, "os.killpg(os.getpgrp(), signal.SIGKILL)") == -signal.SIGKILL
-    assert _run(run, 5, 10, "os.killpg(os.getpgrp(), signal.SIGKILL)") == -signal.SIGKILL
-    assert _run(run, 10, 12, "logger.finish()") == 0
-    assert _steps(run) == list(range(1, 13))
+    # killed twice past a checkpoint (5, then 10): the steps after it are redone
+    assert _run(run, 0, 7, "os.killpg(os.getpgrp(), signal.SIGKILL)") == -signal.SIGKILL
+    assert _run(run, 5, 12, "os.killpg(os.getpgrp(), signal.SIGKILL)") == -signal.SIGKILL
+    assert _run(run, 10, 13, "logger.finish()") == 0
+    assert _steps(run) == list(range(1, 14))
     assert len(list((run / "wandb" / "superseded").glob("offline-run-*"))) == 2
