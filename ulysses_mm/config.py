@@ -169,15 +169,39 @@ class ParallelConfig:
 class DataConfig:
     """Where training samples come from."""
 
-    train: str = _help("Manifest URL or path of the training shards (file, http(s), s3, gs).", "")
+    train: str | dict[str, float] = _help(
+        "Manifest URL or path of the training shards (file, http(s), s3, gs), or several "
+        "as {manifest: weight}: each then gives its weight's share of the samples.",
+        "",
+    )
     eval: str = _help("Manifest URL or path of held-out shards ('' = no evaluation).", "")
     seq_len: int = _help("Tokens per sample N; 0 = the manifest's seq_len.", 0)
     micro_batch_size: int = _help("Samples per DP rank per micro-step.", 1)
     seed: int = _help("Seed of the sample order (a function of seed, epoch, manifest).", 0)
     shuffle: bool = _help("Shuffle shards and samples each epoch.", True)
-    shuffle_buffer: int = _help("Samples held by the in-memory shuffle buffer.", 16)
+    shuffle_buffer: int = _help(
+        "Shuffle buffer: each sample moves by fewer than this many positions, which blends "
+        "the seams between shards (capped at half the smallest shard; 0 = off).",
+        16,
+    )
     retries: int = _help("Attempts to open a shard URL before giving up.", 5)
     retry_backoff_s: float = _help("First retry delay; doubled each attempt.", 0.5)
+    connect_timeout_s: float = _help("Seconds to wait for a storage server to connect.", 10.0)
+    read_timeout_s: float = _help(
+        "Seconds of silence from a storage server before a read is retried.", 60.0
+    )
+    prefetch_bytes: int = _help(
+        "Bytes of upcoming shards fetched on a background thread (0 = fetch in the step).",
+        1 << 30,
+    )
+    cache_dir: str = _help(
+        "Node-local directory the ranks of a node share, so each shard is downloaded once "
+        "per node ('' = no cache).",
+        "",
+    )
+    cache_bytes: int = _help(
+        "Most bytes cache_dir holds; least recently used shards are removed.", 64 << 30
+    )
     storage_options: dict[str, Any] = _help(
         "fsspec storage options (for example endpoint_url for an S3-API server).", factory=dict
     )

@@ -170,11 +170,55 @@ def atomic_write(
         Path(tmp).unlink(missing_ok=True)
 
 
-def read_bytes(location: str, storage_options: Mapping[str, Any] | None = None) -> bytes:
+def read_bytes(
+    location: str,
+    storage_options: Mapping[str, Any] | None = None,
+    timeouts: tuple[float, float] | None = None,
+) -> bytes:
+    """The bytes of a path or URL. ``timeouts=(connect_s, read_s)`` bounds a remote read
+    (see :func:`with_timeouts`), so a server that accepts and then stalls raises
+    instead of holding the caller."""
     if is_local(location):
         return local_path(location).read_bytes()
-    fs, path = url_to_fs(location, storage_options)
+    opts = with_timeouts(location, storage_options, *timeouts) if timeouts else storage_options
+    fs, path = url_to_fs(location, opts)
+    if timeouts and getattr(fs, "protocol", None) and "s3" in fs.protocol:
+        fs.retries = 1  # type: ignore[attr-defined]  # the caller owns the retry policy
     return fs.cat_file(path)
+
+
+def with_timeouts(
+    location: str,
+    storage_options: Mapping[str, Any] | None,
+    connect_s: float,
+    read_s: float,
+) -> dict[str, Any]:
+    """``storage_options`` plus connect and read timeouts in the form the location's fsspec
+    backend takes: an aiohttp ``ClientTimeout`` for http(s) (``sock_read`` is the longest
+    silence between bytes), botocore's ``connect_timeout``/``read_timeout`` without its own
+    retries for s3, ``timeout`` for gcs. Values the caller set already are kept.
+
+    One remote read then takes at most ``connect_s + read_s`` of silence before it
+    raises; the caller's retries multiply that bound."""
+    opts = dict(storage_options or {})
+    proto = location.split("://", 1)[0] if is_url(location) else "file"
+    if proto in ("http", "https"):
+        import aiohttp
+
+        client = dict(opts.get("client_kwargs") or {})
+        client.setdefault(
+            "timeout", aiohttp.ClientTimeout(total=None, sock_connect=connect_s, sock_read=read_s)
+        )
+        opts["client_kwargs"] = client
+    elif proto in ("s3", "s3a"):
+        config = dict(opts.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", connect_s)
+        config.setdefault("read_timeout", read_s)
+        config.setdefault("retries", {"total_max_attempts": 1, "mode": "standard"})
+        opts["config_kwargs"] = config
+    elif proto in ("gs", "gcs"):
+        opts.setdefault("timeout", connect_s + read_s)
+    return opts
 
 
 def exists(location: str, storage_options: Mapping[str, Any] | None = None) -> bool:

@@ -1,35 +1,47 @@
 """The training loader: shards by URL through fsspec, read as a webdataset pipeline, in an
 order that is a function of (seed, epoch, manifest), resumable at any sample.
 
-Order. Epoch e visits every sample once: shards in a permutation drawn from
-(seed, e), and inside each shard its samples in a permutation drawn from (seed, e, shard).
-Position p of the epoch is thus a pure function, so the loader's whole state is
-(epoch, position) and a resumed run continues exactly where it stopped, also in the middle
-of a shard.
+Order. Epoch e of a source visits each of its samples once: shards in a permutation drawn
+from (seed, e), inside each shard its samples in a permutation drawn from (seed, e, shard),
+and then a bounded shuffle buffer blends the seams between shards (every sample moves by
+less than ``shuffle_buffer`` positions, at most half a typical shard, drawn from (seed, e)
+again, so about two shards are live at a time). Position p of the epoch is thus a pure function of (seed, e, p).
+
+Mixing. With several sources (manifests with weights), global position p draws from the
+source :func:`~ulysses_mm.data.mixing.sources_of` assigns it (a pure function of
+(seed, p) that gives every source its weight's share to within O(log p) positions); the
+source's own counter says which of its samples comes next, and a source that runs out
+starts its next epoch. With one source, an epoch's tail shorter than a global
+micro-batch is dropped, as before.
+
+The loader's whole state is therefore (epoch, position, per-source counters): identical on
+every rank and independent of the layout, so a run resumed with another dp continues the
+same global sequence of samples, none repeated or skipped.
 
 Split. Each optimizer micro-step consumes ``dp × micro_batch`` consecutive positions; DP
 rank r takes positions ``[r·mb, (r+1)·mb)`` of them. Every SP rank of a DP group asks
-for the same rank r and so gets the same samples (it then keeps its own slice). An epoch's
-tail shorter than ``dp × micro_batch`` is dropped.
+for the same rank r and so gets the same samples (it then keeps its own slice).
 
-Reading. A shard is fetched whole through fsspec (bounded retries with exponential
-backoff, then an error naming the URL), checked against the manifest's size and sha256,
-and expanded by webdataset's tar iterators (``tar_file_expander`` + ``group_by_keys``);
-only ``.npy`` members are decoded, with ``allow_pickle=False`` — a member of any other
-kind is refused, so no path ever unpickles. The current shard's samples stay in memory
-until the order moves on.
+Reading. A shard is fetched whole (:mod:`ulysses_mm.data.prefetch`: timeouts, bounded
+retries, sha256 checked, a data error never retried), through the node's shared cache
+when there is one (:mod:`ulysses_mm.data.cache`), on a background thread ahead of need
+when ``prefetch_bytes`` > 0, and expanded by webdataset's tar iterators
+(``tar_file_expander`` + ``group_by_keys``); only ``.npy`` members are decoded, with
+``allow_pickle=False`` — a member of any other kind is refused, so no path ever unpickles.
+A tar that does not parse is one error line naming the shard.
 """
 
 from __future__ import annotations
 
 import io
-import time
-from collections.abc import Iterator
+import tarfile
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import webdataset as wds
 
+from ulysses_mm.data.cache import NodeCache
 from ulysses_mm.data.format import (
     SEGMENTS_KEY,
     TOKENS_KEY,
@@ -37,9 +49,12 @@ from ulysses_mm.data.format import (
     ShardFormatError,
     load_npy,
 )
-from ulysses_mm.data.manifest import Manifest, read_verified_shard
+from ulysses_mm.data.manifest import Manifest
+from ulysses_mm.data.mixing import normalised, sources_of
+from ulysses_mm.data.prefetch import Prefetcher, fetch_shard, first_line
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+_LOOKAHEAD = 1 << 14  # positions the prefetcher looks ahead for shards to fetch
 
 
 def _decode_npy_only(sample: dict[str, Any], where: str) -> PackedSample:
@@ -55,26 +70,99 @@ def _decode_npy_only(sample: dict[str, Any], where: str) -> PackedSample:
         raise ShardFormatError(f"{where}: sample {key} lacks {TOKENS_KEY} or {SEGMENTS_KEY}")
     tokens = load_npy(sample[TOKENS_KEY], f"{where}: {key}.{TOKENS_KEY}")
     segments = load_npy(sample[SEGMENTS_KEY], f"{where}: {key}.{SEGMENTS_KEY}")
-    return PackedSample(int(key), tokens, segments)
+    try:
+        index = int(key)
+    except ValueError:
+        raise ShardFormatError(f"{where}: sample key {key!r} is not a sample number") from None
+    return PackedSample(index, tokens, segments)
 
 
 def shard_samples(data: bytes, where: str) -> list[PackedSample]:
-    """Decode one shard's bytes with a webdataset pipeline (tar members -> samples)."""
+    """Decode one shard's bytes with a webdataset pipeline (tar members -> samples).
+
+    A tar that does not parse (truncated, corrupt headers) raises one
+    :class:`ShardFormatError` line naming ``where``, even when its sha256 matched: the
+    manifest then describes bytes that were broken when the shard was written."""
     pipeline = wds.DataPipeline(
         lambda: iter([{"url": where, "stream": io.BytesIO(data)}]),
         wds.tariterators.tar_file_expander,
         wds.tariterators.group_by_keys,
         wds.map(lambda s: _decode_npy_only(s, where)),
     )
-    return list(pipeline)
+    try:
+        return list(pipeline)
+    except ShardFormatError:
+        raise
+    # tarfile, webdataset's grouping and numpy each report a damaged archive their way
+    except (tarfile.TarError, EOFError, OSError, ValueError, KeyError, UnicodeError) as e:
+        raise ShardFormatError(
+            f"shard {where} is not a readable tar of samples ({first_line(e)}); "
+            "it was damaged when written: prepare it again"
+        ) from None
+
+
+class _Source:
+    """One manifest's sample order, epoch by epoch."""
+
+    def __init__(
+        self, manifest: Manifest, seed: list[int], shuffle: bool, shuffle_buffer: int
+    ) -> None:
+        self.manifest = manifest
+        self.seed, self.shuffle = seed, shuffle
+        typical = int(np.median([s.samples for s in manifest.shards]))
+        # samples move by less than half a typical shard, so about two shards are live
+        self.buffer = max(0, min(shuffle_buffer, typical // 2)) if shuffle else 0
+        self.n = manifest.num_samples
+        self.firsts = np.array([s.first_sample for s in manifest.shards], dtype=np.int64)
+        self._orders: dict[int, np.ndarray] = {}
+
+    def order(self, epoch: int) -> np.ndarray:
+        if epoch not in self._orders:
+            if len(self._orders) >= 4:
+                self._orders.pop(min(self._orders))
+            self._orders[epoch] = self._make_order(epoch)
+        return self._orders[epoch]
+
+    def _make_order(self, epoch: int) -> np.ndarray:
+        shards = self.manifest.shards
+        if not self.shuffle:
+            return np.arange(self.n, dtype=np.int64)
+        rng = np.random.default_rng([*self.seed, epoch])
+        parts = []
+        for s in rng.permutation(len(shards)):
+            inner = np.random.default_rng([*self.seed, epoch, int(s)]).permutation(
+                shards[s].samples
+            )
+            parts.append(shards[s].first_sample + inner)
+        order = np.concatenate(parts).astype(np.int64)
+        if self.buffer > 1:
+            jitter = np.random.default_rng([*self.seed, epoch, 0x627566]).uniform(
+                0, self.buffer, self.n
+            )
+            order = order[np.argsort(np.arange(self.n) + jitter, kind="stable")]
+        return order
+
+    def take(self, counters: np.ndarray) -> np.ndarray:
+        """Sample indices of this source's ``k``-th draws (epochs follow one another)."""
+        out = np.empty(len(counters), dtype=np.int64)
+        epochs = counters // self.n
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self.order(int(e))[counters[sel] % self.n]
+        return out
+
+    def shards_of(self, indices: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.firsts, indices, side="right") - 1
 
 
 class ShardStream:
-    """Micro-batches of packed samples for one DP rank (see the module docstring)."""
+    """Micro-batches of packed samples for one DP rank (see the module docstring).
+
+    ``manifest`` is one manifest, or several as ``[(manifest, weight), ...]``."""
 
     def __init__(
         self,
-        manifest: Manifest,
+        manifest: Manifest | Sequence[tuple[Manifest, float]],
         dp_rank: int,
         dp: int,
         micro_batch: int,
@@ -82,24 +170,54 @@ class ShardStream:
         shuffle: bool = True,
         retries: int = 5,
         backoff_s: float = 0.5,
+        shuffle_buffer: int = 0,
+        timeouts: tuple[float, float] | None = None,
+        cache: NodeCache | None = None,
+        prefetch_bytes: int = 0,
     ) -> None:
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank {dp_rank} is outside dp={dp}")
-        self.manifest = manifest
+        pairs = [(manifest, 1.0)] if isinstance(manifest, Manifest) else list(manifest)
+        if not pairs:
+            raise ValueError("the loader needs at least one manifest")
+        self.manifests = [m for m, _ in pairs]
+        self.weights = [float(w) for w in normalised([w for _, w in pairs])]
+        self.manifest = self.manifests[0]
+        self.mixed = len(pairs) > 1
         self.dp_rank, self.dp, self.micro_batch = dp_rank, dp, micro_batch
-        self.seed, self.shuffle = seed, shuffle
-        self.retries, self.backoff_s = max(1, retries), backoff_s
+        self.seed, self.shuffle, self.shuffle_buffer = seed, shuffle, shuffle_buffer
+        self.retries, self.backoff_s, self.timeouts = max(1, retries), backoff_s, timeouts
+        self.cache = cache
         self.global_batch = dp * micro_batch
-        if manifest.num_samples < self.global_batch:
+        if not self.mixed and self.manifest.num_samples < self.global_batch:
             raise ValueError(
-                f"{manifest.location} holds {manifest.num_samples} samples, fewer than one global "
-                f"micro-batch (dp {dp} × micro_batch {micro_batch})"
+                f"{self.manifest.location} holds {self.manifest.num_samples} samples, fewer "
+                f"than one global micro-batch (dp {dp} × micro_batch {micro_batch})"
             )
+        self.sources = [
+            _Source(m, [seed] if not self.mixed else [seed, 0x737263, i], shuffle, shuffle_buffer)
+            for i, m in enumerate(self.manifests)
+        ]
         self.epoch = 0
         self.position = 0
-        self._order_epoch = -1
-        self._order: np.ndarray = np.empty(0, dtype=np.int64)
-        self._cache: dict[int, list[PackedSample]] = {}
+        self.counts = np.zeros(len(pairs), dtype=np.int64)  # draws per source so far
+        # the live shards: about two per source (the buffer blends seams) and the one before
+        self._keep = 3 * len(pairs)
+        self._prefetch = (
+            Prefetcher(self._load, prefetch_bytes, keep=self._keep) if prefetch_bytes > 0 else None
+        )
+        self._recent: dict[tuple[int, int], list[PackedSample]] = {}
+
+    @property
+    def source_labels(self) -> list[str]:
+        """A short distinct name per source: the directory of its manifest (else numbered)."""
+        labels = [
+            m.location.rstrip("/").rsplit("/", 2)[-2] if "/" in m.location else m.name
+            for m in self.manifests
+        ]
+        if len(set(labels)) < len(labels):
+            labels = [f"{i}.{label}" for i, label in enumerate(labels)]
+        return labels
 
     # ----------------------------------------------------------------- order
     @property
@@ -107,103 +225,164 @@ class ShardStream:
         return self.manifest.num_samples // self.global_batch
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """Global sample indices in the order epoch ``epoch`` visits them."""
-        shards = self.manifest.shards
-        if not self.shuffle:
-            return np.arange(self.manifest.num_samples, dtype=np.int64)
-        rng = np.random.default_rng([self.seed, epoch])
-        parts = []
-        for s in rng.permutation(len(shards)):
-            inner = np.random.default_rng([self.seed, epoch, int(s)]).permutation(shards[s].samples)
-            parts.append(shards[s].first_sample + inner)
-        return np.concatenate(parts).astype(np.int64)
+        """Global sample indices in the order epoch ``epoch`` visits them (one source)."""
+        return self.sources[0]._make_order(epoch)
 
-    def _positions(self) -> list[int]:
-        if self.position + self.global_batch > self.manifest.num_samples:
-            self.epoch += 1
-            self.position = 0
-        if self._order_epoch != self.epoch:
-            self._order = self.epoch_order(self.epoch)
-            self._order_epoch = self.epoch
-        start = self.position + self.dp_rank * self.micro_batch
-        return [int(i) for i in self._order[start : start + self.micro_batch]]
+    def _span(
+        self, epoch: int, position: int, counts: np.ndarray, n: int
+    ) -> tuple[np.ndarray, np.ndarray, int, int, np.ndarray]:
+        """The next ``n`` positions from a state: (sources, sample indices, new state)."""
+        if self.mixed:
+            src = sources_of(np.arange(position, position + n), self.weights, self.seed)
+            idx = np.empty(n, dtype=np.int64)
+            counts = counts.copy()
+            for s, source in enumerate(self.sources):
+                sel = src == s
+                k = counts[s] + np.arange(int(sel.sum()), dtype=np.int64)
+                idx[sel] = source.take(k)
+                counts[s] += len(k)
+            return src, idx, epoch, position + n, counts
+        source, gb, parts = self.sources[0], self.global_batch, []
+        left = n
+        while left > 0:
+            if position + gb > source.n:  # drop the tail shorter than a global batch
+                epoch, position = epoch + 1, 0
+            end = position + (source.n - position) // gb * gb
+            take = min(left, end - position)
+            parts.append(source.order(epoch)[position : position + take])
+            position += take
+            left -= take
+        idx = np.concatenate(parts)
+        counts = counts + n
+        return np.zeros(n, dtype=np.int64), idx, epoch, position, counts
 
     # --------------------------------------------------------------- reading
-    def _read_shard(self, shard: int) -> list[PackedSample]:
-        location = self.manifest.shard_location(shard)
-        delay = self.backoff_s
-        for attempt in range(1, self.retries + 1):
-            try:
-                data = read_verified_shard(self.manifest, shard)
-            # transport faults arrive as many types (OSError, aiohttp, botocore, a short
-            # read caught as a checksum mismatch): all are retried, boundedly
-            except Exception as e:
-                if attempt == self.retries:
-                    raise OSError(
-                        f"could not read shard {location} after {self.retries} attempts: "
-                        f"{type(e).__name__}: {e}"
-                    ) from e
-                time.sleep(delay)
-                delay *= 2
-            else:
-                return shard_samples(data, location)  # a malformed shard is not retried
-        raise AssertionError("unreachable")
+    def _load(self, key: tuple[int, int]) -> list[PackedSample]:
+        s, shard = key
+        manifest = self.manifests[s]
+        entry = manifest.shards[shard]
+        location = manifest.shard_location(shard)
 
-    def _sample(self, index: int) -> PackedSample:
-        shard, offset = self.manifest.shard_of_sample(index)
-        if shard not in self._cache:
-            if len(self._cache) >= 2:  # keep the current and the previous shard only
-                self._cache.pop(next(iter(self._cache)))
-            samples = self._read_shard(shard)
-            if len(samples) != self.manifest.shards[shard].samples:
-                raise ShardFormatError(
-                    f"{self.manifest.shard_location(shard)}: holds {len(samples)} samples, the "
-                    f"manifest says {self.manifest.shards[shard].samples}"
-                )
-            self._cache[shard] = samples
-        sample = self._cache[shard][offset]
+        def fetch() -> bytes:
+            return fetch_shard(manifest, shard, self.retries, self.backoff_s, self.timeouts)
+
+        data = self.cache.get(entry.sha256, fetch) if self.cache is not None else fetch()
+        samples = shard_samples(data, location)
+        if len(samples) != entry.samples:
+            raise ShardFormatError(
+                f"{location}: holds {len(samples)} samples, the manifest says {entry.samples}"
+            )
+        return samples
+
+    def _shard(self, key: tuple[int, int]) -> list[PackedSample]:
+        if self._prefetch is not None:
+            return self._prefetch.get(key)
+        if key not in self._recent:
+            if len(self._recent) >= self._keep:
+                self._recent.pop(next(iter(self._recent)))
+            self._recent[key] = self._load(key)
+        return self._recent[key]
+
+    def _sample(self, s: int, index: int) -> PackedSample:
+        manifest = self.manifests[s]
+        shard = int(self.sources[s].shards_of(np.array([index]))[0])
+        sample = self._shard((s, shard))[index - manifest.shards[shard].first_sample]
         if sample.index != index:
             raise ShardFormatError(
-                f"{self.manifest.shard_location(shard)}: sample {offset} has key {sample.index}, expected {index}"
+                f"{manifest.shard_location(shard)}: sample {index - manifest.shards[shard].first_sample} "
+                f"has key {sample.index}, expected {index}"
             )
         return sample
 
+    def upcoming_shards(self, positions: int = 0) -> list[tuple[tuple[int, int], int]]:
+        """The shards the next ``positions`` positions read, in first-use order, with sizes
+        (by default up to ``_LOOKAHEAD`` positions, and no more than one pass over the data)."""
+        if positions <= 0:
+            total = sum(source.n for source in self.sources)
+            positions = max(self.global_batch, min(_LOOKAHEAD, total))
+        src, idx, *_ = self._span(self.epoch, self.position, self.counts, positions)
+        firsts: list[tuple[int, int, int]] = []  # (first position, source, shard)
+        for s, source in enumerate(self.sources):
+            sel = np.flatnonzero(src == s)
+            shards = source.shards_of(idx[sel])
+            _, first = np.unique(shards, return_index=True)
+            firsts += [(int(sel[i]), s, int(shards[i])) for i in first]
+        return [((s, sh), self.manifests[s].shards[sh].bytes) for _, s, sh in sorted(firsts)]
+
     def next_batch(self) -> list[PackedSample]:
         """This DP rank's ``micro_batch`` samples of the next global micro-batch."""
-        samples = [self._sample(i) for i in self._positions()]
-        self.position += self.global_batch
+        if self._prefetch is not None and not self._prefetch.busy:  # first batch, or resumed
+            self._prefetch.schedule(self.upcoming_shards())
+        src, idx, epoch, position, counts = self._span(
+            self.epoch, self.position, self.counts, self.global_batch
+        )
+        if not self.mixed:  # the epoch a batch belongs to (the tail rolls over first)
+            self.epoch = epoch
+        lo = self.dp_rank * self.micro_batch
+        samples = [
+            self._sample(int(s), int(i))
+            for s, i in zip(src[lo : lo + self.micro_batch], idx[lo : lo + self.micro_batch])
+        ]
+        self.epoch, self.position, self.counts = epoch, position, counts
+        if self._prefetch is not None:
+            self._prefetch.schedule(self.upcoming_shards())
         return samples
 
     def __iter__(self) -> Iterator[list[PackedSample]]:
         while True:
             yield self.next_batch()
 
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds ``next_batch`` spent waiting for shards (0 without prefetch)."""
+        return self._prefetch.waited_s if self._prefetch is not None else 0.0
+
     # ----------------------------------------------------------------- state
-    def _identity(self) -> list[str]:
-        return [s.sha256 for s in self.manifest.shards]
+    def _identity(self) -> list[list[str]]:
+        return [[s.sha256 for s in m.shards] for m in self.manifests]
 
     def state_dict(self) -> dict[str, Any]:
-        """Identical on every rank: where the global order stands."""
+        """Identical on every rank: where the global order stands (no layout in it)."""
         return {
             "version": STATE_VERSION,
             "epoch": self.epoch,
             "position": self.position,
+            "counts": [int(c) for c in self.counts],
             "seed": self.seed,
             "shuffle": self.shuffle,
-            "global_batch": self.global_batch,
-            "shards": self._identity(),
+            "shuffle_buffer": self.shuffle_buffer,
+            "weights": self.weights,
+            "sources": self._identity(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(f"loader state version {state.get('version')} is not {STATE_VERSION}")
-        if state["shards"] != self._identity():
-            raise ValueError(
-                f"the checkpoint's loader state belongs to other shards than {self.manifest.location}"
-            )
-        for key in ("seed", "shuffle", "global_batch"):
+        version = state.get("version")
+        if version == 1:  # one source, no shuffle buffer, no counters
+            state = {
+                **state,
+                "sources": [state["shards"]],
+                "shuffle_buffer": 0,
+                "weights": [1.0],
+                "counts": [0],
+            }
+        elif version != STATE_VERSION:
+            raise ValueError(f"loader state version {version} is not {STATE_VERSION}")
+        if state["sources"] != self._identity():
+            where = ", ".join(m.location for m in self.manifests)
+            raise ValueError(f"the checkpoint's loader state belongs to other shards than {where}")
+        for key in ("seed", "shuffle", "shuffle_buffer"):
             if state[key] != getattr(self, key):
                 raise ValueError(
                     f"resuming with {key}={getattr(self, key)} but the checkpoint was made with {state[key]}"
                 )
+        if not np.allclose(state["weights"], self.weights):
+            raise ValueError(
+                f"resuming with mixing weights {self.weights} but the checkpoint was made "
+                f"with {state['weights']}"
+            )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.counts = np.asarray(state["counts"], dtype=np.int64)

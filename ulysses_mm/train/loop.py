@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ulysses_mm.config import RunConfig, from_dict, to_dict
 from ulysses_mm.data.batch import Batch, make_batch
+from ulysses_mm.data.cache import NodeCache
 from ulysses_mm.data.manifest import Manifest
 from ulysses_mm.data.stream import ShardStream
 from ulysses_mm.layout import check_layout
@@ -71,6 +72,21 @@ class RunPlan:
     eval_manifest: Manifest | None
     space: TokenSpace
     seq_len: int
+    sources: list[tuple[Manifest, float]] = field(default_factory=list)
+
+
+def train_sources(cfg: RunConfig) -> list[tuple[Manifest, float]]:
+    """The training manifests and their weights (one, weight 1, for a plain ``data.train``)."""
+    d = cfg.data
+    if not d.train:
+        raise ValueError("data.train is empty: give the manifest of the training shards")
+    mix = {d.train: 1.0} if isinstance(d.train, str) else dict(d.train)
+    for location, weight in mix.items():
+        if not weight > 0 or not math.isfinite(weight):
+            raise ValueError(
+                f"data.train: the weight of {location} is {weight}; give a positive one"
+            )
+    return [(Manifest.load(loc, d.storage_options), float(w)) for loc, w in mix.items()]
 
 
 def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
@@ -80,19 +96,20 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     The layout (sp and dp against the world, the heads and the sequence), the attention
     kernel against the precision, DeepSpeed's settings, a pretrained start
     (``model.init_from``) against the model, the data's token space against the model's
-    and the checkpoint's, the sequence length against the shards', and that a resumed run has a
-    checkpoint."""
-    if not cfg.data.train:
-        raise ValueError("data.train is empty: give the manifest of the training shards")
-    opts = cfg.data.storage_options
-    manifest = Manifest.load(cfg.data.train, opts)
+    and the checkpoint's (every mixed manifest's alike), the sequence length against the
+    shards', the loader's budgets, and that a resumed run has a checkpoint."""
+    sources = train_sources(cfg)
+    manifest = sources[0][0]
     space = model_space(cfg, manifest)
     seq_len = cfg.data.seq_len or manifest.seq_len
-    if seq_len != manifest.seq_len:
-        raise ValueError(
-            f"data.seq_len={seq_len} but the shards of {manifest.location} hold samples "
-            f"of {manifest.seq_len} tokens; prepare the data again or set data.seq_len=0"
-        )
+    for source, _ in sources:
+        if seq_len != source.seq_len:
+            raise ValueError(
+                f"data.seq_len={seq_len} but the shards of {source.location} hold samples "
+                f"of {source.seq_len} tokens; prepare the data again or set data.seq_len=0"
+            )
+        source.check_token_space(space)
+    check_loader_config(cfg, sources)
     check_kernel_config(cfg.parallel.attention, cfg.deepspeed.precision)
     m = cfg.model
     dp = check_layout(
@@ -106,7 +123,9 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     ds_config(cfg, Mesh(dp=dp, sp=cfg.parallel.sp, rank=0))  # DeepSpeed settings that clash
     if cfg.model.init_from:
         check_init_from(cfg.model, space, cfg.model.init_from)
-    eval_manifest = Manifest.load(cfg.data.eval, opts) if cfg.data.eval else None
+    eval_manifest = (
+        Manifest.load(cfg.data.eval, cfg.data.storage_options) if cfg.data.eval else None
+    )
     if eval_manifest is not None:
         eval_manifest.check_token_space(space)
     if resume:
@@ -122,7 +141,24 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
                 f"--resume: checkpoint {ckpt_dir / tag} was trained on the "
                 f"{saved.describe()}, but this run's is the {space.describe()}"
             )
-    return RunPlan(manifest, eval_manifest, space, seq_len)
+    return RunPlan(manifest, eval_manifest, space, seq_len, sources)
+
+
+def check_loader_config(cfg: RunConfig, sources: list[tuple[Manifest, float]]) -> None:
+    d = cfg.data
+    for key in ("connect_timeout_s", "read_timeout_s"):
+        if not getattr(d, key) > 0:
+            raise ValueError(f"data.{key}={getattr(d, key)}: give a positive number of seconds")
+    for key in ("prefetch_bytes", "cache_bytes", "shuffle_buffer"):
+        if getattr(d, key) < 0:
+            raise ValueError(f"data.{key}={getattr(d, key)} is negative")
+    if d.cache_dir:
+        largest = max(s.bytes for m, _ in sources for s in m.shards)
+        if d.cache_bytes < 2 * largest:
+            raise ValueError(
+                f"data.cache_bytes={d.cache_bytes} cannot hold two shards of {largest} bytes "
+                f"(the one read and the one fetched); raise it or set data.cache_dir=''"
+            )
 
 
 def world_size(nproc: int | None) -> int:
@@ -147,10 +183,12 @@ class Trainer:
             plan.eval_manifest,
             plan.space,
         )
+        d = cfg.data
+        self.cache = NodeCache(d.cache_dir, d.cache_bytes) if d.cache_dir else None
         self.rt = build_runtime(cfg, self.space, self.world)
         self.engine, self.optimizer, self.model = self.rt.engine, self.rt.optimizer, self.rt.model
         self.weights = self.rt.weights
-        self.stream = self._stream(self.manifest, cfg.data.seed, cfg.data.shuffle)
+        self.stream = self._stream(plan.sources, cfg.data.seed, cfg.data.shuffle)
         self.step = 0
         if resume:
             client = checkpoint.load(self.engine, self.ckpt_dir)
@@ -160,10 +198,12 @@ class Trainer:
         self.tflops = peak_tflops(cfg, self.device)
 
     # ------------------------------------------------------------------ pieces
-    def _stream(self, manifest: Manifest, seed: int, shuffle: bool) -> ShardStream:
+    def _stream(
+        self, sources: Manifest | list[tuple[Manifest, float]], seed: int, shuffle: bool
+    ) -> ShardStream:
         d = self.cfg.data
         return ShardStream(
-            manifest,
+            sources,
             dp_rank=self.mesh.dp_rank,
             dp=self.mesh.dp,
             micro_batch=d.micro_batch_size,
@@ -171,6 +211,10 @@ class Trainer:
             shuffle=shuffle,
             retries=d.retries,
             backoff_s=d.retry_backoff_s,
+            shuffle_buffer=d.shuffle_buffer if shuffle else 0,
+            timeouts=(d.connect_timeout_s, d.read_timeout_s),
+            cache=self.cache,
+            prefetch_bytes=d.prefetch_bytes,
         )
 
     def _batch(self, samples) -> Batch:
@@ -227,6 +271,10 @@ class Trainer:
                 metrics[f"targets/{m}"] = counts[m]
         if "dna" in self.space.modalities and counts.get("dna"):
             metrics["bits_per_base/dna"] = metrics["loss/dna"] / LN2  # one token per base
+        if self.stream.mixed:  # each source's share of the samples so far, against its weight
+            drawn = self.stream.counts / max(1, int(self.stream.counts.sum()))
+            for label, share in zip(self.stream.source_labels, drawn):
+                metrics[f"mix/{label}"] = float(share)
         return metrics
 
     @torch.no_grad()
@@ -243,6 +291,7 @@ class Trainer:
             for m, v in report.per_modality.items():
                 sums[m] += v * report.counts[m]
                 counts[m] += report.counts[m]
+        stream.close()
         self.engine.train()
         out: dict[str, Any] = {"kind": "eval", "eval/batches": batches}
         weighted, wsum = 0.0, 0.0
@@ -257,7 +306,7 @@ class Trainer:
         return out
 
     def save(self) -> Path:
-        return checkpoint.save(
+        path = checkpoint.save(
             self.engine,
             self.ckpt_dir,
             self.step,
@@ -266,6 +315,8 @@ class Trainer:
             self.space,
             self.cfg.train.keep_checkpoints,
         )
+        self.logger.checkpointed(self.step)  # W&B gets only steps a resume will not redo
+        return path
 
     def run(self) -> TrainResult:
         t = self.cfg.train
@@ -293,6 +344,7 @@ class Trainer:
                 saved = self.save()
         if progress is not None:
             progress.close()
+        self.stream.close()
         wandb_dir = self.logger.finish()
         return TrainResult(
             self.step, str(self.run_dir), str(saved), wandb_dir, float(last.get("loss", math.nan))
