@@ -56,17 +56,19 @@ class HostCopy:
         self.fetched: Tensor | None = None
         self.event: Any = None
         self.previous: HostCopy | None = None  # the layer before: fetched next in backward
-        with _disable_current_modes():  # host memory: not a device tensor
+        # host memory, not a device tensor: made and filled outside any dispatch mode (a
+        # memory tracker's included), counted in HOST
+        with _disable_current_modes():
             self.host: Tensor | None = torch.empty(
                 x.shape, dtype=x.dtype, device="cpu", pin_memory=stream is not None
             )
-        if stream is None:
-            self.host.copy_(x.detach())
-        else:
-            stream.wait_stream(torch.cuda.current_stream(x.device))
-            with torch.cuda.stream(stream):
-                self.host.copy_(x.detach(), non_blocking=True)
-            x.record_stream(stream)  # x is not reused until the copy is done
+            if stream is None:
+                self.host.copy_(x.detach())
+            else:
+                stream.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(stream):
+                    self.host.copy_(x.detach(), non_blocking=True)
+                x.record_stream(stream)  # x is not reused until the copy is done
         HOST.add(self.nbytes)
 
     def prefetch(self) -> None:
@@ -154,8 +156,10 @@ def _side_stream(device: torch.device) -> Any:
 class _TileGrad:
     """The one gradient buffer the tiles of an input write into."""
 
-    def __init__(self, like: Tensor, tiles: int, dim: int) -> None:
-        self.like, self.left, self.dim = like, tiles, dim
+    def __init__(self, x: Tensor, tiles: int, dim: int) -> None:
+        # the input's metadata only: a reference would keep it alive in the graph
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.left, self.dim = tiles, dim
         self.buf: Tensor | None = None
 
 
@@ -174,7 +178,7 @@ class _TileView(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         st: _TileGrad = ctx.state
         if st.buf is None:
-            st.buf = torch.zeros_like(st.like)
+            st.buf = torch.zeros(st.shape, dtype=st.dtype, device=st.device)
         st.buf.narrow(st.dim, ctx.start, ctx.stop - ctx.start).copy_(grad)
         st.left -= 1
         if st.left:
@@ -190,7 +194,7 @@ def tiles(x: Tensor, tile: int, dim: int = 1) -> list[Tensor]:
     bounds = [(s, min(s + tile, n)) for s in range(0, n, tile)]
     if not (x.requires_grad and torch.is_grad_enabled()):
         return [x.narrow(dim, s, e - s) for s, e in bounds]
-    state = _TileGrad(x.detach(), len(bounds), dim)
+    state = _TileGrad(x, len(bounds), dim)
     return [_TileView.apply(x, state, s, e) for s, e in bounds]
 
 
