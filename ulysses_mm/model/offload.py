@@ -192,6 +192,8 @@ def tiles(x: Tensor, tile: int, dim: int = 1) -> list[Tensor]:
     fill one buffer, handed to ``x`` once every tile's has arrived."""
     n = x.shape[dim]
     bounds = [(s, min(s + tile, n)) for s in range(0, n, tile)]
+    if len(bounds) == 1:
+        return [x]
     if not (x.requires_grad and torch.is_grad_enabled()):
         return [x.narrow(dim, s, e - s) for s, e in bounds]
     state = _TileGrad(x, len(bounds), dim)
