@@ -79,6 +79,8 @@ class HostCopy:
         if self.stream is None:
             dev.copy_(self.host)
         else:
+            # dev's block may have been freed by work still queued on the compute stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 dev.copy_(self.host, non_blocking=True)
                 self.event = torch.cuda.Event()
