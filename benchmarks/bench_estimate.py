@@ -8,6 +8,14 @@ asserts the same figures within 15 %.
 
     python benchmarks/bench_estimate.py                      # debug-tiny and small, SP=1, 2
     python benchmarks/bench_estimate.py --config configs/small.yaml --seq-len 4096 --sp 2
+    python benchmarks/bench_estimate.py --modes    # the memory modes on small.yaml, SP=1
+
+``--modes`` measures one config (default configs/small.yaml at 8,192 tokens, SP=1) four
+times in the same run: without the memory modes, with checkpoints offloaded to the host
+(``model.offload_checkpoints``), with the sequence-tiled layer (``model.layer_tile_tokens``)
+and with both. Per variant: the peak above the step's start per token, measured and
+estimated, the factor by which each shrinks against the run without the modes, what the
+offload holds in host memory (apart from the peak), and the CPU step time as tokens/s.
 """
 
 from __future__ import annotations
@@ -38,8 +46,13 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=None, help="tokens per sample N")
     ap.add_argument("--sp", type=int, nargs="+", default=[1, 2], help="SP sizes (default 1 2)")
     ap.add_argument("--doc-len", type=int, default=1024, help="document length (default 1024)")
+    ap.add_argument("--modes", action="store_true", help="compare the memory modes (SP=1)")
+    ap.add_argument("--tile", type=int, default=1024, help="layer tile for --modes (1024)")
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     args = ap.parse_args()
+    if args.modes:
+        modes(args)
+        return
     cases = [(args.config, args.seq_len or 8192)] if args.config else DEFAULT
     print(
         f"{'config':<28s}{'N':>7s}{'SP':>4s}  {'estimated MiB':>14s}{'measured MiB':>14s}"
@@ -64,6 +77,50 @@ def main() -> None:
                 f"{m_above / mib:>9.2f}{e_above / m_above:>7.3f}  {est.peak_phase}",
                 flush=True,
             )
+
+
+def modes(args) -> None:
+    from ulysses_mm.config import RunConfig, load_config, to_dict
+    from ulysses_mm.estimate import estimate
+    from ulysses_mm.measure import measure_launched
+    from ulysses_mm.parallel.launch import launch_local
+
+    path = args.config or "configs/small.yaml"
+    seq_len = args.seq_len or 8192
+    ckpt = "model.activation_checkpointing=true"
+    variants = {
+        "none": [ckpt, "model.offload_checkpoints=false", "model.layer_tile_tokens=0"],
+        "offload": [ckpt, "model.offload_checkpoints=true", "model.layer_tile_tokens=0"],
+        "tiles": [ckpt, "model.offload_checkpoints=false", f"model.layer_tile_tokens={args.tile}"],
+        "both": [ckpt, "model.offload_checkpoints=true", f"model.layer_tile_tokens={args.tile}"],
+    }
+    print(f"{path}, {seq_len:,} tokens, SP=1: peak above the step's start, bytes per token")
+    print(
+        f"{'mode':<9s}{'measured':>10s}{'estimated':>11s}{'ratio':>7s}{'meas. ×':>9s}"
+        f"{'est. ×':>8s}{'host MiB':>10s}{'tokens/s':>10s}{'cost':>8s}  estimate's peak phase"
+    )
+    first: dict[str, float] = {}
+    for name, ov in variants.items():
+        cfg = load_config(RunConfig, REPO / path, [*args.overrides, *ov, "parallel.sp=1"])
+        res = launch_local(measure_launched, 1, to_dict(cfg), seq_len, args.doc_len)
+        m = max(res.values(), key=lambda r: r["peak"])
+        est = estimate(cfg, seq_len, device="cpu")
+        between = [
+            t.bytes
+            for t in est.phase("optimizer step").terms
+            if t.name not in ("gradients", "optimizer step temporaries")
+        ]
+        meas = (m["peak"] - m["base"]) / seq_len
+        est_pt = (est.peak - sum(between)) / seq_len
+        tps = m["tokens_per_s"]
+        first = first or {"meas": meas, "est": est_pt, "tps": tps}
+        print(
+            f"{name:<9s}{meas:>10,.0f}{est_pt:>11,.0f}{est_pt / meas:>7.3f}"
+            f"{first['meas'] / meas:>9.2f}{first['est'] / est_pt:>8.2f}"
+            f"{m['host'] / 2**20:>10.1f}{tps:>10.0f}{tps / first['tps'] - 1:>+8.0%}  "
+            f"{est.peak_phase}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -7,7 +7,10 @@ The contract: for configs/debug-tiny.yaml and configs/small.yaml, one real train
 step (activations, gradients, buffers, optimizer temporaries) agree within 15 %.
 debug-tiny at 8,192 tokens is activation-bound at both SP sizes; small (ZeRO-1,
 checkpointed, tiled) is optimizer-step-bound at SP=1 (1,024 tokens) and activation-bound at
-SP=2 (2,048). Two more cases on debug-tiny's shape cover bf16 with ZeRO-2 and ZeRO-3.
+SP=2 (2,048). Two more cases on debug-tiny's shape cover bf16 with ZeRO-2 and ZeRO-3, and
+four the memory modes (checkpoints offloaded to the host, the sequence-tiled layer) on
+debug-tiny deepened to 8 checkpointed layers at 16,384 tokens; there the host memory the
+offload holds is measured apart from the peak and must be the estimate's.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ CONFIGS = REPO / "configs"
 TOLERANCE = 0.15
 SMALL_BUCKETS = "deepspeed.extra={zero_optimization: {reduce_bucket_size: 200000}}"
 
+# the memory modes, on debug-tiny's shape deepened to 8 checkpointed layers (activation-bound)
+DEEP = ["model.num_hidden_layers=8", "model.activation_checkpointing=true"]
+OFFLOAD = ["model.offload_checkpoints=true"]
+TILES = ["model.layer_tile_tokens=1024"]
 # (id, config file, overrides, seq_len, sp)
 CASES = [
     ("debug-tiny-sp1", "debug-tiny.yaml", [], 8192, 1),
@@ -58,6 +65,21 @@ CASES = [
         4096,
         2,
     ),
+    *[
+        (
+            f"debug-tiny-8-layers-{mode}-sp{sp}",
+            "debug-tiny.yaml",
+            [*DEEP, *switches],
+            16384,
+            sp,
+        )
+        for sp, mode, switches in (
+            (1, "offload", OFFLOAD),
+            (1, "offload-tiles", [*OFFLOAD, *TILES]),
+            (2, "tiles", TILES),
+            (2, "offload-tiles", [*OFFLOAD, *TILES]),
+        )
+    ],
     (
         "debug-tiny-bf16-zero3-sp2",
         "debug-tiny.yaml",
@@ -113,6 +135,8 @@ def test_estimate_matches_measured_peak(measured, case):
     )
     assert abs(ratio - 1) <= TOLERANCE, report
     assert abs(above - 1) <= TOLERANCE, report
+    # what offloaded checkpoints hold on the host, counted apart: every layer's input
+    assert m["host"] == (est.host if cfg.model.offload_checkpoints else 0), report
     # what is live between steps (parameters, optimizer states, buffers, the batch)
     assert est_base == pytest.approx(m["base"], rel=TOLERANCE), report
 
@@ -181,7 +205,9 @@ def test_more_gpus_and_checkpointing_and_zero_lower_the_per_gpu_figure():
     by_sp = [estimate(cfg, n, gpus=g).peak for g in (2, 4, 8)]
     assert by_sp[0] > by_sp[1] > by_sp[2]
     no_ckpt = load_config(
-        RunConfig, CONFIGS / "llama3-8b.yaml", ["model.activation_checkpointing=false"]
+        RunConfig,
+        CONFIGS / "llama3-8b.yaml",
+        ["model.activation_checkpointing=false", "model.offload_checkpoints=false"],
     )
     assert estimate(no_ckpt, n, gpus=8).peak > 2 * estimate(cfg, n, gpus=8).peak
     zero1 = load_config(RunConfig, CONFIGS / "llama3-8b.yaml", ["deepspeed.zero_stage=1"])
@@ -198,6 +224,12 @@ def test_more_gpus_and_checkpointing_and_zero_lower_the_per_gpu_figure():
     assert eo.states["optimizer"] == 0 and eo.host >= 16 * e3.params // 8
     assert eo.peak < e3.peak
     # the what-if: with the checkpointed layer inputs on the host the peak drops by ~L - 1 of them
+    kept = load_config(
+        RunConfig,
+        CONFIGS / "llama3-8b.yaml",
+        ["model.offload_checkpoints=false", "model.layer_tile_tokens=0"],
+    )
+    e3 = estimate(kept, n, gpus=8)
     assert e3.offloaded_total is not None
     saved = e3.total - e3.offloaded_total
     assert saved >= 0.9 * (cfg.model.num_hidden_layers - 1) * e3.act.residual
@@ -246,12 +278,12 @@ def test_cli_answers_how_long_a_context_fits(capsys):
         "gradients, at the peak",
         "saved, without checkpointing",
         "kept, with checkpointing (the layer input)",
-        "kept, checkpoints offloaded to host (what-if)",
+        "kept, checkpoints offloaded to host (fetched + prefetched)",
         "q, k, v after the all-to-all",
         "communication buffers",
         "all-to-all send + receive (one exchange of q, k, v)",
         "DeepSpeed buckets and gathered parameters",
-        "MLP tile of 8,192 tokens",
+        "layer tile of 8,192 tokens, backward",
         "loss tile of 8,192 tokens × 263 logits",
         "allocator headroom, 10% of the peak",
         "of 24 GiB: fits",

@@ -93,6 +93,17 @@ class ModelConfig:
     text_modality: str = _help(
         "The modality whose id range takes the init_from checkpoint's vocabulary.", "text"
     )
+    offload_checkpoints: bool = _help(
+        "Keep each checkpointed layer input in (pinned) host memory between forward and its "
+        "recompute (needs activation_checkpointing).",
+        False,
+    )
+    layer_tile_tokens: int = _help(
+        "Tokens per tile of everything token-wise in a decoder layer (norms, projections, "
+        "MLP, residual adds) and of the final norm, each tile recomputed in backward "
+        "(0 = no layer tiling).",
+        0,
+    )
 
     def __post_init__(self) -> None:
         if self.head_dim is None:
@@ -116,6 +127,13 @@ class ModelConfig:
             raise ConfigError("model.loss_tile_tokens must be >= 1")
         if self.mlp_tile_tokens < 0:
             raise ConfigError("model.mlp_tile_tokens must be >= 0")
+        if self.layer_tile_tokens < 0:
+            raise ConfigError("model.layer_tile_tokens must be >= 0")
+        if self.offload_checkpoints and not self.activation_checkpointing:
+            raise ConfigError(
+                "model.offload_checkpoints needs model.activation_checkpointing=true "
+                "(it moves the checkpointed layer inputs to the host)"
+            )
 
     def to_llama_config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the equivalent ``transformers.LlamaConfig`` (backbone only)."""

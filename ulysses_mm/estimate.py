@@ -31,8 +31,13 @@ What is counted, per rank:
   its output and fp32 log-sum-exp, the o_proj input: (3Q + 2E)·a + 4·hq) and the SwiGLU MLP
   (gate, silu, up, product: 4·F·a; none with MLP tiling). With activation checkpointing a
   layer keeps only its input (D·a) and one layer is recomputed at a time in backward.
-  "Checkpoints offloaded" is the same with those inputs in host memory — a what-if figure:
-  training has no such option yet. The ``sdpa_dense`` kernel adds its [b, s, s] boolean
+  ``model.offload_checkpoints`` keeps those inputs in host memory (counted as host, apart
+  from the device peak): on the device only the recomputed layer's input and the one
+  prefetched for the layer before it (without the option the same figure is shown as a
+  what-if). ``model.layer_tile_tokens`` (the sequence-tiled layer) keeps per layer its
+  input, what the kernel saves and the kernel output (o_proj's input); norms, projections
+  and MLP exist per tile only, and backward holds one-[T, D] gradient buffers per input
+  (the input's, the kernel output's) plus one recomputed tile; the final norm is tiled too. The ``sdpa_dense`` kernel adds its [b, s, s] boolean
   mask and, per layer, the additive mask SDPA saves: O(s²) per rank whatever sp is. The
   ``flex`` kernel adds its block mask: four int32 [b, s/128, s/128] block tables
   (partial and full blocks, by query and by key block), built from the document spans.
@@ -438,7 +443,15 @@ class Activations:
     mlp_backward: int
     norm_backward: int
     loss_tile_tokens: int
-    loss: int  # the loss backward's working set (tile + hidden-state gradient sum)
+    loss: int  # the loss backward's working set (tile + hidden-state gradient buffer)
+    final_norm: int  # what the final norm keeps for backward (tiled: its input)
+    final_norm_backward: int  # its backward's working set
+    layer_tile_tokens: int = 0  # 0: no layer tiling
+    tile_saved: int = 0  # tiled layer: what the layer keeps beyond its input
+    tile_forward: int = 0  # tiled layer: the tiles' outputs and one tile's forward set
+    tile_backward: int = 0  # tiled layer: one recomputed tile's backward set
+    qkv: int = 0  # the caller's q, k, v [T, Q + 2K] (and their gradients)
+    o: int = 0  # the kernel's output as the o_proj sees it [T, Q] (and its gradient)
 
     @property
     def layer(self) -> int:
@@ -519,10 +532,23 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
     Vw = sh.widest_head
     low = a if a != 4 else 0
     loss = tile * (max(2 * D * a + 12 * Vw, 4 * D * a + (4 + low) * Vw) + 24)
-    if tile < T:
-        # between tiles: the running gradient of the hidden states, the next tile's
-        # zero-padded slice gradient and their sum
-        loss = max(loss + x, 3 * x)
+    if tile < T:  # the tiles' hidden-state gradients fill one buffer (offload.tiles)
+        loss += x
+    final_norm, final_norm_bwd = norm, norm_bwd
+    lt = m.layer_tile_tokens * lay.micro_batch
+    layer_tiled = m.layer_tile_tokens > 0 and lay.seq_len // P > m.layer_tile_tokens
+    tile_saved = tile_fwd = tile_bwd = 0
+    if layer_tiled:
+        # kept: the input (counted as the checkpoint), what the kernel saves and its
+        # output as o_proj's input; the norms' and MLP's activations exist per tile only
+        tile_saved = kernel_saved + T * Q * a
+        # a tile's forward: norm (fp32), MLP (gate, up, silu, product), projections
+        tile_fwd = lt * (4 * F * a + 8 * D + 2 * D * a)
+        # a recomputed tile and its gradients: MLP and norm sets, their gradients
+        tile_bwd = lt * (10 * F * a + 16 * D + 6 * D * a + (Q + 2 * K) * a)
+        final_norm = x + x  # its input and its output (the loss's input)
+        # the incoming gradient, the input-gradient buffer, one tile's set
+        final_norm_bwd = 2 * x + lt * 16 * D
     return Activations(
         tokens=T,
         inputs=inputs,
@@ -542,6 +568,14 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
         norm_backward=norm_bwd,
         loss_tile_tokens=tile,
         loss=loss,
+        final_norm=final_norm,
+        final_norm_backward=final_norm_bwd,
+        layer_tile_tokens=lt if layer_tiled else 0,
+        tile_saved=tile_saved,
+        tile_forward=tile_fwd,
+        tile_backward=tile_bwd,
+        qkv=T * (Q + 2 * K) * a,
+        o=T * Q * a,
     )
 
 
@@ -574,17 +608,27 @@ def phases(
     zs: ZeroStates,
     act: Activations,
     a: int,
-    offload_checkpoints: bool = False,
+    offload_checkpoints: bool | None = None,
 ) -> list[Phase]:
-    """Every phase of a step whose high point can be the peak."""
+    """Every phase of a step whose high point can be the peak. ``offload_checkpoints``
+    (default: the config's) counts the checkpointed layer inputs in host memory."""
     L = sh.layers
     x = act.residual
     ckpt = cfg.model.activation_checkpointing
+    if offload_checkpoints is None:
+        offload_checkpoints = cfg.model.offload_checkpoints
+    offload = ckpt and offload_checkpoints
     gas = cfg.deepspeed.gradient_accumulation_steps
+    tiled = act.layer_tile_tokens > 0
     # stash: what the layers before the one at work keep
-    per_layer = x if ckpt else act.layer
-    stash_scale = 0 if (ckpt and offload_checkpoints) else 1
-    recompute = act.layer - (x if a == 4 else 0)  # fp32: the first norm saves the input itself
+    per_layer = x if ckpt else (x + act.tile_saved if tiled else act.layer)
+    stash_scale = 0 if offload else 1
+    # offloaded: the layer's input fetched back, and the one before it, prefetched
+    fetched = x if offload else 0
+    if tiled:
+        recompute = act.tile_saved
+    else:
+        recompute = act.layer - (x if a == 4 else 0)  # fp32: the first norm saves the input
     base = [
         Term("parameters", zs.params),
         Term("optimizer states", zs.optimizer),
@@ -611,7 +655,10 @@ def phases(
         ]
 
     out: list[Phase] = []
-    attn_live = act.norm + act.kernel_saved + act.attention_forward
+    if tiled:
+        attn_live = act.kernel_saved + act.attention_forward + (act.qkv if a == 4 else 0)
+    else:
+        attn_live = act.norm + act.kernel_saved + act.attention_forward
     if ckpt:
         # the last layer's attention recomputed in backward
         out.append(
@@ -619,9 +666,9 @@ def phases(
                 "backward: recomputing the last layer's attention",
                 [
                     *bwd(0),
-                    Term("checkpointed layer inputs", (L - 1) * x * stash_scale + x),
+                    Term("checkpointed layer inputs", (L - 1) * x * stash_scale + x + fetched),
                     Term("gradient of the residual stream", x),
-                    Term("attention working set", attn_live - (x if a == 4 else 0)),
+                    Term("attention working set", attn_live - (x if a == 4 and not tiled else 0)),
                 ],
             )
         )
@@ -634,20 +681,23 @@ def phases(
                     Term("gathered parameters", zs.gathered),
                     Term("gradients", zs.grads_full if gas > 1 else 0),
                     Term("batch, RoPE tables, document ids", act.fixed),
-                    Term("saved activations of the other layers", (L - 1) * act.layer),
-                    Term("layer input", x if a != 4 else 0),
+                    Term("saved activations of the other layers", (L - 1) * per_layer),
+                    Term("layer input", x if a != 4 or tiled else 0),
                     Term("attention working set", attn_live),
                 ],
             )
         )
-    if act.mlp_tile_tokens:
-        mlp_live = 2 * act.norm + act.attention_saved + act.mlp_forward
+    if act.mlp_tile_tokens or tiled:
+        if tiled:  # the tiles after attention: their outputs, then their concatenation
+            mlp_live = act.tile_saved + 2 * x + act.tile_forward
+        else:
+            mlp_live = 2 * act.norm + act.attention_saved + act.mlp_forward
         if ckpt:
             terms = [
                 *bwd(0),
-                Term("checkpointed layer inputs", (L - 1) * x * stash_scale + x),
+                Term("checkpointed layer inputs", (L - 1) * x * stash_scale + x + fetched),
                 Term("gradient of the residual stream", x),
-                Term("MLP working set", mlp_live - (x if a == 4 else 0)),
+                Term("MLP working set", mlp_live - (x if a == 4 and not tiled else 0)),
             ]
             name = "backward: recomputing the last layer's MLP tiles"
         else:
@@ -656,7 +706,8 @@ def phases(
                 Term("gathered parameters", zs.gathered),
                 Term("gradients", zs.grads_full if gas > 1 else 0),
                 Term("batch, RoPE tables, document ids", act.fixed),
-                Term("saved activations of the other layers", (L - 1) * act.layer),
+                Term("saved activations of the other layers", (L - 1) * per_layer),
+                Term("layer input", x if tiled else 0),
                 Term("MLP working set", mlp_live),
             ]
             name = "forward: the last layer's MLP tiles"
@@ -668,7 +719,7 @@ def phases(
             [
                 *bwd(0, reducing=False),
                 Term("saved activations", stash_all),
-                Term("final norm", act.norm),
+                Term("final norm", act.final_norm),
                 Term("loss tile and the hidden states' gradient", act.loss),
             ],
         )
@@ -679,16 +730,51 @@ def phases(
             [
                 *bwd(0, reducing=False),
                 Term("saved activations", stash_all),
-                Term("final norm", act.norm),
-                Term("norm backward working set", act.norm_backward),
+                Term("final norm", act.final_norm),
+                Term("norm backward working set", act.final_norm_backward),
             ],
         )
     )
     for j, label in ((L - 1, "the last layer"), (0, "the first layer")):
         done = L - 1 - j  # layers whose gradients already exist
-        before = j * per_layer * stash_scale + (x if ckpt else 0)
-        this = recompute if ckpt else act.layer
+        before = j * per_layer * stash_scale + (x if ckpt else 0) + (fetched if j else 0)
+        this = recompute if ckpt else per_layer - (x if tiled else 0)
         common = [*bwd(done), Term("gradient of the residual stream", x)]
+        if tiled:
+            # the tiles after attention, backward: the input's and the kernel output's
+            # gradient buffers fill; then the kernel's backward; then the tiles before it
+            # (q, k, v gradients in, a second input-gradient buffer)
+            out += [
+                Phase(
+                    f"backward: {label}'s tiles after attention",
+                    [
+                        *common,
+                        Term("saved activations", before + this),
+                        Term("gradient buffers (input, kernel output)", x + act.o),
+                        Term("tile backward working set", act.tile_backward),
+                    ],
+                ),
+                Phase(
+                    f"backward: {label}'s attention",
+                    [
+                        *bwd(done),
+                        Term("saved activations", before + this - act.o),
+                        Term("gradient buffer (input)", x),
+                        Term("attention backward working set", act.attention_backward),
+                    ],
+                ),
+                Phase(
+                    f"backward: {label}'s tiles before attention",
+                    [
+                        *bwd(done),
+                        Term("saved activations", before),
+                        Term("q, k, v gradients", act.qkv),
+                        Term("gradient buffers (input, twice)", 2 * x),
+                        Term("tile backward working set", act.tile_backward),
+                    ],
+                ),
+            ]
+            continue
         out.append(
             Phase(
                 f"backward: {label}'s MLP",
@@ -773,6 +859,7 @@ class Estimate:
     offload_optimizer: str
     offload_param: str
     activation_checkpointing: bool
+    offload_checkpoints: bool
     kernel: str
     device: str
     params: int
@@ -869,7 +956,9 @@ def estimate(
     top = max(steps, key=lambda p: p.bytes)
     offloaded = None
     host = zs.host
-    if cfg.model.activation_checkpointing:
+    if cfg.model.offload_checkpoints:
+        host += sh.layers * act.residual  # every layer's input, on the host
+    elif cfg.model.activation_checkpointing:
         offloaded = max(p.bytes for p in phases(cfg, sh, zs, act, a, offload_checkpoints=True))
     notes = []
     if kernel == "sdpa_dense":
@@ -893,6 +982,7 @@ def estimate(
         offload_optimizer=ds.offload_optimizer,
         offload_param=ds.offload_param,
         activation_checkpointing=cfg.model.activation_checkpointing,
+        offload_checkpoints=cfg.model.offload_checkpoints,
         kernel=kernel,
         device=device,
         params=sh.params,
@@ -981,7 +1071,11 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         training.append(f"parameter offload to {est.offload_param}")
     if est.activation_checkpointing:
         training.append("activation checkpointing")
-    if act.mlp_tile_tokens:
+    if est.offload_checkpoints:
+        training.append("checkpoints offloaded to host")
+    if act.layer_tile_tokens:
+        training.append(f"layer tiles of {act.layer_tile_tokens:,}")
+    elif act.mlp_tile_tokens:
         training.append(f"MLP tiles of {act.mlp_tile_tokens:,}")
     training.append(f"loss tiles of {act.loss_tile_tokens:,}")
     training.append(f"kernel {est.kernel}" + (" (CPU tensors)" if est.device == "cpu" else ""))
@@ -1009,11 +1103,20 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         + at.get("DeepSpeed persistent buffers", 0)
         + at.get("gathered parameters", 0)
     )
-    recompute = act.layer - (act.residual if est.precision == "fp32" else 0)
-    mlp = (
-        f"MLP tile of {act.mlp_tile_tokens:,} tokens, backward"
-        if act.mlp_tile_tokens
-        else "MLP backward (no tiling)"
+    if act.layer_tile_tokens:
+        recompute = act.tile_saved
+        mlp = f"layer tile of {act.layer_tile_tokens:,} tokens, backward"
+        mlp_bytes = act.tile_backward
+    else:
+        recompute = act.layer - (act.residual if est.precision == "fp32" else 0)
+        mlp = (
+            f"MLP tile of {act.mlp_tile_tokens:,} tokens, backward"
+            if act.mlp_tile_tokens
+            else "MLP backward (no tiling)"
+        )
+        mlp_bytes = act.mlp_backward
+    offload_label = "kept, checkpoints offloaded to host" + (
+        " (fetched + prefetched)" if est.offload_checkpoints else " (what-if)"
     )
     out += [
         row("parameters", est.states["params"], n["params"]),
@@ -1028,8 +1131,8 @@ def render(est: Estimate, all_phases: bool = False) -> str:
             2,
         ),
         row(
-            "kept, checkpoints offloaded to host (what-if)",
-            0,
+            offload_label,
+            2 * act.residual if est.offload_checkpoints else 0,
             f"host {act.residual * L / div:.2f}",
             2,
         ),
@@ -1039,7 +1142,7 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         row("forward working set", act.attention_forward, indent=2),
         row("backward working set", act.attention_backward, indent=2),
         "  tiles",
-        row(mlp, act.mlp_backward, indent=2),
+        row(mlp, mlp_bytes, indent=2),
         row(
             f"loss tile of {act.loss_tile_tokens:,} tokens × {sh.widest_head} logits, backward",
             act.loss,
@@ -1076,7 +1179,7 @@ def render(est: Estimate, all_phases: bool = False) -> str:
     if est.offloaded_total is not None:
         out.append(row("total with checkpoints offloaded to host (what-if)", est.offloaded_total))
     if est.host:
-        out.append(row("host memory per GPU (offloaded states)", est.host))
+        out.append(row("host memory per GPU (offloaded states and checkpoints)", est.host))
     out += [f"  note: {x}" for x in est.notes]
     if all_phases:
         out += ["", "  phases (tensors live at each high point)"]

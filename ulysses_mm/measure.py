@@ -17,7 +17,8 @@ Peak memory: on CUDA the caching allocator's ``max_memory_allocated``; on CPU
 :class:`~ulysses_mm.memory.TensorMemoryTracker`, entered before the model is built so that
 every tensor storage the process creates is counted (parameters, DeepSpeed's flat buffers
 and optimizer states, activations, gradients, collective buffers). Kernel-internal scratch
-is not a tensor on CPU and is not counted there.
+is not a tensor on CPU and is not counted there. What offloaded checkpoints hold in host
+memory is not in the peak: ``host`` reports it apart (:data:`ulysses_mm.model.offload.HOST`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 from ulysses_mm.config import RunConfig, from_dict
 from ulysses_mm.data.batch import Batch
 from ulysses_mm.data.synthetic import single_modality_batch
+from ulysses_mm.model.offload import HOST
 from ulysses_mm.runtime import World, build_runtime, open_world, train_step
 from ulysses_mm.tokenspace import TokenSpace
 
@@ -57,6 +59,7 @@ class MeasuredStep:
     tokens: int  # tokens per step over the whole world (b · N · dp)
     flops: float  # model FLOPs per step over the whole world (train.metrics.train_flops)
     device: str
+    host: int = 0  # most bytes the offloaded checkpoints held in host memory (apart)
 
     @property
     def tokens_per_s(self) -> float:
@@ -140,6 +143,8 @@ class StepRunner:
         else:
             self.counter.peak = self.counter.live
         base = self.counter.live
+        HOST.reset_peak()
+        host0 = HOST.live
         t0 = time.perf_counter()
         for _ in range(steps):
             self._step(batch)
@@ -162,6 +167,7 @@ class StepRunner:
             tokens=tokens,
             flops=flops,
             device=self.device.type,
+            host=HOST.peak - host0,
         )
 
     def close(self) -> None:

@@ -28,6 +28,11 @@ prints the plan and runs nothing.
     python benchmarks/gpu/bench_gpu.py                      # within --budget-s (420 s)
     python benchmarks/gpu/bench_gpu.py --config configs/llama3-8b.yaml --sp 8
     python benchmarks/gpu/bench_gpu.py --device cpu --out build/bench-cpu   # smoke run
+    python benchmarks/gpu/bench_gpu.py --memory-mode none   # without offload and layer tiles
+
+``--memory-mode`` sets the memory modes (``model.offload_checkpoints``,
+``model.layer_tile_tokens``): as the config has them (the shipped GPU configs: both on),
+none, one or both; the estimate beside each point counts the same modes.
 """
 
 from __future__ import annotations
@@ -454,6 +459,25 @@ def plot(result: dict[str, Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
+# --memory-mode: config overrides applied before the command line's (model.offload_checkpoints
+# needs model.activation_checkpointing; layer tiles of 8,192 tokens, 128 on CPU)
+MEMORY_MODES: dict[str, list[str]] = {
+    "config": [],
+    "none": ["model.offload_checkpoints=false", "model.layer_tile_tokens=0"],
+    "offload": [
+        "model.activation_checkpointing=true",
+        "model.offload_checkpoints=true",
+        "model.layer_tile_tokens=0",
+    ],
+    "tiles": ["model.offload_checkpoints=false", "model.layer_tile_tokens={tile}"],
+    "both": [
+        "model.activation_checkpointing=true",
+        "model.offload_checkpoints=true",
+        "model.layer_tile_tokens={tile}",
+    ],
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -526,6 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="raise out-of-memory from this length on (to test that path, e.g. on CPU)",
     )
+    ap.add_argument(
+        "--memory-mode",
+        choices=list(MEMORY_MODES),
+        default="config",
+        help="the memory modes: as the config sets them (default), none, offloaded "
+        "checkpoints only, layer tiles only, or both",
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return ap
@@ -540,6 +571,9 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.min_len = args.min_len or (256 if cpu else 8192)
     args.doc_len = args.doc_len or (256 if cpu else 32768)
     args.granularity = args.granularity or (128 if cpu else 1024)
+    tile = 128 if cpu else 8192
+    mode = [o.format(tile=tile) for o in MEMORY_MODES[args.memory_mode]]
+    args.overrides = [*mode, *args.overrides]
     return args
 
 
@@ -578,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {
         "config": _shown(args.config),
+        "memory_mode": args.memory_mode,
+        "overrides": args.overrides,
         "device": args.device,
         "device_name": name,
         "gpus": n_gpus,

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ulysses_mm.data.format import IGNORE
+from ulysses_mm.model.offload import tiles
 from ulysses_mm.tokenspace import TokenSpace
 
 
@@ -73,9 +74,11 @@ class ModalityHeads(nn.Module):
                 f"modality {self.space.modalities[int(flat_mods[i])]!r}"
             )
         total = hidden.new_zeros(len(self.space.ranges), dtype=torch.float32)
-        for start in range(0, h.shape[0], self.tile_tokens):
-            sl = slice(start, start + self.tile_tokens)
-            args = (h[sl], flat_labels[sl], flat_mods[sl])
+        t = self.tile_tokens
+        # the tiles' hidden-state gradients fill one buffer (no zero-padded [b*n, D] copy
+        # per tile summed into a running one)
+        parts = zip(tiles(h, t, 0), flat_labels.split(t), flat_mods.split(t), strict=True)
+        for args in parts:
             if torch.is_grad_enabled():
                 total = total + checkpoint(self._tile_loss, *args, use_reentrant=False)
             else:

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from ulysses_mm.config import ModelConfig
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.heads import ModalityHeads
+from ulysses_mm.model.offload import offloaded_layers, tile_map
 from ulysses_mm.tokenspace import TokenSpace
 
 
@@ -104,16 +105,24 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.core: nn.Module = LocalAttention(kernel)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The kernel's inputs, RoPE applied: token-wise."""
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)  # [b, n, hq, d]
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)  # [b, n, hk, d]
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)  # [b, n, hk, d]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # per head, over d
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v, mask)  # [b, n, hq, d]
-        return self.o_proj(out.reshape(b, n, self.num_heads * self.head_dim))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def out(self, o: Tensor) -> Tensor:
+        """[b, n, hq, d] kernel output -> [b, n, D]: token-wise."""
+        b, n = o.shape[:2]
+        return self.o_proj(o.reshape(b, n, self.num_heads * self.head_dim))
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        return self.out(self.core(q, k, v, mask))  # core: [b, n, hq, d]
 
 
 class MLP(nn.Module):
@@ -148,8 +157,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tile_tokens = cfg.layer_tile_tokens
+
+    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+
+    def _after_attention(self, x: Tensor, o: Tensor) -> Tensor:
+        x = x + self.self_attn.out(o)
+        return x + self.mlp._mlp(self.post_attention_layernorm(x))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+        if self.tile_tokens and x.shape[1] > self.tile_tokens:
+            # token-wise parts in recomputed tiles: kept are x, the kernel's q, k, v, its
+            # output (and what the kernel saves), not the norms' or MLP's activations
+            q, k, v = tile_map(self._qkv, self.tile_tokens, x, cos, sin)
+            o = self.self_attn.core(q, k, v, mask)  # [b, n, hq, d]
+            return tile_map(self._after_attention, self.tile_tokens, x, o)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -165,6 +188,8 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
         self.gradient_checkpointing = cfg.activation_checkpointing
+        self.offload_checkpoints = cfg.offload_checkpoints
+        self.tile_tokens = cfg.layer_tile_tokens
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor) -> Tensor:
         """input_ids, position_ids: [b, n] (this process's tokens); doc_ids: [b, s] for the
@@ -172,12 +197,16 @@ class Backbone(nn.Module):
         mask = DocumentMask(doc_ids)
         x = self.embed_tokens(input_ids)  # [b, n] -> [b, n, D]
         cos, sin = self.rotary_emb(position_ids, x.dtype)  # [b, n, d] each
-        for layer in self.layers:
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, mask)
-        return self.norm(x)
+        grad = torch.is_grad_enabled()
+        if self.gradient_checkpointing and self.offload_checkpoints and grad:
+            x = offloaded_layers(list(self.layers), x, cos, sin, mask)
+        else:
+            for layer in self.layers:
+                if self.gradient_checkpointing and grad:
+                    x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
+                else:
+                    x = layer(x, cos, sin, mask)
+        return tile_map(self.norm, self.tile_tokens, x)
 
 
 class MultimodalLM(nn.Module):

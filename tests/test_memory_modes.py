@@ -1,0 +1,167 @@
+"""The memory modes change no number: checkpoints offloaded to the host
+(``model.offload_checkpoints``), the sequence-tiled layer (``model.layer_tile_tokens``) and
+the loss's tile gradients written into one buffer give the loss and every gradient of the
+run without them — one process, and through the DeepSpeed engine on gloo at SP=1 and SP=2
+(fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import run_distributed
+from torch.testing import assert_close
+
+from ulysses_mm.config import ConfigError, ModelConfig, RunConfig, load_config
+from ulysses_mm.data.batch import sp_slice
+from ulysses_mm.data.synthetic import random_batch
+from ulysses_mm.model import build_model
+from ulysses_mm.model.offload import HOST, tile_map, tiles
+from ulysses_mm.parallel import Mesh, loss_weights
+from ulysses_mm.runtime import build_runtime, forward_backward, open_world
+from ulysses_mm.tokenspace import TokenSpace
+
+VOCAB = {"dna": 16, "audio": 64, "video": 96}
+SPACE = TokenSpace.from_vocab(VOCAB)
+MODES = {
+    "offload": dict(activation_checkpointing=True, offload_checkpoints=True),
+    "layer-tiles": dict(layer_tile_tokens=20),
+    "layer-tiles-ckpt": dict(activation_checkpointing=True, layer_tile_tokens=32),
+    "all": dict(
+        activation_checkpointing=True,
+        offload_checkpoints=True,
+        layer_tile_tokens=20,
+        loss_tile_tokens=50,
+    ),
+}
+
+
+def _grads(cfg: ModelConfig, batch):
+    model = build_model(cfg, SPACE, seed=4)
+    loss, _ = forward_backward(model, batch, loss_weights(SPACE.modalities, {}), Mesh.single())
+    return loss, {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", MODES, ids=list(MODES))
+def test_modes_change_nothing_in_one_process(mode):
+    batch = random_batch(SPACE, 2, 96, seed=3)
+    base = dict(modalities=VOCAB, num_key_value_heads=2, num_hidden_layers=3)
+    loss0, grads0 = _grads(ModelConfig(**base, loss_tile_tokens=100000), batch)
+    loss1, grads1 = _grads(
+        ModelConfig(**{"loss_tile_tokens": 100000, **base, **MODES[mode]}), batch
+    )
+    assert_close(loss1, loss0, rtol=1e-6, atol=1e-7)
+    for name in grads0:
+        assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-7, msg=name)
+    assert HOST.live == 0  # every host copy released by the end of backward
+
+
+def test_offload_holds_every_layer_input_on_the_host_until_its_recompute():
+    cfg = ModelConfig(modalities=VOCAB, num_hidden_layers=3, **MODES["offload"])
+    model = build_model(cfg, SPACE, seed=0)
+    batch = random_batch(SPACE, 2, 40, seed=1)
+    HOST.reset_peak()
+    start = HOST.live
+    hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
+    x_bytes = 2 * 40 * cfg.hidden_size * 4
+    assert HOST.live - start == 3 * x_bytes  # one [b, n, D] fp32 input per layer
+    hidden.sum().backward()
+    assert HOST.live == start and HOST.peak - start == 3 * x_bytes
+
+
+def test_tiles_hand_one_gradient_buffer_to_their_input():
+    x = torch.randn(2, 10, 3, requires_grad=True)
+    parts = tiles(x, 4)
+    assert [p.shape[1] for p in parts] == [4, 4, 2]
+    sum((i + 1) * p.sum() for i, p in enumerate(parts)).backward()
+    want = torch.cat([torch.full((2, n, 3), float(i + 1)) for i, n in enumerate((4, 4, 2))], 1)
+    assert_close(x.grad, want)
+    y = torch.randn(2, 9, 3, requires_grad=True)
+    out = tile_map(lambda a: (a * 2, a.sin()), 4, y)
+    (out[0].sum() + out[1].sum()).backward()
+    assert_close(y.grad, 2 + y.detach().cos())
+
+
+def test_offload_needs_checkpointing():
+    with pytest.raises(ConfigError, match="offload_checkpoints needs model.activation_check"):
+        ModelConfig(offload_checkpoints=True)
+    with pytest.raises(ConfigError, match="layer_tile_tokens must be >= 0"):
+        ModelConfig(layer_tile_tokens=-1)
+
+
+ENGINE_SPACE = TokenSpace.from_vocab({"dna": 10, "audio": 32})
+SWITCHES = [
+    "model.activation_checkpointing=true",
+    "model.offload_checkpoints=true",
+    "model.layer_tile_tokens=24",
+]
+
+
+def _engine_cfg(stage: int, sp: int, switches: list[str]) -> RunConfig:
+    return load_config(
+        RunConfig,
+        None,
+        [
+            "model.modalities={dna: 10, audio: 32}",
+            "model.hidden_size=32",
+            "model.intermediate_size=64",
+            "model.num_key_value_heads=2",
+            "model.loss_tile_tokens=40",
+            f"deepspeed.zero_stage={stage}",
+            "deepspeed.gradient_clipping=0.0",
+            "deepspeed.scheduler.type=none",
+            f"parallel.sp={sp}",
+            *switches,
+        ],
+    )
+
+
+def _engine_run(rank, world, stages):
+    from deepspeed.utils import safe_get_full_grad
+
+    batch = random_batch(ENGINE_SPACE, 1, 128, seed=7)
+    for stage in stages:
+        out = []
+        for switches in ([], SWITCHES):
+            cfg = _engine_cfg(stage, world, switches)
+            rt = build_runtime(cfg, ENGINE_SPACE, open_world(cfg, device="cpu"))
+            local = sp_slice(batch, rt.mesh.sp_rank, world)
+            loss, _ = forward_backward(rt.engine, local, rt.weights, rt.mesh)
+            grads = {
+                n: (safe_get_full_grad(p) if stage > 0 else p.grad).clone()
+                for n, p in rt.engine.module.named_parameters()
+            }
+            out.append((loss.detach(), grads))
+            rt.engine.destroy()
+        (loss0, g0), (loss1, g1) = out
+        assert_close(loss1, loss0, rtol=1e-6, atol=1e-7)
+        for name in g0:
+            assert_close(g1[name], g0[name], rtol=1e-5, atol=1e-7, msg=f"ZeRO-{stage} {name}")
+    return True
+
+
+@pytest.mark.parametrize("world,stages", [(1, [1]), (2, [2, 3])], ids=["sp1-zero1", "sp2-zero23"])
+def test_modes_change_nothing_through_the_engine(world, stages):
+    assert all(run_distributed(_engine_run, world, stages, timeout=420))
+
+
+def test_bench_gpu_memory_modes_reach_the_plan():
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", script)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    for mode, offload, tile in (("none", False, 0), ("both", True, 8192), ("tiles", False, 8192)):
+        args = bench.resolve(bench.build_parser().parse_args(["--memory-mode", mode]))
+        cfg = bench.make_plan(args, n_gpus=1, gpu_mem_gib=80)["sp"][1]["cfg"]
+        assert (cfg.model.offload_checkpoints, cfg.model.layer_tile_tokens) == (offload, tile)
+    # the shipped GPU config has both on; "none" fits a shorter sequence
+    plans = {
+        m: bench.make_plan(
+            bench.resolve(bench.build_parser().parse_args(["--memory-mode", m])), 1, 80
+        )["sp"][1]["estimated_max"]
+        for m in ("config", "none")
+    }
+    assert plans["config"] > plans["none"] > 0

@@ -1,0 +1,218 @@
+"""Memory modes of the decoder: checkpoints offloaded to the host, and sequence tiles.
+
+**Offloaded checkpoints** (``model.offload_checkpoints``): :func:`offloaded_layers` runs
+the decoder layers with activation checkpointing whose kept input lives in host memory.
+Each layer is one :class:`_OffloadedCheckpoint` (a reentrant checkpoint): its forward runs
+without autograd and copies the layer's input to the host; its backward fetches the
+input back, recomputes the layer with autograd and back-propagates through it, and starts
+fetching the input of the layer before it (the next one backward reaches). On a GPU the
+host buffers are pinned and both copies run on a side stream, overlapped with compute;
+on CPU the same path runs with plain copies, and the host buffers are made outside any
+dispatch mode, so :class:`ulysses_mm.memory.TensorMemoryTracker` does not count them as
+device tensors: :data:`HOST` counts them apart.
+
+**Sequence tiles** (``model.layer_tile_tokens``): :func:`tile_map` applies a token-wise
+function to tiles of its inputs along the sequence, each tile checkpointed (recomputed in
+backward), and concatenates the outputs. The gradient of an input is written tile by tile
+into one buffer (:class:`_TileView`), so backward never holds zero-padded whole-sequence
+copies of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.checkpoint import checkpoint
+
+
+class HostCounter:
+    """Bytes the offloaded checkpoints hold in host memory: live now and at most."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def add(self, n: int) -> None:
+        self.live += n
+        self.peak = max(self.peak, self.live)
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+HOST = HostCounter()
+
+
+class HostCopy:
+    """One layer input in host memory, and its way back to the device."""
+
+    def __init__(self, x: Tensor, stream: Any) -> None:
+        self.device, self.stream = x.device, stream
+        self.nbytes = x.numel() * x.element_size()
+        self.fetched: Tensor | None = None
+        self.event: Any = None
+        self.previous: HostCopy | None = None  # the layer before: fetched next in backward
+        # host memory, not a device tensor: made and filled outside any dispatch mode (a
+        # memory tracker's included), counted in HOST
+        with _disable_current_modes():
+            self.host: Tensor | None = torch.empty(
+                x.shape, dtype=x.dtype, device="cpu", pin_memory=stream is not None
+            )
+            if stream is None:
+                self.host.copy_(x.detach())
+            else:
+                stream.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(stream):
+                    self.host.copy_(x.detach(), non_blocking=True)
+                x.record_stream(stream)  # x is not reused until the copy is done
+        HOST.add(self.nbytes)
+
+    def prefetch(self) -> None:
+        """Start the copy back to the device (no-op if started)."""
+        if self.fetched is not None or self.host is None:
+            return
+        dev = torch.empty(self.host.shape, dtype=self.host.dtype, device=self.device)
+        if self.stream is None:
+            dev.copy_(self.host)
+        else:
+            # dev's block may have been freed by work still queued on the compute stream
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                dev.copy_(self.host, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(self.stream)
+        self.fetched = dev
+
+    def take(self) -> Tensor:
+        """The input on the device (waiting for its copy); the host buffer is released."""
+        self.prefetch()
+        dev = self.fetched
+        assert dev is not None
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
+            dev.record_stream(torch.cuda.current_stream(self.device))
+        self.fetched, self.event = None, None
+        self.release()
+        return dev
+
+    def release(self) -> None:
+        if self.host is not None:
+            self.host = None
+            HOST.add(-self.nbytes)
+
+
+class _OffloadedCheckpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, run: Callable[..., Tensor], copy: HostCopy, x: Tensor, *args: Any
+    ) -> Tensor:
+        ctx.run, ctx.copy, ctx.args = run, copy, args
+        return run(x, *args)  # autograd is off in a Function's forward
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        copy: HostCopy = ctx.copy
+        x = copy.take()
+        if copy.previous is not None:
+            copy.previous.prefetch()  # overlapped with this layer's recompute and backward
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.run(x, *ctx.args)
+        torch.autograd.backward(out, grad)
+        nargs = len(ctx.args)
+        ctx.run = ctx.args = ctx.copy = None
+        return (None, None, x.grad, *(None for _ in range(nargs)))
+
+
+def offloaded_layers(layers: Sequence[Callable[..., Tensor]], x: Tensor, *args: Any) -> Tensor:
+    """``x`` through ``layers`` (each called as ``layer(x, *args)``), every layer
+    checkpointed with its input kept in host memory. ``args`` get no gradient."""
+    stream = None
+    if x.is_cuda:
+        stream = _side_stream(x.device)
+    previous: HostCopy | None = None
+    for layer in layers:
+        copy = HostCopy(x, stream)
+        copy.previous = previous
+        previous = copy
+        x = _OffloadedCheckpoint.apply(layer, copy, x, *args)
+    return x
+
+
+_STREAMS: dict[torch.device, Any] = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+# --------------------------------------------------------------------------- tiles
+
+
+class _TileGrad:
+    """The one gradient buffer the tiles of an input write into."""
+
+    def __init__(self, x: Tensor, tiles: int, dim: int) -> None:
+        # the input's metadata only: a reference would keep it alive in the graph
+        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.left, self.dim = tiles, dim
+        self.buf: Tensor | None = None
+
+
+class _TileView(torch.autograd.Function):
+    """``x.narrow(dim, start, stop - start)`` whose gradient goes into the input's shared buffer; the last
+    tile to get its gradient hands the whole buffer to ``x`` (the others hand none)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: Tensor, state: _TileGrad, start: int, stop: int
+    ) -> Tensor:
+        ctx.state, ctx.start, ctx.stop = state, start, stop
+        return x.narrow(state.dim, start, stop - start)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+        st: _TileGrad = ctx.state
+        if st.buf is None:
+            st.buf = torch.zeros(st.shape, dtype=st.dtype, device=st.device)
+        st.buf.narrow(st.dim, ctx.start, ctx.stop - ctx.start).copy_(grad)
+        st.left -= 1
+        if st.left:
+            return None, None, None, None
+        out, st.buf = st.buf, None
+        return out, None, None, None
+
+
+def tiles(x: Tensor, tile: int, dim: int = 1) -> list[Tensor]:
+    """``x`` cut into tiles of ``tile`` along ``dim`` (views); in backward their gradients
+    fill one buffer, handed to ``x`` once every tile's has arrived."""
+    n = x.shape[dim]
+    bounds = [(s, min(s + tile, n)) for s in range(0, n, tile)]
+    if len(bounds) == 1:
+        return [x]
+    if not (x.requires_grad and torch.is_grad_enabled()):
+        return [x.narrow(dim, s, e - s) for s, e in bounds]
+    state = _TileGrad(x, len(bounds), dim)
+    return [_TileView.apply(x, state, s, e) for s, e in bounds]
+
+
+def tile_map(fn: Callable[..., Any], tile: int, *inputs: Tensor) -> Any:
+    """``fn(*inputs)`` computed on tiles of ``tile`` tokens along dim 1 of every input
+    (each [b, n, ...]), each tile recomputed in backward; ``fn`` returns one tensor or a
+    tuple of them, each [b, t, ...], concatenated back along dim 1."""
+    n = inputs[0].shape[1]
+    if tile <= 0 or n <= tile:
+        return fn(*inputs)
+    grad = torch.is_grad_enabled()
+    outs = []
+    for parts in zip(*(tiles(t, tile) for t in inputs), strict=True):
+        outs.append(checkpoint(fn, *parts, use_reentrant=False) if grad else fn(*parts))
+    if isinstance(outs[0], tuple):
+        return tuple(torch.cat(list(o), dim=1) for o in zip(*outs, strict=True))
+    return torch.cat(outs, dim=1)
