@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import io
 import os
 import socket
 import tarfile
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,6 +44,23 @@ def tar_of(members: dict[str, bytes]) -> bytes:
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
+
+
+@contextlib.contextmanager
+def serve_dir(
+    root: str | Path, handler: type[http.server.SimpleHTTPRequestHandler]
+) -> Iterator[str]:
+    """Serve ``root`` over HTTP on 127.0.0.1 with ``handler`` (a SimpleHTTPRequestHandler);
+    yields the base URL and stops the server on exit."""
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), lambda *a, **k: handler(*a, directory=str(root), **k)
+    )
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture

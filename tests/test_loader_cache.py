@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from conftest import serve_dir
 from train_data import prepare_dna
 
 from ulysses_mm.data.cache import NodeCache
@@ -46,18 +47,10 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture
 def server(dataset):
-    root = Path(dataset.location).parent
-    handler = lambda *a, **k: _Handler(*a, directory=str(root), **k)  # noqa: E731
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield dataclasses.replace(
-            dataset, location=f"http://127.0.0.1:{srv.server_address[1]}/manifest.json"
-        )
+        with serve_dir(Path(dataset.location).parent, _Handler) as url:
+            yield dataclasses.replace(dataset, location=f"{url}/manifest.json")
     finally:
-        srv.shutdown()
-        srv.server_close()
         _Handler.sent.clear()
         _Handler.delay_s = 0.0
 

@@ -8,12 +8,12 @@ import dataclasses
 import hashlib
 import http.server
 import socket
-import threading
 import time
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
+from conftest import serve_dir
 from train_data import prepare_dna
 
 from ulysses_mm.data.format import ShardFormatError
@@ -104,15 +104,10 @@ class _CountingHandler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture
 def http_root(tmp_path):
-    handler = lambda *a, **k: _CountingHandler(*a, directory=str(tmp_path), **k)  # noqa: E731
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield tmp_path, f"http://127.0.0.1:{server.server_address[1]}"
+        with serve_dir(tmp_path, _CountingHandler) as url:
+            yield tmp_path, url
     finally:
-        server.shutdown()
-        server.server_close()
         _CountingHandler.gets.clear()
 
 

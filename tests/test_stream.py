@@ -6,13 +6,12 @@ from __future__ import annotations
 import http.server
 import io
 import itertools
-import threading
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import pytest
-from conftest import tar_of
+from conftest import serve_dir, tar_of
 from train_data import prepare_dna
 
 from ulysses_mm.config import RunConfig, load_config
@@ -142,16 +141,10 @@ class _FlakyHandler(http.server.SimpleHTTPRequestHandler):
 
 @pytest.fixture
 def http_dataset(dataset):
-    root = Path(dataset.location).parent
-    handler = lambda *a, **k: _FlakyHandler(*a, directory=str(root), **k)  # noqa: E731
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
+        with serve_dir(Path(dataset.location).parent, _FlakyHandler) as url:
+            yield url
     finally:
-        server.shutdown()
-        server.server_close()
         _FlakyHandler.failures.clear()
 
 
