@@ -175,3 +175,21 @@ def test_ring_layout_check():
     assert valid_sp_sizes(num_heads=2, seq_len=64, world=8, ring=4) == [4, 8]
     with pytest.raises(ValueError, match="parallel.ring"):
         ParallelConfig(sp=4, ring=3)
+
+
+def test_verify_ring_cli(capsys):
+    """`ulysses-mm verify --sp 4 --ring 2` with 2 heads (sp beyond the heads) passes and
+    prints the ring's bytes against theory and the per-rank work; a ring the sequence
+    cannot take is refused in one line before any process starts."""
+    from ulysses_mm.cli import main
+
+    args = ["verify", "--sp", "4", "--ring", "2", "--seq-len", "64"]
+    heads = ["model.num_attention_heads=2", "model.num_key_value_heads=1"]
+    assert main([*args, *heads, "model.hidden_size=32", "model.num_hidden_layers=1"]) == 0
+    out = capsys.readouterr().out
+    assert "dp=1 × sp=4 (ulysses 2 × ring 2)" in out and "PASS" in out
+    fwd = next(line for line in out.splitlines() if "forward  measured" in line).split()
+    assert fwd[2] == fwd[-1]  # measured == theory
+    assert "unmasked query-key pairs per ring rank" in out
+    assert main(["verify", "--sp", "4", "--ring", "2", "--seq-len", "36"]) == 2
+    assert "2·sp=8" in capsys.readouterr().err

@@ -159,6 +159,8 @@ class _RingAttentionFn(torch.autograd.Function):
         scale = 1.0 / math.sqrt(q.shape[-1])
         q_idx, q_run = idx[ring_rank], runs[ring_rank]
         kv = torch.stack([k, v]).contiguous()
+        if stats is not None:
+            stats["forward_calls"] += 1
         out = torch.zeros_like(q, dtype=torch.float32)
         lse = torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"))
         lse = lse.to(q.device)
@@ -200,6 +202,8 @@ class _RingAttentionFn(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros_like(kv, dtype=torch.float32)  # travels with its block
         dq = torch.zeros_like(qf)
+        if stats is not None:
+            stats["backward_calls"] += 1
         for step in range(R):
             reqs: list[Any] = []
             if step < R - 1:
@@ -272,4 +276,36 @@ class RingAttention(nn.Module):
 
 
 def new_ring_stats() -> dict[str, int]:
-    return {"forward_bytes": 0, "backward_bytes": 0, "skipped": 0}
+    """Counters a :class:`RingAttention` adds to: bytes each rank sent around the ring
+    (forward: K/V blocks; backward: K/V blocks again and the dK/dV that travel home),
+    calls, and blocks skipped because no query may see them."""
+    return {
+        "forward_bytes": 0,
+        "backward_bytes": 0,
+        "forward_calls": 0,
+        "backward_calls": 0,
+        "skipped": 0,
+    }
+
+
+def ring_theory_bytes(
+    seq_len: int,
+    ring: int,
+    ulysses: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    micro_batch: int = 1,
+    elem_bytes: int = 4,
+    grad_bytes: int = 4,
+) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends around the ring per layer: R−1 K/V blocks
+    of N/R tokens on lcm(hk, U)/U kv heads forward; the same again backward plus R hops
+    of their dK/dV (accumulated in fp32: ``grad_bytes``)."""
+    if ring == 1:
+        return 0, 0
+    e = math.lcm(num_kv_heads, ulysses) // ulysses if ulysses > 1 else num_kv_heads
+    block = micro_batch * (seq_len // ring) * 2 * e * head_dim
+    return (ring - 1) * block * elem_bytes, (
+        ring - 1
+    ) * block * elem_bytes + ring * block * grad_bytes
