@@ -149,7 +149,7 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
 def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, Any]]) -> str:
     r0 = results[0]
     m = cfg.model
-    sp, dp, ring = r0["sp"], r0["dp"], r0["ring"]
+    sp, dp, ring = r0["sp"], r0["dp"], r0.get("ring", 1)
     u = sp // ring
     e = expanded_kv_heads(m.num_attention_heads, m.num_key_value_heads, u)
     hybrid = f" (ulysses {u} × ring {ring})" if ring > 1 else ""
