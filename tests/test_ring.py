@@ -2,8 +2,8 @@
 
 Loss and every gradient (fp32, assert_close) for (U, R) in (1,2), (2,1), (1,4), (2,2),
 (4,1); MHA, GQA with kv < U, MQA; packed documents that cross rank and zigzag-chunk
-boundaries, one-token documents; 2 heads at sp=4 (only possible with a ring). One world
-per test, several cases inside it.
+boundaries, one-token documents; 2 heads at sp=4 (only possible with a ring); dp × sp.
+One world per layout, several cases inside it.
 """
 
 from __future__ import annotations
@@ -99,9 +99,10 @@ def test_ring_sp4_world4():
         assert len({r[0][0] for r in results}) == 1
 
 
-def test_ulysses_through_the_same_path():
-    # (2,1) and (4,1): ring = 1 is today's Ulysses, through the same harness
-    run_distributed(_parity, 2, 2, 1, [(MQA, 64, 3)])
+def test_dp_times_sp():
+    # world 4 = dp 2 × sp 2: (2,1) today's Ulysses through the same harness, and (1,2)
+    for ring in (1, 2):
+        run_distributed(_parity, 4, 2, ring, [(MQA, 64, 3)])
 
 
 def _attention_skip(rank, world):
