@@ -194,3 +194,22 @@ def test_verify_ring_cli(capsys):
     assert "unmasked query-key pairs per ring rank" in out
     assert main(["verify", "--sp", "4", "--ring", "2", "--seq-len", "36"]) == 2
     assert "2·sp=8" in capsys.readouterr().err
+
+
+def test_estimate_refuses_a_ring_it_does_not_model(capsys):
+    from ulysses_mm.cli import main
+
+    assert (
+        main(
+            [
+                "estimate",
+                "configs/debug-tiny.yaml",
+                "--seq-len",
+                "1024",
+                "parallel.sp=4",
+                "parallel.ring=2",
+            ]
+        )
+        == 2
+    )
+    assert "does not model parallel.ring=2" in capsys.readouterr().err
