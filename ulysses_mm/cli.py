@@ -22,7 +22,9 @@ def _overrides_help() -> str:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from ulysses_mm.verify import VerifyOptions, run_verify
 
-    shortcuts = [f"parallel.{k}={v}" for k in ("sp", "dp") if (v := getattr(args, k)) is not None]
+    shortcuts = [
+        f"parallel.{k}={v}" for k in ("sp", "dp", "ring") if (v := getattr(args, k)) is not None
+    ]
     cfg = load_config(RunConfig, args.config, [*shortcuts, *args.overrides])
     opts = VerifyOptions(
         seq_len=args.seq_len,
@@ -74,6 +76,12 @@ def _add_verify(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=None,
         help="data-parallel size D (parallel.dp=D; default: 1, or the launched world / P)",
+    )
+    p.add_argument(
+        "--ring",
+        type=int,
+        default=None,
+        help="ring size R inside sp (parallel.ring=R): Ulysses over sp/R ranks × a ring of R",
     )
     p.add_argument(
         "--config", default=None, help="run config YAML (default: the schema's defaults)"

@@ -165,6 +165,12 @@ class ParallelConfig:
 
     sp: int = _help("Sequence-parallel size P (Ulysses all-to-all group).", 1)
     dp: int = _help("Data-parallel size D; 0 = world_size / sp.", 0)
+    ring: int = _help(
+        "Ring size R inside each SP group (hybrid Ulysses × ring): sp = U × R, Ulysses over "
+        "U = sp / R consecutive ranks, ring attention across the R groups; U must divide the "
+        "heads and 2·sp the sequence. 1 = pure Ulysses; R = sp = pure ring.",
+        1,
+    )
     backend: Literal["auto", "gloo", "nccl"] = _help(
         "torch.distributed backend; auto = nccl when every local rank has its own GPU, else gloo.",
         "auto",
@@ -181,6 +187,10 @@ class ParallelConfig:
             raise ConfigError(f"parallel.sp must be >= 1, got {self.sp}")
         if self.dp < 0:
             raise ConfigError(f"parallel.dp must be >= 0, got {self.dp}")
+        if self.ring < 1 or self.sp % self.ring:
+            raise ConfigError(
+                f"parallel.ring must be >= 1 and divide parallel.sp={self.sp}, got {self.ring}"
+            )
 
 
 @dataclass

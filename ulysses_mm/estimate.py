@@ -242,6 +242,13 @@ def layout_for(cfg: RunConfig, seq_len: int, gpus: int | None, sp: int | None) -
     given (the longest context puts every GPU in one sequence-parallel group), else to
     parallel.sp. Shapes Ulysses cannot run are refused with what would work."""
     p = cfg.parallel
+    if p.ring > 1:
+        # ring attention changes what a rank holds (N/R tokens in attention, K/V blocks in
+        # flight, dK/dV travelling home): not modelled yet, so no figure rather than a wrong one
+        raise ValueError(
+            f"estimate does not model parallel.ring={p.ring} (ring attention) yet; "
+            "estimate the layout with parallel.ring=1"
+        )
     if gpus is None:
         sp = sp or p.sp
         gpus = sp * (p.dp or 1)

@@ -7,6 +7,10 @@ Ulysses needs sp to divide the query heads (each rank runs attention on hq/sp of
 the sequence (each rank holds N/sp tokens); the world is dp × sp. Key/value heads never
 limit sp: with fewer than sp (or a count sp does not divide) they are replicated to
 lcm(hk, sp), which divides hq whenever sp and hk both do (see :mod:`ulysses_mm.parallel.ulysses`).
+
+Hybrid Ulysses × ring (``ring`` = R > 1, :mod:`ulysses_mm.parallel.ring`): sp = U × R with
+U = sp / R Ulysses ranks; only U must divide the heads, and the sequence is cut into 2·sp
+pieces (2R zigzag chunks, each split over U), so sp is no longer bounded by the heads.
 """
 
 from __future__ import annotations
@@ -23,8 +27,19 @@ def valid_sp_sizes(
     seq_len: int | None = None,
     world: int | None = None,
     limit: int = 1024,
+    ring: int = 1,
 ) -> list[int]:
-    """The sp sizes that divide every constraint given (heads, sequence, world)."""
+    """The sp sizes that divide every constraint given (heads, sequence, world); with a
+    ring R > 1, the sp = U × R (U divides the heads, 2·sp divides the sequence)."""
+    if ring > 1:
+        bounds = [n for n in (seq_len, world) if n is not None] + [limit]
+        return [
+            p
+            for p in range(ring, max(1, min(bounds)) + 1, ring)
+            if (num_heads is None or num_heads % (p // ring) == 0)
+            and (seq_len is None or seq_len % (2 * p) == 0)
+            and (world is None or world % p == 0)
+        ]
     bounds = [n for n in (num_heads, seq_len, world) if n is not None] + [limit]
     return [
         p
@@ -48,11 +63,17 @@ def check_layout(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     seq_len: int | None = None,
+    ring: int = 1,
 ) -> int:
     """Refuse a layout that cannot run, in one line; return dp (0 = world / sp resolved
-    when the world is known). Only the facts given are checked."""
+    when the world is known). Only the facts given are checked. ``ring`` = R: sp = U × R,
+    U = sp / R must divide the heads and, when R > 1, 2·sp the sequence."""
     if sp < 1:
         raise LayoutError(f"sp must be >= 1, got {sp}")
+    if ring < 1:
+        raise LayoutError(f"ring must be >= 1, got {ring}")
+    if ring > 1:
+        return _check_ring_layout(sp, dp, world, num_heads, num_kv_heads, seq_len, ring)
     if dp < 0:
         raise LayoutError(f"dp must be >= 0, got {dp}")
     if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
@@ -70,6 +91,49 @@ def check_layout(
         raise LayoutError(
             f"sp={sp} does not divide {' and '.join(what)}; sp sizes that do: "
             f"{valid_sp_sizes(num_heads, seq_len, world)}"
+        )
+    if world is not None:
+        dp = dp or world // sp
+        if dp * sp != world:
+            raise LayoutError(f"dp={dp} × sp={sp} = {dp * sp} but the world has {world} processes")
+    return dp
+
+
+def _check_ring_layout(
+    sp: int,
+    dp: int,
+    world: int | None,
+    num_heads: int | None,
+    num_kv_heads: int | None,
+    seq_len: int | None,
+    ring: int,
+) -> int:
+    if dp < 0:
+        raise LayoutError(f"dp must be >= 0, got {dp}")
+    if sp % ring:
+        raise LayoutError(
+            f"ring={ring} does not divide sp={sp}; sp = ulysses × ring, sp sizes that work: "
+            f"{valid_sp_sizes(num_heads, seq_len, world, ring=ring)}"
+        )
+    u = sp // ring
+    if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
+        raise LayoutError(
+            f"the {num_heads} query heads are not a multiple of the {num_kv_heads} key/value heads"
+        )
+    what = []
+    if num_heads is not None and num_heads % u:
+        what.append(f"ulysses={u} (sp / ring) does not divide the {num_heads} query heads")
+    if seq_len is not None and seq_len % (2 * sp):
+        what.append(
+            f"2·sp={2 * sp} (2·ring zigzag chunks over ulysses={u}) does not divide the "
+            f"sequence of {seq_len} tokens"
+        )
+    if world is not None and world % sp:
+        what.append(f"sp={sp} does not divide the world of {world} processes")
+    if what:
+        raise LayoutError(
+            f"sp={sp} with ring={ring}: {' and '.join(what)}; sp sizes that work with "
+            f"ring={ring}: {valid_sp_sizes(num_heads, seq_len, world, ring=ring)}"
         )
     if world is not None:
         dp = dp or world // sp

@@ -87,7 +87,7 @@ def open_world(cfg: RunConfig, engine: bool = True, device: str | None = None) -
         import deepspeed
 
         deepspeed.init_distributed(backend, verbose=False)
-    mesh = Mesh.build(cfg.parallel.sp, cfg.parallel.dp)
+    mesh = Mesh.build(cfg.parallel.sp, cfg.parallel.dp, cfg.parallel.ring)
     if device is None:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         device = f"cuda:{local}" if backend == "nccl" else "cpu"
@@ -134,7 +134,7 @@ class Runtime:
 
     def local(self, batch: Batch) -> Batch:
         """This rank's sequence-parallel slice of ``batch``, on its device."""
-        return sp_slice(batch, self.mesh.sp_rank, self.mesh.sp).to(self.device)
+        return sp_slice(batch, self.mesh.sp_rank, self.mesh.sp, self.mesh.ring).to(self.device)
 
 
 def build_runtime(

@@ -2,9 +2,9 @@
 
 Every rank builds the same small model and the same random packed multimodal batch, runs
 forward and backward once as a single process would (the reference) and once sharded
-dp × sp with Ulysses attention, sums the parallel gradients over the world and compares:
+dp × sp with Ulysses attention (× a ring when ``parallel.ring`` > 1), sums the parallel gradients over the world and compares:
 the loss and every parameter's gradient, plus the all-to-all bytes each rank sent per
-layer against theory. Exit status 0 only when every difference is within tolerance.
+layer against theory (and the ring's bytes with a ring). Exit status 0 only when every difference is within tolerance.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from ulysses_mm.data.batch import sp_slice
 from ulysses_mm.data.synthetic import random_batch
 from ulysses_mm.layout import check_layout, expanded_kv_heads
 from ulysses_mm.model.attention import check_kernel_config, resolve_kernel
-from ulysses_mm.parallel import CommStats, Mesh, loss_weights
+from ulysses_mm.parallel import CommStats, Mesh, RingAttention, loss_weights, unmasked_pairs
 from ulysses_mm.parallel.mesh import in_launched_world
+from ulysses_mm.parallel.ring import new_ring_stats, ring_theory_bytes
 from ulysses_mm.runtime import build_parallel_model, forward_backward, open_world
 from ulysses_mm.tokenspace import DEFAULT_MODALITIES, TokenSpace
 
@@ -45,7 +46,10 @@ def theory_bytes_per_layer(cfg: RunConfig, opts: VerifyOptions, elem_bytes: int)
     4·N·D/P·(P−1)/P, and the same with k, v at their real (GQA, replicated) width)."""
     m = cfg.model
     assert m.head_dim is not None
-    P, N, b = cfg.parallel.sp, opts.seq_len, opts.micro_batch
+    P, N, b = cfg.parallel.sp // cfg.parallel.ring, opts.seq_len, opts.micro_batch
+    N //= cfg.parallel.ring  # the all-to-all runs over the N/R tokens of one ring rank
+    if P == 1:
+        return 0, 0
     mha = 4 * N * m.hidden_size // P * (P - 1) // P * elem_bytes * b
     e = expanded_kv_heads(m.num_attention_heads, m.num_key_value_heads, P)
     width = 2 * m.num_attention_heads * m.head_dim + 2 * e * m.head_dim  # q + out + k + v
@@ -70,11 +74,15 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
     b = opts.micro_batch
     global_batch = random_batch(space, mesh.dp * b, opts.seq_len, seed=opts.seed)
     rows = global_batch.rows(mesh.dp_rank * b, (mesh.dp_rank + 1) * b)
-    local = sp_slice(rows, mesh.sp_rank, mesh.sp)
+    local = sp_slice(rows, mesh.sp_rank, mesh.sp, mesh.ring)
 
     # Parallel first: shape errors surface before the reference spends any time.
     stats = CommStats()
     model = build_parallel_model(cfg, space, mesh, kernel, stats).to(device)
+    ring_stats = new_ring_stats()
+    for mod in model.modules():
+        if isinstance(mod, RingAttention):
+            mod.stats = ring_stats
     _, par_report = forward_backward(model, local.to(device), weights, mesh)
     fwd_bytes = stats.forward_bytes
     grads = _flat_grads(model)
@@ -97,12 +105,31 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
         rows_out.append((name, diff, scale, good))
     elem = next(model.parameters()).element_size()
     mha, real = theory_bytes_per_layer(cfg, opts, elem)
+    m = cfg.model
+    assert m.head_dim is not None
+    ring_fwd, ring_bwd = ring_theory_bytes(
+        opts.seq_len,
+        mesh.ring,
+        mesh.ulysses,
+        m.num_attention_heads,
+        m.num_key_value_heads,
+        m.head_dim,
+        b,
+        elem,
+    )
+    work = unmasked_pairs(rows.doc_ids, mesh.ring)
     return {
         "rank": mesh.rank,
         "ok": bool(ok),
         "mesh": mesh.describe(),
         "sp": mesh.sp,
         "dp": mesh.dp,
+        "ring": mesh.ring,
+        "ring_fwd": ring_stats["forward_bytes"] / max(1, ring_stats["forward_calls"]),
+        "ring_bwd": ring_stats["backward_bytes"] / max(1, ring_stats["backward_calls"]),
+        "ring_theory": (ring_fwd, ring_bwd),
+        "ring_skipped": ring_stats["skipped"],
+        "ring_work": work,
         "kernel": kernel,
         "backend": world.backend,
         "loss_single": ref_report.total,
@@ -122,13 +149,15 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
 def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, Any]]) -> str:
     r0 = results[0]
     m = cfg.model
-    sp, dp = r0["sp"], r0["dp"]
-    e = expanded_kv_heads(m.num_attention_heads, m.num_key_value_heads, sp)
+    sp, dp, ring = r0["sp"], r0["dp"], r0.get("ring", 1)
+    u = sp // ring
+    e = expanded_kv_heads(m.num_attention_heads, m.num_key_value_heads, u)
+    hybrid = f" (ulysses {u} × ring {ring})" if ring > 1 else ""
     lines = [
-        f"ulysses-mm verify: dp={dp} × sp={sp} ({dp * sp} processes, "
+        f"ulysses-mm verify: dp={dp} × sp={sp}{hybrid} ({dp * sp} processes, "
         f"backend {r0['backend']}, kernel {r0['kernel']})",
         f"model: {m.num_hidden_layers} layers, D={m.hidden_size}, heads {m.num_attention_heads}/"
-        f"{m.num_key_value_heads} kv (replicated to {e} for sp={sp}); batch "
+        f"{m.num_key_value_heads} kv (replicated to {e} for ulysses={u}); batch "
         f"{dp * opts.micro_batch} × {opts.seq_len} tokens, {r0['documents']} documents",
         "",
         f"loss        single {r0['loss_single']:.8f}   parallel {r0['loss_parallel']:.8f}   "
@@ -149,13 +178,27 @@ def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, A
     width = max(len(n) for n in worst)
     for name, (diff, scale, good) in worst.items():
         lines.append(f"  {name:<{width}s}  {diff:.3e}  {scale:.3e}  {'ok' if good else 'FAIL'}")
-    if sp > 1:
+    if u > 1:
         measured = max(res["bytes_per_layer"] for res in results)
         lines += [
             "",
             "all-to-all bytes sent per rank per layer (forward):",
             f"  measured {measured:,.0f}   theory 4·N·D/P·(P−1)/P = {r0['theory_mha']:,}   "
             f"with real k/v width {r0['theory_real']:,}   ratio {measured / r0['theory_real']:.4f}",
+        ]
+    if ring > 1:
+        fwd = max(res["ring_fwd"] for res in results)
+        bwd = max(res["ring_bwd"] for res in results)
+        tf, tb = r0["ring_theory"]
+        work = r0["ring_work"]
+        lines += [
+            "",
+            "ring bytes sent per rank per layer (K/V blocks forward; K/V and dK/dV backward):",
+            f"  forward  measured {fwd:,.0f}   theory (R−1)·2·N/R·e/U·d = {tf:,}",
+            f"  backward measured {bwd:,.0f}   theory + R·dK/dV = {tb:,}",
+            f"  blocks skipped (no query may see them): {sum(r['ring_skipped'] for r in results)}",
+            f"  unmasked query-key pairs per ring rank (zigzag): {work}   "
+            f"max/min {max(work) / max(1, min(work)):.3f}",
         ]
     ok = all(res["ok"] for res in results)
     lines += [
@@ -181,6 +224,7 @@ def run_verify(cfg: RunConfig, opts: VerifyOptions) -> int:
         num_heads=m.num_attention_heads,
         num_kv_heads=m.num_key_value_heads,
         seq_len=opts.seq_len,
+        ring=p.ring,
     )
     results = run_world(verify_worker, p.sp * (dp or 1), to_dict(cfg), opts)
     if launched and results[0]["rank"] != 0:

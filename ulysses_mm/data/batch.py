@@ -9,7 +9,10 @@ A label is ignored where the next token starts another document (attention canno
 across, so it is unpredictable) and at the end of the sample.
 
 :func:`sp_slice` keeps rank r's tokens ``[r·N/P, (r+1)·N/P)`` of every per-token field but
-the full ``doc_ids``, which the attention kernel needs after the all-to-all.
+the full ``doc_ids``, which the attention kernel needs after the all-to-all. With a ring
+(R > 1) the tokens are first put in zigzag order (ring rank j: chunks j and 2R−1−j of 2R,
+:func:`ulysses_mm.parallel.ring.zigzag_order`) and rank r keeps its contiguous 1/sp of
+that order; doc_ids stay whole and in global order.
 """
 
 from __future__ import annotations
@@ -86,15 +89,19 @@ def make_batch(tokens: np.ndarray, segments: list[np.ndarray], space: TokenSpace
     )
 
 
-def sp_slice(batch: Batch, sp_rank: int, sp: int) -> Batch:
-    """Rank ``sp_rank`` of ``sp``: its contiguous 1/sp of every per-token field; doc_ids
-    stay whole."""
+def sp_slice(batch: Batch, sp_rank: int, sp: int, ring: int = 1) -> Batch:
+    """Rank ``sp_rank`` of ``sp``: its contiguous 1/sp of every per-token field (of the
+    zigzag order when ``ring`` > 1); doc_ids stay whole."""
     n = batch.input_ids.shape[-1]
-    check_layout(sp, seq_len=n)
+    check_layout(sp, seq_len=n, ring=ring)
     if sp == 1:
         return batch
     chunk = n // sp
-    sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+    sl: slice | Tensor = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+    if ring > 1:
+        from ulysses_mm.parallel.ring import zigzag_order
+
+        sl = zigzag_order(n, ring)[sl].to(batch.input_ids.device)
     return replace(
         batch,
         input_ids=batch.input_ids[:, sl],

@@ -4,16 +4,20 @@ imports from here; :func:`apply_ulysses` is applied to a built model."""
 from ulysses_mm.parallel.comm import CommStats, Workspace
 from ulysses_mm.parallel.loss import LossReport, global_loss, loss_weights
 from ulysses_mm.parallel.mesh import Mesh, init_distributed
+from ulysses_mm.parallel.ring import RingAttention, unmasked_pairs, zigzag_order
 from ulysses_mm.parallel.ulysses import UlyssesAttention, apply_ulysses
 
 __all__ = [
     "CommStats",
     "LossReport",
     "Mesh",
+    "RingAttention",
     "UlyssesAttention",
     "Workspace",
     "apply_ulysses",
     "global_loss",
     "init_distributed",
     "loss_weights",
+    "unmasked_pairs",
+    "zigzag_order",
 ]

@@ -3,6 +3,10 @@
 world = dp × sp with sp innermost: global rank = dp_rank · sp + sp_rank, so the ranks of an
 SP group are consecutive (on GPUs they share a node and the all-to-all stays on NVLink).
 No module-level process-group state: the :class:`Mesh` is built once and passed in.
+
+Hybrid Ulysses × ring (``ring`` = R > 1): each SP group of sp = U × R ranks splits into R
+Ulysses groups of U consecutive ranks (sp_rank = ring_rank · U + ulysses_rank) and U rings
+of R ranks at stride U. At R = 1 the Ulysses group is the SP group and there is no ring.
 """
 
 from __future__ import annotations
@@ -26,6 +30,22 @@ class Mesh:
     sp_group: Any = None  # ProcessGroup of this rank's SP group (None when sp == 1 alone)
     dp_group: Any = None  # ProcessGroup of ranks holding the same SP slice
     world_group: Any = None  # the default group (None for a single process)
+    ring: int = 1  # R: ring size inside the SP group (sp = U × R)
+    ulysses_group: Any = None  # U consecutive ranks (the SP group itself when R == 1)
+    ring_group: Any = None  # R ranks at stride U (None when R == 1)
+    ring_ranks: tuple[int, ...] = ()  # global ranks of this rank's ring, in ring order
+
+    @property
+    def ulysses(self) -> int:
+        return self.sp // self.ring
+
+    @property
+    def ulysses_rank(self) -> int:
+        return self.sp_rank % self.ulysses
+
+    @property
+    def ring_rank(self) -> int:
+        return self.sp_rank // self.ulysses
 
     @property
     def world_size(self) -> int:
@@ -49,18 +69,19 @@ class Mesh:
         return cls(dp=1, sp=1, rank=0)
 
     @classmethod
-    def build(cls, sp: int, dp: int = 0) -> Mesh:
-        """The mesh over the initialised default process group (dp = 0: world / sp).
+    def build(cls, sp: int, dp: int = 0, ring: int = 1) -> Mesh:
+        """The mesh over the initialised default process group (dp = 0: world / sp;
+        ``ring`` = R divides sp).
 
         Every rank must call this (group creation is collective)."""
         if not dist.is_initialized():
-            if sp == 1 and dp in (0, 1):
+            if sp == 1 and dp in (0, 1) and ring == 1:
                 return cls.single()
             raise RuntimeError(
                 "torch.distributed is not initialised; call init_distributed() first"
             )
         world, rank = dist.get_world_size(), dist.get_rank()
-        dp = check_layout(sp, dp=dp, world=world)
+        dp = check_layout(sp, dp=dp, world=world, ring=ring)
         sp_group = dp_group = None
         for d in range(dp):
             ranks = list(range(d * sp, (d + 1) * sp))
@@ -72,6 +93,22 @@ class Mesh:
             g = dist.new_group(ranks)
             if rank in ranks:
                 dp_group = g
+        ulysses_group, ring_group = sp_group, None
+        ring_ranks: tuple[int, ...] = ()
+        if ring > 1:
+            u = sp // ring
+            ulysses_group = None
+            for d in range(dp):
+                for j in range(ring):
+                    ranks = [d * sp + j * u + i for i in range(u)]
+                    g = dist.new_group(ranks) if u > 1 else None
+                    if rank in ranks:
+                        ulysses_group = g
+                for i in range(u):
+                    ranks = [d * sp + j * u + i for j in range(ring)]
+                    g = dist.new_group(ranks)
+                    if rank in ranks:
+                        ring_group, ring_ranks = g, tuple(ranks)
         return cls(
             dp=dp,
             sp=sp,
@@ -79,10 +116,19 @@ class Mesh:
             sp_group=sp_group,
             dp_group=dp_group,
             world_group=dist.group.WORLD,
+            ring=ring,
+            ulysses_group=ulysses_group,
+            ring_group=ring_group,
+            ring_ranks=ring_ranks,
         )
 
     def describe(self) -> str:
-        return f"rank {self.rank}/{self.world_size}: dp {self.dp_rank}/{self.dp} × sp {self.sp_rank}/{self.sp}"
+        text = f"rank {self.rank}/{self.world_size}: dp {self.dp_rank}/{self.dp} × sp {self.sp_rank}/{self.sp}"
+        if self.ring > 1:
+            text += (
+                f" (ulysses {self.ulysses_rank}/{self.ulysses} × ring {self.ring_rank}/{self.ring})"
+            )
+        return text
 
 
 def choose_backend(requested: str, device: str, cuda_devices: int, local_world_size: int) -> str:

@@ -14,6 +14,11 @@ GQA/MQA with hk < P (or hk not a multiple of P): every kv head is repeated e/hk 
 the e heads split evenly and rank r's query heads [r·hq/P, (r+1)·hq/P) find their kv head
 among its e/P. This always works when P divides hq (lcm(hk, P) divides hq because hk and P
 both do). Shapes that cannot work are refused before any collective is issued.
+
+Hybrid (``mesh.ring`` = R > 1): the all-to-all runs over the Ulysses group of U = P/R
+consecutive ranks and the local kernel is :class:`~ulysses_mm.parallel.ring.RingAttention`
+across the R Ulysses groups (each rank then holds N/(U·R) tokens; kv heads are replicated
+to lcm(hk, U)).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from ulysses_mm.model.attention import DocumentMask
 from ulysses_mm.model.llama import Attention, DecoderLayer, MultimodalLM
 from ulysses_mm.parallel.comm import CommStats, Exchange, Workspace, gather_heads, scatter_heads
 from ulysses_mm.parallel.mesh import Mesh
+from ulysses_mm.parallel.ring import RingAttention
 
 
 class UlyssesAttention(nn.Module):
@@ -41,11 +47,13 @@ class UlyssesAttention(nn.Module):
         num_kv_heads: int,
         stats: CommStats | None = None,
         workspace: Workspace | None = None,
+        ring: int = 1,
     ) -> None:
         super().__init__()
         self.local = local
         self.group = group
         self.sp = dist.get_world_size(group) if group is not None else 1
+        self.ring = ring  # the sequence is N / (sp · ring) tokens per rank
         check_layout(self.sp, num_heads=num_heads, num_kv_heads=num_kv_heads)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -63,10 +71,11 @@ class UlyssesAttention(nn.Module):
             raise ValueError(
                 f"expected {self.num_heads}/{self.num_kv_heads} heads, got {hq}/{k.shape[2]}"
             )
-        if mask.seq_len != n * self.sp:
+        if mask.seq_len != n * self.sp * self.ring:
             works = valid_sp_sizes(self.num_heads, mask.seq_len)
             raise ValueError(
-                f"sequence of {mask.seq_len} tokens cannot be split evenly over sp={self.sp} "
+                f"sequence of {mask.seq_len} tokens cannot be split evenly over "
+                f"sp={self.sp * self.ring} "
                 f"(this rank holds {n}); sp sizes that divide both the sequence and the "
                 f"{self.num_heads} heads: {works}"
             )
@@ -95,19 +104,38 @@ def attention_modules(model: MultimodalLM) -> list[Attention]:
     return [cast(DecoderLayer, layer).self_attn for layer in model.model.layers]
 
 
-def apply_ulysses(model: MultimodalLM, mesh: Mesh, stats: CommStats | None = None) -> MultimodalLM:
+def apply_ulysses(
+    model: MultimodalLM,
+    mesh: Mesh,
+    stats: CommStats | None = None,
+    ring_stats: dict[str, int] | None = None,
+) -> MultimodalLM:
     """Make every decoder layer's attention kernel (``model.layers[i].self_attn.core``)
-    sequence-parallel over ``mesh.sp``, in place. Raises before any collective if the
-    heads do not split over ``mesh.sp``."""
+    sequence-parallel over ``mesh.sp``, in place: Ulysses over the U = sp / ring ranks of
+    the Ulysses group and, when ``mesh.ring`` > 1, ring attention across the R groups
+    (``ring_stats`` counts its bytes). Raises before any collective if the heads do not
+    split over U."""
     attns = attention_modules(model)
     for attn in attns:
-        check_layout(mesh.sp, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads)
+        check_layout(
+            mesh.sp, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, ring=mesh.ring
+        )
     if mesh.sp == 1:
         return model
     workspace = Workspace()  # one send buffer for every layer: exchanges never overlap
     for attn in attns:
         core = attn.core.local if isinstance(attn.core, UlyssesAttention) else attn.core
+        if isinstance(core, RingAttention):  # applied before: the wrapped kernel is gone
+            raise ValueError("apply_ulysses: this model already runs ring attention")
+        if mesh.ring > 1:
+            core = RingAttention(mesh.ring_group, mesh.ring_ranks, mesh.ring_rank, ring_stats)
         attn.core = UlyssesAttention(
-            core, mesh.sp_group, attn.num_heads, attn.num_kv_heads, stats, workspace
+            core,
+            mesh.ulysses_group,
+            attn.num_heads,
+            attn.num_kv_heads,
+            stats,
+            workspace,
+            ring=mesh.ring,
         )
     return model

@@ -119,8 +119,11 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
         num_heads=m.num_attention_heads,
         num_kv_heads=m.num_key_value_heads,
         seq_len=seq_len,
+        ring=cfg.parallel.ring,
     )
-    ds_config(cfg, Mesh(dp=dp, sp=cfg.parallel.sp, rank=0))  # DeepSpeed settings that clash
+    ds_config(
+        cfg, Mesh(dp=dp, sp=cfg.parallel.sp, rank=0, ring=cfg.parallel.ring)
+    )  # DeepSpeed settings that clash
     if cfg.model.init_from:
         check_init_from(cfg.model, space, cfg.model.init_from)
     eval_manifest = (
