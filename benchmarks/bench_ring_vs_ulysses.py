@@ -120,13 +120,15 @@ def theory_table(args: argparse.Namespace) -> None:
         else:
             rows.append((f"ulysses {P}×1", None, None, f"impossible: {H} heads"))
         f, _ = theory(N, H, kv, d, 1, P, elem)
-        rows.append((f"ring 1×{P}", f, f / ib, "ring over IB"))
+        # a ring inside one node runs on NVLink; across nodes its slowest hop (IB) paces it
+        ring_bw = nvlink if P <= 8 else ib
+        rows.append((f"ring 1×{P}", f, f / ring_bw, "ring over " + ("NVLink" if P <= 8 else "IB")))
         U, R = min(8, P), P // min(8, P)
         f, _ = theory(N, H, kv, d, U, R, elem)
         a2a, _ = theory(N, H, kv, d, U, 1, elem)
         a2a = a2a // R
         t = a2a / nvlink + (f - a2a) / ib
-        rows.append((f"hybrid {U}×{R}", f, t, "a2a NVLink, ring IB"))
+        rows.append((f"hybrid {U}×{R}", f, t, "a2a NVLink" + (", ring IB" if R > 1 else "")))
         best = min((r for r in rows if r[2] is not None), key=lambda r: r[2])
         for name, f, t, note in rows:
             mark = " ← fastest" if best[0] == name else ""
