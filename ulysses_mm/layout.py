@@ -72,42 +72,6 @@ def check_layout(
         raise LayoutError(f"sp must be >= 1, got {sp}")
     if ring < 1:
         raise LayoutError(f"ring must be >= 1, got {ring}")
-    if ring > 1:
-        return _check_ring_layout(sp, dp, world, num_heads, num_kv_heads, seq_len, ring)
-    if dp < 0:
-        raise LayoutError(f"dp must be >= 0, got {dp}")
-    if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
-        raise LayoutError(
-            f"the {num_heads} query heads are not a multiple of the {num_kv_heads} key/value heads"
-        )
-    what = []
-    if num_heads is not None and num_heads % sp:
-        what.append(f"the {num_heads} query heads")
-    if seq_len is not None and (seq_len < sp or seq_len % sp):
-        what.append(f"the sequence of {seq_len} tokens")
-    if world is not None and world % sp:
-        what.append(f"the world of {world} processes")
-    if what:
-        raise LayoutError(
-            f"sp={sp} does not divide {' and '.join(what)}; sp sizes that do: "
-            f"{valid_sp_sizes(num_heads, seq_len, world)}"
-        )
-    if world is not None:
-        dp = dp or world // sp
-        if dp * sp != world:
-            raise LayoutError(f"dp={dp} × sp={sp} = {dp * sp} but the world has {world} processes")
-    return dp
-
-
-def _check_ring_layout(
-    sp: int,
-    dp: int,
-    world: int | None,
-    num_heads: int | None,
-    num_kv_heads: int | None,
-    seq_len: int | None,
-    ring: int,
-) -> int:
     if dp < 0:
         raise LayoutError(f"dp must be >= 0, got {dp}")
     if sp % ring:
@@ -115,26 +79,39 @@ def _check_ring_layout(
             f"ring={ring} does not divide sp={sp}; sp = ulysses × ring, sp sizes that work: "
             f"{valid_sp_sizes(num_heads, seq_len, world, ring=ring)}"
         )
-    u = sp // ring
     if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
         raise LayoutError(
             f"the {num_heads} query heads are not a multiple of the {num_kv_heads} key/value heads"
         )
+    u = sp // ring
     what = []
-    if num_heads is not None and num_heads % u:
-        what.append(f"ulysses={u} (sp / ring) does not divide the {num_heads} query heads")
-    if seq_len is not None and seq_len % (2 * sp):
-        what.append(
-            f"2·sp={2 * sp} (2·ring zigzag chunks over ulysses={u}) does not divide the "
-            f"sequence of {seq_len} tokens"
-        )
-    if world is not None and world % sp:
-        what.append(f"sp={sp} does not divide the world of {world} processes")
-    if what:
-        raise LayoutError(
-            f"sp={sp} with ring={ring}: {' and '.join(what)}; sp sizes that work with "
-            f"ring={ring}: {valid_sp_sizes(num_heads, seq_len, world, ring=ring)}"
-        )
+    if ring == 1:
+        if num_heads is not None and num_heads % sp:
+            what.append(f"the {num_heads} query heads")
+        if seq_len is not None and (seq_len < sp or seq_len % sp):
+            what.append(f"the sequence of {seq_len} tokens")
+        if world is not None and world % sp:
+            what.append(f"the world of {world} processes")
+        if what:
+            raise LayoutError(
+                f"sp={sp} does not divide {' and '.join(what)}; sp sizes that do: "
+                f"{valid_sp_sizes(num_heads, seq_len, world)}"
+            )
+    else:
+        if num_heads is not None and num_heads % u:
+            what.append(f"ulysses={u} (sp / ring) does not divide the {num_heads} query heads")
+        if seq_len is not None and seq_len % (2 * sp):
+            what.append(
+                f"2·sp={2 * sp} (2·ring zigzag chunks over ulysses={u}) does not divide the "
+                f"sequence of {seq_len} tokens"
+            )
+        if world is not None and world % sp:
+            what.append(f"sp={sp} does not divide the world of {world} processes")
+        if what:
+            raise LayoutError(
+                f"sp={sp} with ring={ring}: {' and '.join(what)}; sp sizes that work with "
+                f"ring={ring}: {valid_sp_sizes(num_heads, seq_len, world, ring=ring)}"
+            )
     if world is not None:
         dp = dp or world // sp
         if dp * sp != world:
