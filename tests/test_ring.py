@@ -21,7 +21,7 @@ from ulysses_mm.layout import LayoutError, check_layout, valid_sp_sizes
 from ulysses_mm.model import build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel import Mesh, apply_ulysses, loss_weights, unmasked_pairs, zigzag_order
-from ulysses_mm.parallel.ring import new_ring_stats
+from ulysses_mm.parallel.ring import new_ring_stats, ring_order
 from ulysses_mm.runtime import forward_backward
 from ulysses_mm.tokenspace import TokenSpace
 
@@ -105,40 +105,56 @@ def test_dp_times_sp():
         run_distributed(_parity, 4, 2, ring, [(MQA, 64, 3)])
 
 
-def _attention_skip(rank, world):
-    # causal: with R = 2 zigzag, rank 0's chunk 0 never sees rank 1's chunks; one document
-    # per ring rank half means blocks of other documents are skipped too
+def _attention_skip(rank, world, doc):
+    # ring attention alone against one process; counts the blocks it skipped
     mesh = Mesh.build(world, 1, world)
     stats = new_ring_stats()
     from ulysses_mm.parallel.ring import RingAttention
 
     attn = RingAttention(mesh.ring_group, mesh.ring_ranks, mesh.ring_rank, stats)
-    n, h, d = 32, 2, 8
+    n, h, d = doc.shape[1], 2, 8
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, h, d, generator=g) for _ in range(3))
-    doc = torch.cat([torch.zeros(1, n // 4), torch.ones(1, n // 4), 2 * torch.ones(1, n // 2)], 1)
-    mask = DocumentMask(doc.long())
+    mask = DocumentMask(doc)
     ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = LocalAttention("sdpa_dense")(*ref_in, mask)
     gout = torch.randn(ref.shape, generator=g)
     ref.backward(gout)
-    idx = zigzag_order(n, world).view(world, -1)[mesh.ring_rank]
+    idx = ring_order(mask.run_ids, world).view(world, -1)[mesh.ring_rank]
     loc = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
-    out = attn(*loc, DocumentMask(doc.long()))
+    out = attn(*loc, DocumentMask(doc))
     out.backward(gout[:, idx])
     assert_close(out, ref[:, idx], rtol=1e-5, atol=1e-6)
     for a, b in zip(loc, ref_in):
-        assert_close(a.grad, b.grad[:, idx], rtol=1e-5, atol=1e-6)
+        assert_close(a.grad, b.grad[:, idx], rtol=1e-5, atol=1e-5)
     return stats["skipped"]
 
 
 def test_ring_attention_skips_blocks_nobody_sees():
-    # 4 ranks of 8 tokens (chunks of 4): doc 0 = chunks 0,1; doc 1 = chunks 2,3; doc 2 the rest
-    skipped = run_distributed(_attention_skip, 4)
-    assert sum(skipped) > 0
+    # 4 ranks of 8 tokens. One-token documents: a query sees only itself, so every block
+    # but a rank's own is skipped (R − 1 per rank); one document: none is.
+    n = 32
+    skipped = run_distributed(_attention_skip, 4, torch.arange(n)[None])
+    assert skipped == [3, 3, 3, 3]
+    skipped = run_distributed(_attention_skip, 4, torch.zeros(1, n, dtype=torch.long))
+    assert skipped == [0, 0, 0, 0]
 
 
-def test_zigzag_balances_causal_work():
+def _packed_docs(rows, n, mean, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        lens = []
+        while sum(lens) < n:
+            lens.append(int(torch.randint(1, 2 * mean, (1,), generator=g)))
+        lens[-1] -= sum(lens) - n
+        out.append(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)))
+    return torch.stack(out)
+
+
+def test_ring_layout_balances_causal_work():
+    # one document: the classic zigzag; packed documents of any length: every rank within
+    # 10 % (the contiguous split is far off)
     doc = torch.zeros(1, 1024, dtype=torch.long)
     for ring in (2, 4, 8):
         zig = unmasked_pairs(doc, ring)
@@ -146,21 +162,45 @@ def test_zigzag_balances_causal_work():
         plain = unmasked_pairs(doc, ring, contiguous=True)
         assert max(plain) > 1.1 * min(plain)  # the contiguous split is unbalanced
         assert sum(zig) == sum(plain) == 1024 * 1025 // 2
+    for ring, mean in ((2, 300), (4, 40), (4, 900), (8, 3), (8, 2000)):
+        doc = _packed_docs(2, 4096, mean, seed=ring)
+        work = unmasked_pairs(doc, ring)
+        assert max(work) <= 1.1 * min(work), (ring, mean, work)
+        assert sum(work) == sum(unmasked_pairs(doc, ring, contiguous=True))
 
 
-def test_sp_slice_zigzag_keeps_every_label():
+def test_ring_order_is_a_permutation_of_equal_parts():
+    # every slot of every row holds N/2R tokens, whatever the documents
+    for ring, mean in ((2, 5), (4, 37), (8, 100)):
+        doc = _packed_docs(3, 1024, mean, seed=mean)
+        runs = DocumentMask(doc).run_ids
+        order = ring_order(runs, ring)
+        for row in order:
+            assert sorted(row.tolist()) == list(range(1024))
+            for part in row.view(ring, -1):  # a rank's tokens stay in global order
+                assert torch.all(part[1:] > part[:-1])
+    assert torch.equal(
+        zigzag_order(16, 2), torch.tensor([0, 1, 2, 3, 12, 13, 14, 15] + list(range(4, 12)))
+    )
+
+
+def test_sp_slice_ring_layout_keeps_every_label():
     space = TokenSpace.from_vocab(VOCAB)
-    batch = random_batch(space, 1, 64, seed=5, pad_tail=False, min_doc=40)
+    batch = random_batch(space, 2, 64, seed=5, pad_tail=False, min_doc=9)
     parts = [sp_slice(batch, r, 4, ring=2) for r in range(4)]
-    order = zigzag_order(64, 2)
+    order = ring_order(DocumentMask(batch.doc_ids).run_ids, 2)
     got = torch.cat([p.input_ids for p in parts], 1)
-    assert torch.equal(got, batch.input_ids[:, order])
-    assert torch.equal(torch.cat([p.labels for p in parts], 1), batch.labels[:, order])
+    assert torch.equal(got, batch.input_ids.gather(1, order))
+    assert torch.equal(torch.cat([p.labels for p in parts], 1), batch.labels.gather(1, order))
     assert sum(p.num_targets for p in parts) == batch.num_targets
     assert all(torch.equal(p.doc_ids, batch.doc_ids) for p in parts)
-    # ring 2 over sp 4: rank 0 = first half of chunk 0 ∪ chunk 3 (chunks of 16)
-    assert order[:16].tolist() == list(range(16))
-    assert order[16:32].tolist() == list(range(48, 64))
+    # one document, ring 2 over sp 4: rank 0 = first half of chunk 0, rank 1 = chunk 3
+    one = random_batch(space, 1, 64, seed=5, pad_tail=False, min_doc=64)
+    assert int(one.doc_ids.max()) == int(one.doc_ids.min())
+    zig = zigzag_order(64, 2)
+    assert torch.equal(sp_slice(one, 0, 4, ring=2).input_ids[0], one.input_ids[0, zig[:16]])
+    assert zig[:16].tolist() == list(range(16))
+    assert zig[16:32].tolist() == list(range(48, 64))
 
 
 def test_ring_layout_check():

@@ -197,7 +197,7 @@ def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, A
             f"  forward  measured {fwd:,.0f}   theory (R−1)·2·N/R·e/U·d = {tf:,}",
             f"  backward measured {bwd:,.0f}   theory + R·dK/dV = {tb:,}",
             f"  blocks skipped (no query may see them): {sum(r['ring_skipped'] for r in results)}",
-            f"  unmasked query-key pairs per ring rank (zigzag): {work}   "
+            f"  unmasked query-key pairs per ring rank (document zigzag): {work}   "
             f"max/min {max(work) / max(1, min(work)):.3f}",
         ]
     ok = all(res["ok"] for res in results)

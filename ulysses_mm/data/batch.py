@@ -10,9 +10,9 @@ across, so it is unpredictable) and at the end of the sample.
 
 :func:`sp_slice` keeps rank r's tokens ``[r·N/P, (r+1)·N/P)`` of every per-token field but
 the full ``doc_ids``, which the attention kernel needs after the all-to-all. With a ring
-(R > 1) the tokens are first put in zigzag order (ring rank j: chunks j and 2R−1−j of 2R,
-:func:`ulysses_mm.parallel.ring.zigzag_order`) and rank r keeps its contiguous 1/sp of
-that order; doc_ids stay whole and in global order.
+(R > 1) each row's tokens are first put in the ring layout (ring rank j: slots j and
+2R−1−j of every document, :func:`ulysses_mm.parallel.ring.ring_order`) and rank r keeps
+its contiguous 1/sp of that order; doc_ids stay whole and in global order.
 """
 
 from __future__ import annotations
@@ -91,21 +91,27 @@ def make_batch(tokens: np.ndarray, segments: list[np.ndarray], space: TokenSpace
 
 def sp_slice(batch: Batch, sp_rank: int, sp: int, ring: int = 1) -> Batch:
     """Rank ``sp_rank`` of ``sp``: its contiguous 1/sp of every per-token field (of the
-    zigzag order when ``ring`` > 1); doc_ids stay whole."""
+    ring layout, :func:`ulysses_mm.parallel.ring.ring_order`, when ``ring`` > 1); doc_ids
+    stay whole."""
     n = batch.input_ids.shape[-1]
     check_layout(sp, seq_len=n, ring=ring)
     if sp == 1:
         return batch
     chunk = n // sp
-    sl: slice | Tensor = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
-    if ring > 1:
-        from ulysses_mm.parallel.ring import zigzag_order
+    if ring == 1:
+        sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
+        take = lambda t: t[:, sl]  # noqa: E731
+    else:
+        from ulysses_mm.model.attention import DocumentMask
+        from ulysses_mm.parallel.ring import ring_order
 
-        sl = zigzag_order(n, ring)[sl].to(batch.input_ids.device)
+        idx = ring_order(DocumentMask(batch.doc_ids).run_ids, ring)
+        idx = idx[:, sp_rank * chunk : (sp_rank + 1) * chunk]
+        take = lambda t: t.gather(1, idx)  # noqa: E731
     return replace(
         batch,
-        input_ids=batch.input_ids[:, sl],
-        position_ids=batch.position_ids[:, sl],
-        labels=batch.labels[:, sl],
-        label_modality=batch.label_modality[:, sl],
+        input_ids=take(batch.input_ids),
+        position_ids=take(batch.position_ids),
+        labels=take(batch.labels),
+        label_modality=take(batch.label_modality),
     )

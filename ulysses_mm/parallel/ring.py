@@ -1,9 +1,13 @@
 """Ring attention over packed documents, the R axis of hybrid Ulysses × ring.
 
-Layout (zigzag, for causal load balance): the sequence of N tokens is cut into 2R chunks
-of c = N/2R; ring rank j holds chunks j and 2R−1−j (:func:`ring_indices`). Inside a
-Ulysses group of U ranks those N/R tokens are split contiguously, so SP rank
-``j·U + u`` holds ``zigzag_order(N, R)[(j·U+u)·N/sp : (j·U+u+1)·N/sp]`` (see
+Layout (document zigzag, for causal load balance): every document of a packed sample is
+cut into 2R consecutive slots (sizes differing by at most one; the remainders of
+successive documents go round the slots, so each slot of the sample holds exactly N/2R
+tokens); ring rank j holds slots j and 2R−1−j of every document, in global order
+(:func:`ring_order`). With one document this is the classic zigzag of chunks j and
+2R−1−j; with packed documents each rank still does its 1/R of every document's causal
+work. Inside a Ulysses group of U ranks the N/R tokens of its ring rank are split
+contiguously: SP rank ``j·U + u`` holds ``ring_order(...)[:, (j·U+u)·N/sp : ...]`` (see
 :func:`ulysses_mm.data.batch.sp_slice`); after the Ulysses all-to-all, ring rank j sees
 its N/R tokens on H/U heads. At R = 1 the order is the identity.
 
@@ -13,63 +17,229 @@ current one is computed: isend/irecv) and merges the partial outputs through the
 log-sum-exp. A block where no query may see any key (another document, or the future) is
 skipped. Backward: the K/V blocks travel the ring again in the same order; dQ accumulates
 locally, dK/dV accumulate on a buffer that travels with its block and arrives home after
-R hops. The block kernel is plain PyTorch math with the exact LSE (CPU, any dtype).
+R hops.
+
+Block kernel: because every rank keeps its tokens in global order, the keys a query may
+see in a block are one contiguous run of that block (its document's keys up to its
+position). :func:`block_tiles` cuts a (query block, key block) pair into varlen segments
+that are either full (every query of the segment sees the same keys) or causal aligned
+bottom-right (each next query sees one key more): exactly flash-attn's varlen calls with
+``causal=False`` / ``causal=True``. On CUDA in bf16/fp16 with flash-attn (kernel ``auto`` or
+``flash_varlen``) each group is one ``_flash_attn_varlen_forward/backward`` call with its
+LSE; elsewhere the same segments run through a PyTorch kernel with the exact LSE (fp32).
 
 Dims: b batch, n = N/R tokens of this ring rank, h query heads here, hk kv heads here
-(h % hk == 0: query head i reads kv head i // (h/hk)), d head dim.
+(h % hk == 0: query head i reads kv head i // (h/hk)), d head dim; "flat" tensors are
+[b·n, heads, d] and LSEs [b·n, heads].
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ulysses_mm.model.attention import DocumentMask
+from ulysses_mm.model.attention import DocumentMask, resolve_kernel
 
 
-def ring_indices(seq_len: int, ring: int, ring_rank: int) -> Tensor:
-    """Global token indices held by ring rank ``ring_rank`` (zigzag: chunks j, 2R−1−j)."""
+def _doc_spans(run_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per token of ``run_ids`` [b, N]: (document index over the flattened batch, global
+    start of its document in its row, its document's length), all [b, N]."""
+    b, n = run_ids.shape
+    flat = (run_ids.long() + torch.arange(b, device=run_ids.device)[:, None] * (n + 1)).flatten()
+    _, inverse, lengths = torch.unique_consecutive(flat, return_inverse=True, return_counts=True)
+    starts = torch.cumsum(lengths, 0) - lengths  # flat start of each document
+    row_start = (torch.arange(b, device=run_ids.device) * n)[:, None]
+    doc = inverse.view(b, n)
+    return doc, starts[doc] - row_start, lengths[doc]
+
+
+def ring_order(run_ids: Tensor, ring: int) -> Tensor:
+    """[b, N] permutation of each row whose consecutive N/R pieces are the ring ranks'
+    tokens (document zigzag, see the module docstring); needs N % 2R == 0."""
+    b, n = run_ids.shape
+    pos = torch.arange(n, device=run_ids.device).expand(b, n)
     if ring == 1:
-        return torch.arange(seq_len)
-    c = seq_len // (2 * ring)
-    j = ring_rank
-    return torch.cat(
-        [torch.arange(j * c, (j + 1) * c), torch.arange((2 * ring - 1 - j) * c, (2 * ring - j) * c)]
-    )
+        return pos.clone()
+    s = 2 * ring
+    if n % s:
+        raise ValueError(f"ring={ring} needs a sequence divisible by {s}, got {n}")
+    doc, start, length = _doc_spans(run_ids)
+    # per document: base slot size and the remainder's first slot (remainders go round)
+    first = torch.ones_like(doc, dtype=torch.bool)
+    first[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    d_len = length[first]  # one entry per document, flattened in order
+    rem = d_len % s
+    c = (torch.cumsum(rem, 0) - rem) % s
+    base = d_len // s
+    offset = pos - start
+    slot = torch.zeros_like(offset)
+    for k in range(1, s):
+        # slot boundary k: k·base + how many of the rem extra tokens fall in slots < k
+        wrap = torch.clamp(torch.clamp(c + rem - s, max=k), min=0)
+        extra = torch.clamp(torch.clamp(c + rem, max=min(s, k)) - c, min=0)
+        bound = k * base + extra + wrap
+        slot += offset >= bound[doc]
+    group = torch.minimum(slot, s - 1 - slot)
+    return torch.argsort(group * n + pos, dim=1)
 
 
 def zigzag_order(seq_len: int, ring: int) -> Tensor:
-    """The permutation of the sequence whose consecutive N/R pieces are the ring ranks'."""
-    return torch.cat([ring_indices(seq_len, ring, j) for j in range(ring)])
+    """:func:`ring_order` of one document filling the sequence: ring rank j's tokens are
+    chunks j and 2R−1−j of 2R."""
+    return ring_order(torch.zeros(1, seq_len, dtype=torch.long), ring)[0]
 
 
 def _allowed(q_idx: Tensor, q_run: Tensor, k_idx: Tensor, k_run: Tensor) -> Tensor:
-    """[b, nq, nk] boolean: same document and key not in the future."""
-    causal = k_idx[None, None, :] <= q_idx[None, :, None]
+    """[b, nq, nk] boolean: same document and key not in the future (idx, run: [b, n])."""
+    causal = k_idx[:, None, :] <= q_idx[:, :, None]
     return causal & (q_run[:, :, None] == k_run[:, None, :])
 
 
 def unmasked_pairs(doc_ids: Tensor, ring: int, contiguous: bool = False) -> list[int]:
     """Per ring rank, the query-key pairs its attention computes (causal, document-masked)
     over ``doc_ids`` [b, N]: the work each rank of the ring does. ``contiguous`` counts
-    the plain N/R split instead of the zigzag (to show the imbalance zigzag removes)."""
-    mask = DocumentMask(doc_ids)
-    n = mask.seq_len
-    runs = mask.run_ids
+    the plain N/R split instead of the ring layout (to show the imbalance it removes)."""
+    runs = DocumentMask(doc_ids).run_ids
+    b, n = runs.shape
+    order = (
+        torch.arange(n, device=runs.device).expand(b, n) if contiguous else ring_order(runs, ring)
+    )
+    every = torch.arange(n, device=runs.device).expand(b, n)
     counts = []
     for j in range(ring):
-        idx = (
-            torch.arange(j * n // ring, (j + 1) * n // ring)
-            if contiguous
-            else ring_indices(n, ring, j)
-        )
-        allowed = _allowed(idx, runs[:, idx], torch.arange(n), runs)
-        counts.append(int(allowed.sum()))
+        idx = order[:, j * n // ring : (j + 1) * n // ring]
+        counts.append(int(_allowed(idx, runs.gather(1, idx), every, runs).sum()))
     return counts
+
+
+@dataclass
+class TileGroup:
+    """One varlen call: query rows ``q_sel`` (of the flat [b·nq] block) in segments
+    ``cu_q`` against key rows ``k_sel`` (of the flat [b·nk] block, a row may repeat) in
+    segments ``cu_k``; ``causal``: aligned bottom-right, else full."""
+
+    q_sel: Tensor
+    k_sel: Tensor
+    cu_q: Tensor  # int32 [segments + 1]
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs this call computes."""
+        lq = (self.cu_q[1:] - self.cu_q[:-1]).long()
+        lk = (self.cu_k[1:] - self.cu_k[:-1]).long()
+        if self.causal:
+            return int((lq * lk - lq * (lq - 1) // 2).sum())
+        return int((lq * lk).sum())
+
+    def allowed(self) -> Tensor:
+        """[Tq, Tk] boolean of this call (for the PyTorch kernel)."""
+        lq = (self.cu_q[1:] - self.cu_q[:-1]).long()
+        lk = (self.cu_k[1:] - self.cu_k[:-1]).long()
+        seg = torch.arange(len(lq), device=lq.device)
+        sq, sk = seg.repeat_interleave(lq), seg.repeat_interleave(lk)
+        ok = sq[:, None] == sk[None, :]
+        if self.causal:
+            pq = torch.arange(len(sq), device=lq.device) - self.cu_q[:-1].long()[sq]
+            pk = torch.arange(len(sk), device=lq.device) - self.cu_k[:-1].long()[sk]
+            ok &= pk[None, :] <= (pq + (lk - lq)[sq])[:, None]
+        return ok
+
+
+def block_tiles(q_idx: Tensor, q_start: Tensor, k_idx: Tensor) -> list[TileGroup]:
+    """The varlen calls (at most two: full, causal) that compute queries at global
+    positions ``q_idx`` [b, nq] (their documents starting at ``q_start``) against keys at
+    ``k_idx`` [b, nk] (both sorted per row). A query sees the keys of its document at or
+    before it: one contiguous run [kstart, kend) of the key block. Consecutive queries
+    with the same kstart whose kend stays put form a full segment; whose kend grows by one,
+    a causal one. Queries that see nothing are in no segment."""
+    b = q_idx.shape[0]
+    nk = k_idx.shape[1]
+    dev = q_idx.device
+    kend = torch.searchsorted(k_idx, q_idx, right=True)
+    kstart = torch.searchsorted(k_idx, q_start.contiguous())
+    sees = (kend > kstart).flatten()
+    rows = torch.arange(b, device=dev)[:, None] * nk
+    v = torch.nonzero(sees).flatten()
+    if v.numel() == 0:
+        return []
+    ks = (kstart + rows).flatten()[v]
+    ke = (kend + rows).flatten()[v]
+    step = ke[1:] - ke[:-1]
+    cont = (v[1:] == v[:-1] + 1) & (ks[1:] == ks[:-1]) & ((step == 0) | (step == 1))
+    brk = ~cont
+    brk[1:] |= cont[:-1] & cont[1:] & (step[1:] != step[:-1])
+    starts = torch.cat(
+        [torch.zeros(1, dtype=torch.long, device=dev), torch.nonzero(brk).flatten() + 1]
+    )
+    ends = torch.cat([starts[1:], torch.tensor([len(v)], device=dev)])
+    lq = ends - starts
+    causal = (lq > 1) & (torch.cat([step, step.new_zeros(1)])[starts] == 1)
+    k0, lk = ks[starts], ke[ends - 1] - ks[starts]
+    seg_of = torch.arange(len(starts), device=dev).repeat_interleave(lq)
+    groups = []
+    for flag in (False, True):
+        pick = causal == flag
+        if not bool(pick.any()):
+            continue
+        glq, glk, gk0 = lq[pick], lk[pick], k0[pick]
+        cu_q = torch.zeros(len(glq) + 1, dtype=torch.int32, device=dev)
+        cu_q[1:] = torch.cumsum(glq, 0)
+        cu_k = torch.zeros(len(glk) + 1, dtype=torch.int32, device=dev)
+        cu_k[1:] = torch.cumsum(glk, 0)
+        within = torch.arange(int(cu_k[-1]), device=dev) - cu_k[:-1].long().repeat_interleave(glk)
+        groups.append(
+            TileGroup(
+                q_sel=v[pick[seg_of]],
+                k_sel=gk0.repeat_interleave(glk) + within,
+                cu_q=cu_q,
+                cu_k=cu_k,
+                max_q=int(glq.max()),
+                max_k=int(glk.max()),
+                causal=flag,
+            )
+        )
+    return groups
+
+
+@dataclass
+class RingPlan:
+    """What every ring rank needs about one batch's layout, computed once per mask:
+    each ring rank's global token positions, their documents' starts, and the varlen
+    tiles of every (query rank, key rank) pair it meets."""
+
+    idx: list[Tensor]  # [b, n] global positions per ring rank
+    start: list[Tensor]  # [b, n] global start of each token's document
+    tiles: dict[tuple[int, int], list[TileGroup]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, mask: DocumentMask, ring: int) -> RingPlan:
+        key = ("ring", ring)
+        if key not in mask._cache:
+            runs = mask.run_ids
+            n = mask.seq_len // ring
+            order = ring_order(runs, ring)
+            _, start, _ = _doc_spans(runs)
+            idx = [order[:, j * n : (j + 1) * n].contiguous() for j in range(ring)]
+            mask._cache[key] = cls(idx, [start.gather(1, i) for i in idx])
+        plan: RingPlan = mask._cache[key]
+        return plan
+
+    def block(self, q_rank: int, k_rank: int) -> list[TileGroup]:
+        if (q_rank, k_rank) not in self.tiles:
+            self.tiles[q_rank, k_rank] = block_tiles(
+                self.idx[q_rank], self.start[q_rank], self.idx[k_rank]
+            )
+        return self.tiles[q_rank, k_rank]
 
 
 def _block_forward(
@@ -117,6 +287,156 @@ def _block_backward(
     return dq, dk, dv
 
 
+class TorchTiles:
+    """The PyTorch block kernel: each varlen group as one masked dense product (fp32)."""
+
+    name = "torch"
+
+    @staticmethod
+    def forward(
+        q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """(out [Tq, h, d] fp32, lse [Tq, h]) of the group's gathered rows."""
+        o, lse = _block_forward(
+            q.float()[None], k.float()[None], v.float()[None], g.allowed()[None], scale
+        )
+        return o[0], lse[0].T
+
+    @staticmethod
+    def backward(
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        g: TileGroup,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(dq, dk, dv) fp32 of the group, from the FINAL out and lse [Tq, h] of its rows."""
+        delta = (dout.float() * out.float()).sum(-1)  # [Tq, h]
+        dq, dk, dv = _block_backward(
+            q.float()[None],
+            k.float()[None],
+            v.float()[None],
+            g.allowed()[None],
+            scale,
+            lse.T[None],
+            dout.float()[None],
+            delta.T[None],
+        )
+        return dq[0], dk[0], dv[0]
+
+
+def _call(fn: Any, **kw: Any) -> Any:
+    """Call a flash-attn internal by keyword, across its versions: ``window_size`` is one
+    tuple before 2.7 and two ints from 2.7; arguments a version lacks are dropped."""
+    target = getattr(fn, "_init_fn", fn)  # 2.7 wraps them as torch custom ops
+    params = inspect.signature(target).parameters
+    if "window_size" in params:
+        kw["window_size"] = (-1, -1)
+    else:
+        kw["window_size_left"], kw["window_size_right"] = -1, -1
+    return fn(**{k: v for k, v in kw.items() if k in params})
+
+
+class FlashTiles:
+    """flash-attn's varlen forward/backward with the LSE, one call per group (CUDA, bf16/fp16)."""
+
+    name = "flash_varlen"
+
+    @staticmethod
+    def forward(
+        q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
+
+        res = _call(
+            _flash_attn_varlen_forward,
+            q=q.contiguous(),
+            k=k.contiguous(),
+            v=v.contiguous(),
+            cu_seqlens_q=g.cu_q,
+            cu_seqlens_k=g.cu_k,
+            max_seqlen_q=g.max_q,
+            max_seqlen_k=g.max_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=g.causal,
+            softcap=0.0,
+            alibi_slopes=None,
+            return_softmax=False,
+        )
+        out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])  # 2.7 | 2.5–2.6
+        if lse.dim() != 2 or lse.shape[1] != q.shape[0]:
+            raise RuntimeError(
+                f"flash-attn returned a padded LSE {tuple(lse.shape)}; ring attention needs "
+                "flash-attn >= 2.5 (LSE [heads, total tokens])"
+            )
+        return out.float(), lse.T.float()
+
+    @staticmethod
+    def backward(
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        g: TileGroup,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        _call(
+            _flash_attn_varlen_backward,
+            dout=dout.to(q.dtype).contiguous(),
+            q=q,
+            k=k,
+            v=v,
+            out=out.to(q.dtype).contiguous(),
+            softmax_lse=lse.T.float().contiguous(),
+            dq=dq,
+            dk=dk,
+            dv=dv,
+            cu_seqlens_q=g.cu_q,
+            cu_seqlens_k=g.cu_k,
+            max_seqlen_q=g.max_q,
+            max_seqlen_k=g.max_k,
+            dropout_p=0.0,
+            softmax_scale=scale,
+            causal=g.causal,
+            softcap=0.0,
+            alibi_slopes=None,
+            deterministic=False,
+            rng_state=None,
+        )
+        return dq.float(), dk.float(), dv.float()
+
+
+def block_forward(
+    kernel: Any, qf: Tensor, kf: Tensor, vf: Tensor, groups: list[TileGroup], scale: float
+) -> tuple[Tensor, Tensor]:
+    """(out [T, h, d] fp32, lse [T, h]) of flat queries ``qf`` against one flat key block;
+    queries in no group get 0 and −inf."""
+    out = qf.new_zeros(qf.shape, dtype=torch.float32)
+    lse = qf.new_full(qf.shape[:2], float("-inf"), dtype=torch.float32)
+    for g in groups:
+        o, l_ = kernel.forward(qf[g.q_sel], kf[g.k_sel], vf[g.k_sel], g, scale)
+        out[g.q_sel] = o
+        lse[g.q_sel] = l_
+    return out, lse
+
+
+def merge(out: Tensor, lse: Tensor, o_b: Tensor, l_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge a block's partial (out [T, h, d], lse [T, h]) into the running one."""
+    new = torch.logaddexp(lse, l_b)
+    safe = torch.where(torch.isinf(new), 0.0, new)
+    return out * torch.exp(lse - safe)[..., None] + o_b * torch.exp(l_b - safe)[..., None], new
+
+
 class _Ring:
     """Point-to-point ring steps: send to the next ring rank, receive from the previous."""
 
@@ -151,72 +471,82 @@ class _RingAttentionFn(torch.autograd.Function):
         v: Tensor,
         ring: _Ring,
         ring_rank: int,
-        idx: list[Tensor],
-        runs: list[Tensor],
+        plan: RingPlan,
+        kernel: Any,
         stats: dict[str, int] | None,
     ) -> Tensor:
         R = ring.R
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        q_idx, q_run = idx[ring_rank], runs[ring_rank]
-        kv = torch.stack([k, v]).contiguous()
+        b, n, h, d = q.shape
+        scale = 1.0 / math.sqrt(d)
+        qf = q.reshape(b * n, h, d)
+        kv = torch.stack([k, v]).reshape(2, b * n, k.shape[2], d).contiguous()
         if stats is not None:
             stats["forward_calls"] += 1
-        out = torch.zeros_like(q, dtype=torch.float32)
-        lse = torch.full(q.shape[:1] + q.shape[2:3] + q.shape[1:2], float("-inf"))
-        lse = lse.to(q.device)
+        out = q.new_zeros((b * n, h, d), dtype=torch.float32)
+        lse = q.new_full((b * n, h), float("-inf"), dtype=torch.float32)
         for step in range(R):
             reqs: list[Any] = []
             if step < R - 1:
                 nxt, reqs = ring.start(kv)  # the next block travels while this one computes
                 if stats is not None:
                     stats["forward_bytes"] += kv.numel() * kv.element_size()
-            src = (ring_rank - step) % R
-            allowed = _allowed(q_idx, q_run, idx[src], runs[src])
-            if bool(allowed.any()):
-                o_b, l_b = _block_forward(q.float(), kv[0].float(), kv[1].float(), allowed, scale)
-                new = torch.logaddexp(lse, l_b)
-                new_safe = torch.where(torch.isinf(new), 0.0, new)
-                w_old = torch.exp(lse - new_safe).transpose(1, 2)[..., None]
-                w_new = torch.exp(l_b - new_safe).transpose(1, 2)[..., None]
-                out = out * w_old + o_b * w_new
-                lse = new
+            groups = plan.block(ring_rank, (ring_rank - step) % R)
+            if groups:
+                o_b, l_b = block_forward(kernel, qf, kv[0], kv[1], groups, scale)
+                out, lse = merge(out, lse, o_b, l_b)
             elif stats is not None:
                 stats["skipped"] += 1
             if reqs:
                 _Ring.wait(reqs)
                 kv = nxt
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.ring_rank, ctx.idx, ctx.runs, ctx.stats = ring, ring_rank, idx, runs, stats
-        return out.to(q.dtype)
+        ctx.ring, ctx.ring_rank, ctx.plan, ctx.kernel, ctx.stats = (
+            ring,
+            ring_rank,
+            plan,
+            kernel,
+            stats,
+        )
+        return out.view(b, n, h, d).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
-        ring, ring_rank, idx, runs, stats = ctx.ring, ctx.ring_rank, ctx.idx, ctx.runs, ctx.stats
+        ring, ring_rank, plan, kernel, stats = (
+            ctx.ring,
+            ctx.ring_rank,
+            ctx.plan,
+            ctx.kernel,
+            ctx.stats,
+        )
         R = ring.R
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        dout = dout.float()
-        qf = q.float()
-        delta = (dout * out).sum(-1).transpose(1, 2)  # [b, h, nq]
-        q_idx, q_run = idx[ring_rank], runs[ring_rank]
-        kv = torch.stack([k, v]).contiguous()
+        b, n, h, d = q.shape
+        scale = 1.0 / math.sqrt(d)
+        qf = q.reshape(b * n, h, d)
+        df = dout.reshape(b * n, h, d)
+        kv = torch.stack([k, v]).reshape(2, b * n, k.shape[2], d).contiguous()
         dkv = torch.zeros_like(kv, dtype=torch.float32)  # travels with its block
-        dq = torch.zeros_like(qf)
+        dq = torch.zeros_like(qf, dtype=torch.float32)
         if stats is not None:
             stats["backward_calls"] += 1
         for step in range(R):
             reqs: list[Any] = []
             if step < R - 1:
                 nxt, reqs = ring.start(kv)
-            src = (ring_rank - step) % R
-            allowed = _allowed(q_idx, q_run, idx[src], runs[src])
-            if bool(allowed.any()):
-                dq_b, dk_b, dv_b = _block_backward(
-                    qf, kv[0].float(), kv[1].float(), allowed, scale, lse, dout, delta
+            for g in plan.block(ring_rank, (ring_rank - step) % R):
+                dq_g, dk_g, dv_g = kernel.backward(
+                    df[g.q_sel],
+                    qf[g.q_sel],
+                    kv[0][g.k_sel],
+                    kv[1][g.k_sel],
+                    out[g.q_sel],
+                    lse[g.q_sel],
+                    g,
+                    scale,
                 )
-                dq += dq_b
-                dkv[0] += dk_b
-                dkv[1] += dv_b
+                dq.index_add_(0, g.q_sel, dq_g)
+                dkv[0].index_add_(0, g.k_sel, dk_g)
+                dkv[1].index_add_(0, g.k_sel, dv_g)
             if R > 1:
                 # the accumulated dK/dV of block src go on with it; after R hops they are home
                 dkv_next, dreqs = ring.start(dkv, tag=1)
@@ -229,8 +559,9 @@ class _RingAttentionFn(torch.autograd.Function):
                 if stats is not None:
                     stats["backward_bytes"] += kv.numel() * kv.element_size()
                 kv = nxt
+        dkv = dkv.view(2, b, n, k.shape[2], d)
         return (
-            dq.to(q.dtype),
+            dq.view(b, n, h, d).to(q.dtype),
             dkv[0].to(k.dtype),
             dkv[1].to(v.dtype),
             None,
@@ -243,19 +574,27 @@ class _RingAttentionFn(torch.autograd.Function):
 
 class RingAttention(nn.Module):
     """Attention ``(q, k, v, DocumentMask) -> out`` across a ring of R ranks: q, k, v are
-    this ring rank's N/R tokens (zigzag layout) on the heads it owns; the mask holds the
-    full sequence's doc_ids in global order."""
+    this ring rank's N/R tokens (:func:`ring_order` layout) on the heads it owns; the mask
+    holds the full sequence's doc_ids in global order. ``kernel`` is the attention kernel
+    setting (``auto``, ``flash_varlen``, ...): flash-attn's varlen kernel runs the blocks
+    where it would run (CUDA, bf16/fp16), PyTorch's exact kernel elsewhere."""
 
     def __init__(
-        self, group: Any, ranks: tuple[int, ...], ring_rank: int, stats: dict[str, int] | None
+        self,
+        group: Any,
+        ranks: tuple[int, ...],
+        ring_rank: int,
+        stats: dict[str, int] | None,
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         self.ring = _Ring(group, ranks, ring_rank)
         self.ring_rank = ring_rank
         self.stats = stats
+        self.kernel = kernel
 
     def extra_repr(self) -> str:
-        return f"ring={self.ring.R}, ring_rank={self.ring_rank}"
+        return f"ring={self.ring.R}, ring_rank={self.ring_rank}, kernel={self.kernel}"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
         R = self.ring.R
@@ -265,14 +604,10 @@ class RingAttention(nn.Module):
                 f"ring attention: this ring rank holds {q.shape[1]} tokens but the sequence "
                 f"of {n} tokens over ring={R} needs {n // R}"
             )
-        key = ("ring", R)
-        cache = mask._cache
-        if key not in cache:
-            runs = mask.run_ids
-            idx = [ring_indices(n, R, j).to(runs.device) for j in range(R)]
-            cache[key] = (idx, [runs[:, i] for i in idx])
-        idx, runs = cache[key]
-        return _RingAttentionFn.apply(q, k, v, self.ring, self.ring_rank, idx, runs, self.stats)
+        name = resolve_kernel(self.kernel, q.device.type, q.dtype)
+        kernel = FlashTiles if name == "flash_varlen" else TorchTiles
+        plan = RingPlan.of(mask, R)
+        return _RingAttentionFn.apply(q, k, v, self.ring, self.ring_rank, plan, kernel, self.stats)
 
 
 def new_ring_stats() -> dict[str, int]:

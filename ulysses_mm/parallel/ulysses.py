@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ulysses_mm.layout import check_layout, expanded_kv_heads, valid_sp_sizes
-from ulysses_mm.model.attention import DocumentMask
+from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.llama import Attention, DecoderLayer, MultimodalLM
 from ulysses_mm.parallel.comm import CommStats, Exchange, Workspace, gather_heads, scatter_heads
 from ulysses_mm.parallel.mesh import Mesh
@@ -128,7 +128,10 @@ def apply_ulysses(
         if isinstance(core, RingAttention):  # applied before: the wrapped kernel is gone
             raise ValueError("apply_ulysses: this model already runs ring attention")
         if mesh.ring > 1:
-            core = RingAttention(mesh.ring_group, mesh.ring_ranks, mesh.ring_rank, ring_stats)
+            kernel = core.kernel if isinstance(core, LocalAttention) else "auto"
+            core = RingAttention(
+                mesh.ring_group, mesh.ring_ranks, mesh.ring_rank, ring_stats, kernel
+            )
         attn.core = UlyssesAttention(
             core,
             mesh.ulysses_group,
