@@ -5,7 +5,11 @@ backward under pure Ulysses (U = P, R = 1), pure ring (U = 1, R = P) and the hyb
 (U = 2, R = P/2); the bytes each rank sent per layer (all-to-all counter + ring counter)
 are printed beside theory, with the time of forward + backward.
 
-Part 2 (theory): for P = 8 … 1024 GPUs, N/P tokens per GPU, a Llama-8B-like attention
+Part 2 (balance): the causal work of each ring rank (unmasked query-key pairs) under the
+document zigzag layout and under the plain contiguous split, max/min over ranks, for one
+document and for random packings of documents of several mean lengths.
+
+Part 3 (theory): for P = 8 … 1024 GPUs, N/P tokens per GPU, a Llama-8B-like attention
 (32 heads, 8 kv, D = 4096, bf16), the bytes per GPU per layer and the time they take at
 intra-node (NVLink) and inter-node (InfiniBand) bandwidth, for Ulysses (while P divides
 the heads), ring, and the hybrid with U = 8 inside a node and the ring across nodes.
@@ -142,6 +146,32 @@ def theory_table(args: argparse.Namespace) -> None:
     )
 
 
+def balance_table(args: argparse.Namespace) -> None:
+    import torch
+
+    from ulysses_mm.parallel.ring import unmasked_pairs
+
+    n = args.balance_len
+    g = torch.Generator().manual_seed(0)
+
+    def packing(mean: int) -> torch.Tensor:
+        lens: list[int] = []
+        while sum(lens) < n:
+            lens.append(int(torch.randint(1, 2 * mean, (1,), generator=g)))
+        lens[-1] -= sum(lens) - n
+        return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None]
+
+    print()
+    print(f"causal work per ring rank (unmasked query-key pairs), max/min, N={n}")
+    print(f"{'documents':>24} {'R':>3} {'document zigzag':>16} {'contiguous':>11}")
+    cases = [("one document", torch.zeros(1, n, dtype=torch.long))]
+    cases += [(f"packed, mean {m} tokens", packing(m)) for m in (8, 256, 2048)]
+    for name, doc in cases:
+        for R in (2, 4, 8):
+            z, c = unmasked_pairs(doc, R), unmasked_pairs(doc, R, contiguous=True)
+            print(f"{name:>24} {R:>3} {max(z) / min(z):>16.3f} {max(c) / min(c):>11.3f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -154,10 +184,12 @@ def main() -> None:
     ap.add_argument("--tokens-per-gpu", type=int, default=32768, help="theory part")
     ap.add_argument("--nvlink", type=float, default=900.0, help="GB/s intra-node per GPU")
     ap.add_argument("--ib", type=float, default=50.0, help="GB/s inter-node per GPU")
+    ap.add_argument("--balance-len", type=int, default=8192, help="tokens N (balance part)")
     ap.add_argument("--theory-only", action="store_true", help="skip the measured part")
     args = ap.parse_args()
     if not args.theory_only:
         measured(args)
+        balance_table(args)
     theory_table(args)
 
 
