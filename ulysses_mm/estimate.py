@@ -8,6 +8,10 @@ M GB" and, by bisection over N, "what is the longest sequence that fits".
 World: ``gpus`` ranks = dp × sp. A rank holds n = N/sp tokens of each of its
 ``data.micro_batch_size`` = b samples (T = b·n below). DeepSpeed partitions ZeRO state over
 all dp × sp ranks (the sequence-data-parallel group): a partition is 1/W for W = gpus.
+With a ring (``parallel.ring`` = R, sp = U × R) the all-to-all runs over U = sp / R ranks
+and ring attention (:mod:`ulysses_mm.parallel.ring`) across the R groups: outside attention
+a rank still holds N/sp tokens; inside it, N/R tokens on hq/U query heads (the same T·Q
+elements) and kv heads replicated for U.
 
 Symbols: a = 2 bytes (bf16/fp16) or 4 (fp32) per activation and parameter; D hidden,
 F MLP width, Q = hq·d query width, K = hk·d key/value width, E = e·d with e = lcm(hk, sp)
@@ -44,6 +48,13 @@ What is counted, per rank:
   SDPA on a GPU takes GQA natively only in its flash backend (fp16/bf16, no explicit
   mask); in fp32, and always for ``sdpa_dense``, the kernel expands k, v to the query
   heads and saves them: 2·Q·a per token more.
+- Ring attention (R > 1), in place of the local kernel: it saves q, k, v, its fp32 output
+  and log-sum-exp; its forward holds the K/V block and the one in flight and, per block,
+  the mask and three [b, hq/U, N/R, N/R] fp32 at once (its CPU/PyTorch block kernel is
+  dense per block); its backward the two K/V blocks, the fp32 dK/dV and dq, the previous
+  block's gradients and five of those [b, hq/U, N/R, N/R]. The bytes one rank sends per
+  layer (all-to-all, and the ring's :func:`~ulysses_mm.parallel.ring.ring_theory_bytes`)
+  are reported beside the memory.
 - Working sets on top, each at the moment it peaks: the attention forward (the caller's
   q, k, v, the replicated k, v, the all-to-all send/receive buffers, the output exchange)
   and backward (kernel gradients, the exchanged gradients, on a GPU the flash kernel's fp32
