@@ -10,13 +10,17 @@ checkpointed, tiled) is optimizer-step-bound at SP=1 (1,024 tokens) and activati
 SP=2 (2,048). Two more cases on debug-tiny's shape cover bf16 with ZeRO-2 and ZeRO-3, and
 four the memory modes (checkpoints offloaded to the host, the sequence-tiled layer) on
 debug-tiny deepened to 8 checkpointed layers at 16,384 tokens; there the host memory the
-offload holds is measured apart from the peak and must be the estimate's.
+offload holds is measured apart from the peak and must be the estimate's. Three more run
+hybrid Ulysses × ring (parallel.ring = 2) in a world of 4: (U, R) = (1, 2) under dp 2 in
+fp32 and in bf16 with ZeRO-2 and checkpointing, and (2, 2); at 1,024 tokens the ring's dense
+per-block scores ([b, hq/U, N/R, N/R] fp32, five at once in backward) are most of the peak.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -47,6 +51,7 @@ SMALL_BUCKETS = "deepspeed.extra={zero_optimization: {reduce_bucket_size: 200000
 DEEP = ["model.num_hidden_layers=8", "model.activation_checkpointing=true"]
 OFFLOAD = ["model.offload_checkpoints=true"]
 TILES = ["model.layer_tile_tokens=1024"]
+RING = ["parallel.ring=2"]
 # (id, config file, overrides, seq_len, sp)
 CASES = [
     ("debug-tiny-sp1", "debug-tiny.yaml", [], 8192, 1),
@@ -87,6 +92,22 @@ CASES = [
         4096,
         2,
     ),
+    ("debug-tiny-ring-u1-r2-dp2", "debug-tiny.yaml", [*RING, "parallel.dp=2"], 1024, 2),
+    ("debug-tiny-ring-u2-r2", "debug-tiny.yaml", RING, 1024, 4),
+    (
+        "debug-tiny-ring-u1-r2-bf16-zero2-ckpt-dp2",
+        "debug-tiny.yaml",
+        [
+            *RING,
+            "parallel.dp=2",
+            "deepspeed.precision=bf16",
+            "deepspeed.zero_stage=2",
+            "model.activation_checkpointing=true",
+            SMALL_BUCKETS,
+        ],
+        1024,
+        2,
+    ),
 ]
 
 
@@ -102,17 +123,27 @@ def _measure_cases(rank: int, world: int, cases: list) -> dict:
     return out
 
 
+def _world(case) -> int:
+    _, name, overrides, _, sp = case
+    return sp * (_cfg(name, overrides, sp).parallel.dp or 1)
+
+
 @pytest.fixture(scope="module")
-def measured() -> dict:
-    """Every case measured once: one process for the SP=1 cases, two for SP=2."""
+def measured() -> Callable[[str], dict]:
+    """A case's measurement: on first use, every case of its world size (1, 2 or 4
+    processes) is measured in one world."""
     results: dict = {}
-    for world in (1, 2):
-        cases = [c for c in CASES if c[4] == world]
-        per_rank = run_distributed(_measure_cases, world, cases, timeout=300)
-        for case_id, *_ in cases:
-            ranks = [r[case_id] for r in per_rank]
-            results[case_id] = max(ranks, key=lambda r: r["peak"])
-    return results
+
+    def get(case_id: str) -> dict:
+        if case_id not in results:
+            world = _world(next(c for c in CASES if c[0] == case_id))
+            cases = [c for c in CASES if _world(c) == world]
+            per_rank = run_distributed(_measure_cases, world, cases, timeout=300)
+            for cid, *_ in cases:
+                results[cid] = max((r[cid] for r in per_rank), key=lambda r: r["peak"])
+        return results[case_id]
+
+    return get
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -120,7 +151,7 @@ def test_estimate_matches_measured_peak(measured, case):
     case_id, name, overrides, seq_len, sp = case
     cfg = _cfg(name, overrides, sp)
     est = estimate(cfg, seq_len, device="cpu")
-    m = measured[case_id]
+    m = measured(case_id)
     assert m["sp"] == sp and m["seq_len"] == seq_len
     before = est.phase("optimizer step")  # what is live between steps, as estimated
     est_base = sum(
@@ -319,3 +350,54 @@ def test_gradient_accumulation_keeps_gradients_through_the_next_micro_step():
     fwd = "forward: the last layer's attention"
     assert four.phase(fwd).bytes - one.phase(fwd).bytes == grads
     assert four.peak > one.peak
+
+
+def test_ring_is_estimated_with_its_bytes(capsys):
+    """parallel.ring = R is estimated (no longer refused): the ring's bytes per rank per
+    layer are ring_theory_bytes, the all-to-all's verify's theory over U = sp / R, and
+    the figures reach the text and the JSON."""
+    from ulysses_mm.parallel.ring import ring_theory_bytes
+    from ulysses_mm.verify import VerifyOptions, theory_bytes_per_layer
+
+    n = 262144
+    for ring in (2, 4, 8):
+        cfg = load_config(RunConfig, CONFIGS / "llama3-8b.yaml", [f"parallel.ring={ring}"])
+        est = estimate(cfg, n, gpus=16)
+        lay, sent = est.layout, est.sent_per_layer
+        assert (lay.sp, lay.ring, lay.ulysses, est.kernel) == (16, ring, 16 // ring, "ring")
+        assert (sent["ring_forward"], sent["ring_backward"]) == ring_theory_bytes(
+            n, ring, 16 // ring, 32, 8, 128, 1, elem_bytes=2
+        )
+        cfg.parallel.sp = 16
+        _, a2a = theory_bytes_per_layer(cfg, VerifyOptions(seq_len=n), 2)
+        assert sent["all_to_all_forward"] == sent["all_to_all_backward"] == a2a
+        # the dense block kernel: five [b, hq/U, N/R, N/R] fp32 in the backward's set
+        assert est.act.ring_scores == 4 * (32 // (16 // ring)) * (n // ring) ** 2
+        assert est.act.attention_backward >= 5 * est.act.ring_scores
+    # the pure ring (U = 1) moves no all-to-all bytes and needs no heads to divide sp
+    cfg = load_config(RunConfig, CONFIGS / "debug-tiny.yaml", ["parallel.sp=8", "parallel.ring=8"])
+    est = estimate(cfg, 4096, gpus=8)
+    assert est.layout.ulysses == 1 and est.sent_per_layer["all_to_all_forward"] == 0
+    assert est.sent_per_layer["ring_forward"] > 0
+
+    tiny = str(CONFIGS / "debug-tiny.yaml")
+    rc, out, _ = _cli(capsys, tiny, "--seq-len", "1024", "parallel.sp=4", "parallel.ring=2")
+    assert rc == 0
+    for line in (
+        "dp 1 × sp 4 (ulysses 2 × ring 2)",
+        "ring block scores [b, 2, 512, 512] fp32",
+        "all-to-all over ulysses 2",
+        "ring of 2 (K/V blocks; backward + dK/dV)",
+        "kernel ring",
+    ):
+        assert line in out, line
+    args = ["--seq-len", "1024", "--json", "parallel.sp=4", "parallel.ring=2"]
+    rc, out, _ = _cli(capsys, tiny, *args)
+    data = json.loads(out)
+    assert rc == 0 and data["layout"]["ring"] == 2
+    assert (data["sent_per_layer"]["ring_forward"], data["sent_per_layer"]["ring_backward"]) == (
+        ring_theory_bytes(1024, 2, 2, 4, 2, 16, 1, elem_bytes=4)
+    )
+    args = ["--seq-len", "1024", "--sp", "6", "parallel.sp=4", "parallel.ring=4"]
+    rc, _, err = _cli(capsys, tiny, *args)
+    assert rc == 2 and "ring=4 does not divide sp=6" in err

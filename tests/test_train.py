@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -309,6 +310,34 @@ def test_sigkill_then_resume_gives_the_uninterrupted_losses(data, reference):
     assert [got[s] for s in range(resumed_from + 1, STEPS + 1)] == [
         want[s] for s in range(resumed_from + 1, STEPS + 1)
     ]
+
+
+def test_resume_with_a_ring_gives_the_uninterrupted_losses_and_weights(data):
+    """Hybrid Ulysses × ring (parallel.ring=2 over sp=2: a pure ring, zigzag slices): a run
+    resumed from its step-3 checkpoint logs steps 4..6 and ends on the weights of the run
+    that never stopped, bitwise."""
+    from safetensors.torch import load_file
+
+    run, resumed = data["root"] / "ring", data["root"] / "ring-resumed"
+    cfg = _config(
+        data["root"],
+        "ring",
+        data={"train": str(data["train"])},
+        parallel={"sp": 2, "ring": 2},
+        train={"out_dir": str(run), "steps": 6, "checkpoint_every": 3},
+    )
+    _train(cfg)
+    # the same run as if stopped after step 3: latest on step 3, nothing saved after it
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000006")
+    (resumed / "checkpoints" / "latest").write_text("step_00000003")
+    _train(cfg, f"train.out_dir={resumed}", "--resume")
+    got, want = _losses(resumed), _losses(run)
+    assert sorted(got) == list(range(1, 7))  # steps past the checkpoint redone, once each
+    assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
+    final = Path("checkpoints", "step_00000006", "model.safetensors")
+    a, b = load_file(run / final), load_file(resumed / final)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_shards_on_s3_give_the_local_losses(data, reference, s3_server):

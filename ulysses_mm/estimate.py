@@ -8,6 +8,10 @@ M GB" and, by bisection over N, "what is the longest sequence that fits".
 World: ``gpus`` ranks = dp × sp. A rank holds n = N/sp tokens of each of its
 ``data.micro_batch_size`` = b samples (T = b·n below). DeepSpeed partitions ZeRO state over
 all dp × sp ranks (the sequence-data-parallel group): a partition is 1/W for W = gpus.
+With a ring (``parallel.ring`` = R, sp = U × R) the all-to-all runs over U = sp / R ranks
+and ring attention (:mod:`ulysses_mm.parallel.ring`) across the R groups: outside attention
+a rank still holds N/sp tokens; inside it, N/R tokens on hq/U query heads (the same T·Q
+elements) and kv heads replicated for U.
 
 Symbols: a = 2 bytes (bf16/fp16) or 4 (fp32) per activation and parameter; D hidden,
 F MLP width, Q = hq·d query width, K = hk·d key/value width, E = e·d with e = lcm(hk, sp)
@@ -44,6 +48,13 @@ What is counted, per rank:
   SDPA on a GPU takes GQA natively only in its flash backend (fp16/bf16, no explicit
   mask); in fp32, and always for ``sdpa_dense``, the kernel expands k, v to the query
   heads and saves them: 2·Q·a per token more.
+- Ring attention (R > 1), in place of the local kernel: it saves q, k, v, its fp32 output
+  and log-sum-exp; its forward holds the K/V block and the one in flight and, per block,
+  the mask and three [b, hq/U, N/R, N/R] fp32 at once (its CPU/PyTorch block kernel is
+  dense per block); its backward the two K/V blocks, the fp32 dK/dV and dq, the previous
+  block's gradients and five of those [b, hq/U, N/R, N/R]. The bytes one rank sends per
+  layer (all-to-all, and the ring's :func:`~ulysses_mm.parallel.ring.ring_theory_bytes`)
+  are reported beside the memory.
 - Working sets on top, each at the moment it peaks: the attention forward (the caller's
   q, k, v, the replicated k, v, the all-to-all send/receive buffers, the output exchange)
   and backward (kernel gradients, the exchanged gradients, on a GPU the flash kernel's fp32
@@ -70,12 +81,11 @@ scratch, foreach AdamW, headroom, reserve) are not checked here.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ulysses_mm.config import RunConfig
-from ulysses_mm.layout import check_layout
+from ulysses_mm.layout import check_layout, expanded_kv_heads
 from ulysses_mm.tokenspace import TokenSpace
 
 GiB = 1 << 30
@@ -132,9 +142,9 @@ class ModelShape:
     def kv_width(self) -> int:
         return self.kv_heads * self.head_dim
 
-    def kv_expanded(self, sp: int) -> int:
-        """kv heads after Ulysses replication for ``sp`` (see parallel.ulysses)."""
-        return math.lcm(self.kv_heads, sp) if sp > 1 else self.kv_heads
+    def kv_expanded(self, ulysses: int) -> int:
+        """kv heads after Ulysses replication over ``ulysses`` ranks (see parallel.ulysses)."""
+        return expanded_kv_heads(self.heads, self.kv_heads, ulysses)
 
     def _layer_tensors(self) -> list[int]:
         d, q, k, i = self.hidden, self.q_width, self.kv_width, self.inter
@@ -208,10 +218,16 @@ class Layout:
     sp: int
     seq_len: int
     micro_batch: int
+    ring: int = 1  # R: sp = U × R, Ulysses over U ranks, ring attention across R groups
 
     @property
     def dp(self) -> int:
         return self.gpus // self.sp
+
+    @property
+    def ulysses(self) -> int:
+        """U = sp / R: the ranks of one all-to-all."""
+        return self.sp // self.ring
 
     @property
     def tokens(self) -> int:
@@ -225,8 +241,12 @@ class Layout:
     @property
     def communicators(self) -> int:
         """NCCL communicators one rank is in: the world and its SP and DP groups, each
-        when it has more than one rank (ulysses_mm.parallel.Mesh.build)."""
-        return sum(n > 1 for n in (self.gpus, self.sp, self.dp))
+        when it has more than one rank, and with a ring its Ulysses group (U > 1) and its
+        ring (ulysses_mm.parallel.Mesh.build)."""
+        groups = [self.gpus, self.sp, self.dp]
+        if self.ring > 1:
+            groups += [self.ulysses, self.ring]
+        return sum(n > 1 for n in groups)
 
 
 def flex_block_mask_bytes(micro_batch: int, seq_len: int) -> int:
@@ -240,15 +260,9 @@ def flex_block_mask_bytes(micro_batch: int, seq_len: int) -> int:
 def layout_for(cfg: RunConfig, seq_len: int, gpus: int | None, sp: int | None) -> Layout:
     """``gpus`` defaults to parallel.sp × parallel.dp; ``sp`` to ``gpus`` when gpus is
     given (the longest context puts every GPU in one sequence-parallel group), else to
-    parallel.sp. Shapes Ulysses cannot run are refused with what would work."""
+    parallel.sp. The ring is parallel.ring (sp = U × R). Shapes Ulysses × ring cannot run
+    are refused with what would work."""
     p = cfg.parallel
-    if p.ring > 1:
-        # ring attention changes what a rank holds (N/R tokens in attention, K/V blocks in
-        # flight, dK/dV travelling home): not modelled yet, so no figure rather than a wrong one
-        raise ValueError(
-            f"estimate does not model parallel.ring={p.ring} (ring attention) yet; "
-            "estimate the layout with parallel.ring=1"
-        )
     if gpus is None:
         sp = sp or p.sp
         gpus = sp * (p.dp or 1)
@@ -263,8 +277,11 @@ def layout_for(cfg: RunConfig, seq_len: int, gpus: int | None, sp: int | None) -
         num_heads=m.num_attention_heads,
         num_kv_heads=m.num_key_value_heads,
         seq_len=seq_len,
+        ring=p.ring,
     )
-    return Layout(gpus=gpus, sp=sp, seq_len=seq_len, micro_batch=cfg.data.micro_batch_size)
+    return Layout(
+        gpus=gpus, sp=sp, seq_len=seq_len, micro_batch=cfg.data.micro_batch_size, ring=p.ring
+    )
 
 
 # --------------------------------------------------------------------------- DeepSpeed
@@ -459,6 +476,9 @@ class Activations:
     tile_backward: int = 0  # tiled layer: one recomputed tile's backward set
     qkv: int = 0  # the caller's q, k, v [T, Q + 2K] (and their gradients)
     o: int = 0  # the kernel's output as the o_proj sees it [T, Q] (and its gradient)
+    ring_scores: int = 0  # ring: one block's [b, hq/U, N/R, N/R] fp32 scores
+    ring_forward: int = 0  # ring: the forward's working set (K/V blocks, block kernel)
+    ring_backward: int = 0  # ring: the backward's (K/V blocks, dK/dV, block kernel)
 
     @property
     def layer(self) -> int:
@@ -469,13 +489,16 @@ class Activations:
 def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool, kernel: str):
     m = cfg.model
     P, T, S = lay.sp, lay.tokens, lay.full_tokens
+    U, R = lay.ulysses, lay.ring
     D, F, Q, K, d = sh.hidden, sh.inter, sh.q_width, sh.kv_width, sh.head_dim
-    e = sh.kv_expanded(P)
+    e = sh.kv_expanded(U)
     E = e * d
     # the batch (5 int64 fields: on CPU the SP slices are views of the whole sample, on a
     # GPU the slice is copied over and doc_ids stay whole), run ids (int32, whole), RoPE
     # cos/sin, the loss's per-token modality (int64)
     inputs = 40 * S if not cuda else 32 * T + 8 * S
+    if R > 1 and not cuda:
+        inputs += 32 * T  # the zigzag slice gathers its tokens: copies, not views
     fixed = inputs + 4 * S + 2 * T * d * a + 8 * T
     x = T * D * a
     norm = T * (4 * D + 2 * a * D + 4)
@@ -484,7 +507,7 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
     # query heads and saved by the kernel. Without SP the unexpanded k, v are freed; under
     # SP they are views of the all-to-all's receive buffer, which q keeps alive.
     if cuda and sh.heads > e and (kernel == "sdpa_dense" or (kernel == "sdpa_varlen" and a == 4)):
-        kernel_saved += 2 * T * Q * a - (2 * T * E * a if P == 1 else 0)
+        kernel_saved += 2 * T * Q * a - (2 * T * E * a if U == 1 else 0)
     if kernel == "flex":
         fixed += flex_block_mask_bytes(lay.micro_batch, lay.seq_len)
     if kernel == "sdpa_dense":
@@ -494,7 +517,7 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
         fixed += lay.micro_batch * lay.seq_len**2
         kernel_saved += a * lay.micro_batch * lay.seq_len**2
     packed = T * (Q + 2 * E) * a
-    if P > 1:
+    if U > 1:
         # the exchanges' send buffer: one workspace the size of the largest exchange (q, k,
         # v packed), kept for the whole run (ulysses_mm.parallel.comm.Workspace)
         fixed += packed
@@ -510,6 +533,18 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
     else:
         attn_fwd = 2 * T * Q * a  # the output concatenated per document, then per row
         attn_bwd = T * (Q + 2 * E) * a  # dq, dk, dv (the output gradient replaces o_in)
+    ring_scores = ring_fwd = ring_bwd = 0
+    if R > 1:
+        ring_scores, ring_fwd, ring_bwd = _ring_attention(sh, lay, a)
+        kernel_saved = T * ((Q + 2 * E) * a + 4 * Q + 4 * sh.heads)
+        # the ring's token indices (int64 [N/R] per ring rank) and document runs (int32
+        # [b, N/R] per ring rank), made once per step
+        fixed += 8 * lay.seq_len + 4 * S
+        # before the ring (U > 1): the caller's q, k, v, the replicated k, v, the receive
+        # buffer's copy (b > 1): what the Ulysses forward holds while its kernel runs
+        pre = T * (Q + 2 * K) * a + rep + recv if U > 1 else 0
+        attn_fwd = max(attn_fwd if U > 1 else 0, pre + ring_fwd)
+        attn_bwd = max(attn_bwd, ring_bwd)
     if cuda and kernel in ("flash_varlen", "sdpa_varlen"):
         attn_bwd += 4 * T * Q  # the flash backward's fp32 dq accumulator
         if sh.heads > e:
@@ -565,7 +600,7 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
         attention_saved=kernel_saved + T * Q * a,
         kernel_saved=kernel_saved,
         after_all_to_all=packed,
-        all_to_all=2 * packed if P > 1 else 0,
+        all_to_all=2 * packed if U > 1 else 0,
         attention_forward=attn_fwd,
         attention_backward=attn_bwd,
         mlp_saved=mlp_saved,
@@ -583,7 +618,51 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
         tile_backward=tile_bwd,
         qkv=T * (Q + 2 * K) * a,
         o=T * Q * a,
+        ring_scores=ring_scores,
+        ring_forward=ring_fwd,
+        ring_backward=ring_bwd,
     )
+
+
+def _ring_attention(sh: ModelShape, lay: Layout, a: int) -> tuple[int, int, int]:
+    """Ring attention's (:mod:`ulysses_mm.parallel.ring`) working sets on one rank, beyond
+    what it saves (q, k, v, its fp32 output and log-sum-exp): (one block's [b, h, nq, nk]
+    fp32 scores, the forward's set, the backward's set beyond the output gradient).
+
+    A ring rank holds N/R tokens on hq/U query heads and e/U kv heads: T·Q and T·E
+    elements. Its block kernel is dense per block (nq = nk = N/R) and works in fp32."""
+    T, U, b = lay.tokens, lay.ulysses, lay.micro_batch
+    Q, d = sh.q_width, sh.head_dim
+    E = sh.kv_expanded(U) * d
+    n = lay.seq_len // lay.ring
+    scores = 4 * b * (sh.heads // U) * n * n  # one [b, hq/U, N/R, N/R] fp32
+    mask = b * n * n  # the block's [b, nq, nk] boolean: same document, not in the future
+    kv = 2 * T * E * a  # torch.stack([k, v]): one K/V block
+    low = a != 4  # the kernel's fp32 copies of bf16/fp16 inputs
+    expand = 8 * T * Q if sh.heads > sh.kv_expanded(U) else 0  # GQA: k, v repeated, fp32
+    # forward: the block at work and the next in flight, fp32 q, k, v, the expanded k, v,
+    # the mask (and its negation), and three [b, h, nq, nk] at once (the scores, then the
+    # log-sum-exp's shifted copy and its exponential, then the probabilities)
+    fwd = 2 * kv + (4 * T * (Q + 2 * E) if low else 0) + expand + 2 * mask + 3 * scores
+    # backward: fp32 dout and q, delta, the block and the next in flight, the fp32 dK/dV
+    # accumulator and dq, fp32 k, v, the expanded k, v, the mask, the block's dv at the
+    # query heads, the previous block's dq, dk, dv (still bound while the next one runs),
+    # and five [b, h, nq, nk] at once (scores, probabilities, dp, dp − delta, ds)
+    bwd = (
+        (8 * T * Q if low else 0)
+        + 4 * T * sh.heads
+        + 2 * kv
+        + 8 * T * E
+        + 4 * T * Q
+        + (8 * T * E if low else 0)
+        + expand
+        + mask
+        + 4 * T * Q
+        + 4 * T * Q
+        + 8 * T * E
+        + 5 * scores
+    )
+    return scores, fwd, bwd
 
 
 # --------------------------------------------------------------------------- phases
@@ -883,6 +962,9 @@ class Estimate:
     offloaded_peak: int | None  # the peak with checkpoints offloaded (what-if)
     gpu_mem: int | None = None
     notes: list[str] = field(default_factory=list)
+    # bytes one rank sends per layer: the all-to-all over U ranks and the ring of R
+    # (ulysses_mm.parallel.ring.ring_theory_bytes), forward and backward
+    sent_per_layer: dict[str, int] = field(default_factory=dict)
 
     @property
     def headroom(self) -> int:
@@ -956,6 +1038,8 @@ def estimate(
     cuda = device == "cuda"
     # the kernel a GPU with flash-attn (or a CPU) runs for this precision
     kernel = choose_kernel(cfg.parallel.attention, device, ds.precision, flash=cuda)
+    if lay.ring > 1:
+        kernel = "ring"  # ring attention's own block kernel replaces the local one
     a = 4 if ds.precision == "fp32" else 2
     zs = zero_states(cfg, sh, space, a, lay.gpus, lay.sp, cuda)
     act = activations(cfg, sh, lay, a, cuda, kernel)
@@ -974,6 +1058,11 @@ def estimate(
         notes.append(
             "flex attention is counted like the flash kernels, plus its block mask "
             f"({flex_block_mask_bytes(lay.micro_batch, lay.seq_len) / (1 << 20):.1f} MiB)"
+        )
+    if kernel == "ring":
+        notes.append(
+            "ring attention's block kernel is dense: five [b, hq/U, N/R, N/R] fp32 at once "
+            f"in backward ({_size(5 * act.ring_scores)}), growing with (N/R)² whatever U is"
         )
     if cuda and reserve_gib is None:
         reserve = int((CONTEXT_RESERVE_GIB + nccl_gib * lay.communicators) * GiB)
@@ -1010,7 +1099,28 @@ def estimate(
         offloaded_peak=offloaded,
         gpu_mem=int(gpu_mem_gib * GiB) if gpu_mem_gib else None,
         notes=notes,
+        sent_per_layer=sent_per_layer(sh, lay, a),
     )
+
+
+def sent_per_layer(sh: ModelShape, lay: Layout, a: int) -> dict[str, int]:
+    """Bytes one rank sends per layer: the all-to-all (q, k, v in and the output back over
+    the U ranks of a Ulysses group, on N/R tokens; the gradients the same way back) and
+    the ring's K/V blocks (backward: again, with their fp32 dK/dV)."""
+    from ulysses_mm.parallel.ring import ring_theory_bytes
+
+    U, R, b = lay.ulysses, lay.ring, lay.micro_batch
+    width = 2 * sh.q_width + 2 * sh.kv_expanded(U) * sh.head_dim  # q + out + k + v
+    a2a = (lay.seq_len // R) * width // U * (U - 1) // U * a * b
+    ring_fwd, ring_bwd = ring_theory_bytes(
+        lay.seq_len, R, U, sh.heads, sh.kv_heads, sh.head_dim, b, elem_bytes=a
+    )
+    return {
+        "all_to_all_forward": a2a,
+        "all_to_all_backward": a2a,
+        "ring_forward": ring_fwd,
+        "ring_backward": ring_bwd,
+    }
 
 
 # --------------------------------------------------------------------------- search
@@ -1056,6 +1166,11 @@ def _granule(cfg: RunConfig, kw: dict[str, Any]) -> int:
 # --------------------------------------------------------------------------- report
 
 
+def _size(n: int) -> str:
+    div, unit = _unit(n)
+    return f"{n / div:.2f} {unit}"
+
+
 def _unit(total: int) -> tuple[float, str]:
     return (GiB, "GiB") if total >= GiB else (1 << 20, "MiB")
 
@@ -1070,7 +1185,8 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         label = "  " * indent + name
         return f"{label:<64s}{b / div:9.2f}   {note}".rstrip()
 
-    e = sh.kv_expanded(lay.sp)
+    e = sh.kv_expanded(lay.ulysses)
+    replicated_for = f"ulysses={lay.ulysses}" if lay.ring > 1 else f"sp={lay.sp}"
     training = [est.precision, f"ZeRO-{est.zero_stage}"]
     if est.offload_optimizer != "none":
         training.append(f"optimizer offload to {est.offload_optimizer}")
@@ -1090,12 +1206,14 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         f"ulysses-mm estimate{': ' + est.config if est.config else ''}",
         f"model     {est.params / 1e9:.3f} B parameters: {L} layers, D {sh.hidden}, MLP "
         f"{sh.inter}, heads {sh.heads}/{sh.kv_heads} kv"
-        + (f" (replicated to {e} for sp={lay.sp})" if e != sh.kv_heads else "")
+        + (f" (replicated to {e} for {replicated_for})" if e != sh.kv_heads else "")
         + f", head dim {sh.head_dim}",
         "tokens    "
         + ", ".join(f"{k} {v}" for k, v in est.space.items())
         + f" ({est.space_from}); widest head {sh.widest_head} logits",
-        f"world     {lay.gpus} GPU{'s' if lay.gpus > 1 else ''} = dp {lay.dp} × sp {lay.sp}; "
+        f"world     {lay.gpus} GPU{'s' if lay.gpus > 1 else ''} = dp {lay.dp} × sp {lay.sp}"
+        + (f" (ulysses {lay.ulysses} × ring {lay.ring})" if lay.ring > 1 else "")
+        + "; "
         f"{lay.seq_len:,} tokens per sample, {lay.seq_len // lay.sp:,} per GPU, micro-batch "
         f"{lay.micro_batch}",
         "training  " + ", ".join(training),
@@ -1148,6 +1266,24 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         row("q, k, v after the all-to-all [b, s, hq/P + 2e/P, d]", act.after_all_to_all, indent=2),
         row("forward working set", act.attention_forward, indent=2),
         row("backward working set", act.attention_backward, indent=2),
+    ]
+    if act.ring_scores:
+        n_r = lay.seq_len // lay.ring
+        out += [
+            row(
+                f"ring block scores [b, {sh.heads // lay.ulysses}, {n_r:,}, {n_r:,}] fp32",
+                act.ring_scores,
+                "× 3 in forward, × 5 in backward",
+                2,
+            ),
+            row(
+                "ring forward: K/V block + the one in flight, block kernel",
+                act.ring_forward,
+                indent=2,
+            ),
+            row("ring backward: + dK/dV (fp32), dq, block gradients", act.ring_backward, indent=2),
+        ]
+    out += [
         "  tiles",
         row(mlp, mlp_bytes, indent=2),
         row(
@@ -1159,6 +1295,16 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         row("all-to-all send + receive (one exchange of q, k, v)", act.all_to_all, indent=2),
         row("DeepSpeed buckets and gathered parameters, at the peak", buffers, n["buffers"], 2),
     ]
+    sent = est.sent_per_layer
+    if sent and lay.sp > 1:
+        mib = 1 << 20
+        out.append("  sent per rank per layer (forward / backward)")
+        rows = [("all_to_all", f"all-to-all over {replicated_for.replace('=', ' ')}")]
+        if lay.ring > 1:
+            rows.append(("ring", f"ring of {lay.ring} (K/V blocks; backward + dK/dV)"))
+        for key, label in rows:
+            fwd, bwd = sent[f"{key}_forward"], sent[f"{key}_backward"]
+            out.append(f"    {label:<60s}{fwd / mib:9.2f} / {bwd / mib:.2f} MiB")
     out += ["", f"  at the peak ({est.peak_phase})"]
     out += [row(t.name, t.bytes, indent=2) for t in peak.terms if t.bytes]
     out.append(row("tensor peak", est.peak))

@@ -135,6 +135,7 @@ class StepRunner:
             num_heads=m.num_attention_heads,
             num_kv_heads=m.num_key_value_heads,
             seq_len=seq_len,
+            ring=self.mesh.ring,
         )
         batch = self._batch(seq_len, doc_len or min(seq_len, 4096))
         gc.collect()
