@@ -68,6 +68,7 @@ def test_tiles_merged_equal_dense_attention(ring, mean, heads):
     ref = LocalAttention("sdpa_dense")(q, k, v, mask)
     plan = RingPlan.of(mask, ring)
     runs = mask.run_ids
+    cut = []
     for j, (out, _) in enumerate(_ring_forward(TorchTiles, q, k, v, plan, ring)):
         want = ref.gather(1, plan.idx[j][..., None, None].expand(-1, -1, h, d))
         assert_close(out.view(b, -1, h, d), want, rtol=1e-5, atol=1e-6)
@@ -80,6 +81,11 @@ def test_tiles_merged_equal_dense_attention(ring, mean, heads):
                 runs.gather(1, plan.idx[src]),
             )
             assert sum(t.pairs for t in plan.block(j, src)) == int(allowed.sum())
+            # the dense kernel works a row's worth of queries at a time, not b rows at once
+            for grp in plan.block(j, src):
+                assert all(qs.stop - qs.start <= n // ring for qs, _, _ in grp.pieces())
+                cut.append(len(grp.pieces()))
+    assert max(cut) > 1
 
 
 def test_tiles_of_one_document_are_one_call_per_block():

@@ -535,7 +535,7 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
         attn_bwd = T * (Q + 2 * E) * a  # dq, dk, dv (the output gradient replaces o_in)
     ring_scores = ring_fwd = ring_bwd = 0
     if R > 1:
-        ring_scores, ring_fwd, ring_bwd = _ring_attention(sh, lay, a)
+        ring_scores, ring_fwd, ring_bwd = _ring_attention(sh, lay, a, kernel == "ring_flash")
         kernel_saved = T * ((Q + 2 * E) * a + 4 * Q + 4 * sh.heads)
         # the ring's token indices (int64 [N/R] per ring rank) and document runs (int32
         # [b, N/R] per ring rank), made once per step
@@ -624,36 +624,70 @@ def activations(cfg: RunConfig, sh: ModelShape, lay: Layout, a: int, cuda: bool,
     )
 
 
-def _ring_attention(sh: ModelShape, lay: Layout, a: int) -> tuple[int, int, int]:
+def _ring_attention(sh: ModelShape, lay: Layout, a: int, flash: bool) -> tuple[int, int, int]:
     """Ring attention's (:mod:`ulysses_mm.parallel.ring`) working sets on one rank, beyond
-    what it saves (q, k, v, its fp32 output and log-sum-exp): (one block's [b, h, nq, nk]
+    what it saves (q, k, v, its fp32 output and log-sum-exp): (one piece's [h, nq, nk]
     fp32 scores, the forward's set, the backward's set beyond the output gradient).
 
     A ring rank holds N/R tokens on hq/U query heads and e/U kv heads: T·Q and T·E
-    elements. Its block kernel is dense per block (nq = nk = N/R) and works in fp32."""
+    elements. Each block runs as at most two varlen calls over the rows it gathers (q, k,
+    v copies); flash-attn's (``flash``) keep no scores, the PyTorch kernel is dense per
+    piece of one row's queries (nq = nk ≤ N/R) and works in fp32."""
     T, U, b = lay.tokens, lay.ulysses, lay.micro_batch
-    Q, d = sh.q_width, sh.head_dim
-    E = sh.kv_expanded(U) * d
+    Q = sh.q_width
+    E = sh.kv_expanded(U) * sh.head_dim
     n = lay.seq_len // lay.ring
-    scores = 4 * b * (sh.heads // U) * n * n  # one [b, hq/U, N/R, N/R] fp32
-    mask = b * n * n  # the block's [b, nq, nk] boolean: same document, not in the future
     kv = 2 * T * E * a  # torch.stack([k, v]): one K/V block
+    gathered = T * (Q + 2 * E) * a  # a call's q, k, v rows
+    if flash:
+        # forward: the block at work and the next in flight, the gathered rows, the call's
+        # output (compute dtype) and its fp32 copy, the block's fp32 output the merge reads
+        # and the merged one it writes
+        fwd = 2 * kv + gathered + T * Q * a + 3 * 4 * T * Q
+        # backward: the block and the next, the fp32 dK/dV accumulator and the one in
+        # flight, fp32 dq; a call's gathered dout, q, k, v, out (fp32 and compute dtype),
+        # its dq, dk, dv, their fp32 copies and flash's fp32 dq accumulator
+        bwd = (
+            2 * kv
+            + 16 * T * E
+            + 4 * T * Q
+            + gathered
+            + 2 * T * Q * a
+            + 4 * T * Q
+            + gathered
+            + 4 * T * (Q + 2 * E)
+            + 4 * T * Q
+        )
+        return 0, fwd, bwd
+    scores = 4 * (sh.heads // U) * n * n  # one piece's [hq/U, N/R, N/R] fp32
+    mask = n * n  # the piece's [nq, nk] boolean: same segment, not in the future
     low = a != 4  # the kernel's fp32 copies of bf16/fp16 inputs
-    expand = 8 * T * Q if sh.heads > sh.kv_expanded(U) else 0  # GQA: k, v repeated, fp32
-    # forward: the block at work and the next in flight, fp32 q, k, v, the expanded k, v,
-    # the mask (and its negation), and three [b, h, nq, nk] at once (the scores, then the
-    # log-sum-exp's shifted copy and its exponential, then the probabilities)
-    fwd = 2 * kv + (4 * T * (Q + 2 * E) if low else 0) + expand + 2 * mask + 3 * scores
+    expand = 8 * T * Q // b if sh.heads > sh.kv_expanded(U) else 0  # GQA: k, v repeated
+    # forward: the block at work and the next in flight, the gathered rows, their fp32
+    # copies, the expanded k, v, the mask (and its negation), three [h, nq, nk] at once
+    # (the scores, then the log-sum-exp's shifted copy and its exponential, then the
+    # probabilities) and the block's fp32 output before the merge
+    fwd = (
+        2 * kv
+        + gathered
+        + (4 * T * (Q + 2 * E) // b if low else 0)
+        + expand
+        + 2 * mask
+        + 3 * scores
+        + 4 * T * Q
+    )
     # backward: fp32 dout and q, delta, the block and the next in flight, the fp32 dK/dV
-    # accumulator and dq, fp32 k, v, the expanded k, v, the mask, the block's dv at the
-    # query heads, the previous block's dq, dk, dv (still bound while the next one runs),
-    # and five [b, h, nq, nk] at once (scores, probabilities, dp, dp − delta, ds)
+    # accumulator and dq, the gathered rows, fp32 k, v, the expanded k, v, the mask, the
+    # block's dv at the query heads, the previous block's dq, dk, dv (still bound while
+    # the next one runs), and five [h, nq, nk] at once (scores, probabilities, dp,
+    # dp − delta, ds)
     bwd = (
         (8 * T * Q if low else 0)
         + 4 * T * sh.heads
         + 2 * kv
         + 8 * T * E
         + 4 * T * Q
+        + gathered
         + (8 * T * E if low else 0)
         + expand
         + mask
@@ -1039,7 +1073,9 @@ def estimate(
     # the kernel a GPU with flash-attn (or a CPU) runs for this precision
     kernel = choose_kernel(cfg.parallel.attention, device, ds.precision, flash=cuda)
     if lay.ring > 1:
-        kernel = "ring"  # ring attention's own block kernel replaces the local one
+        # ring attention's blocks replace the local kernel: flash-attn's varlen calls where
+        # it runs, the dense PyTorch kernel elsewhere
+        kernel = "ring_flash" if kernel == "flash_varlen" else "ring"
     a = 4 if ds.precision == "fp32" else 2
     zs = zero_states(cfg, sh, space, a, lay.gpus, lay.sp, cuda)
     act = activations(cfg, sh, lay, a, cuda, kernel)
@@ -1061,7 +1097,7 @@ def estimate(
         )
     if kernel == "ring":
         notes.append(
-            "ring attention's block kernel is dense: five [b, hq/U, N/R, N/R] fp32 at once "
+            "ring attention's PyTorch block kernel is dense: five [hq/U, N/R, N/R] fp32 at once "
             f"in backward ({_size(5 * act.ring_scores)}), growing with (N/R)² whatever U is"
         )
     if cuda and reserve_gib is None:
@@ -1267,15 +1303,18 @@ def render(est: Estimate, all_phases: bool = False) -> str:
         row("forward working set", act.attention_forward, indent=2),
         row("backward working set", act.attention_backward, indent=2),
     ]
-    if act.ring_scores:
+    if lay.ring > 1:
         n_r = lay.seq_len // lay.ring
+        if act.ring_scores:
+            out.append(
+                row(
+                    f"ring block scores [{sh.heads // lay.ulysses}, {n_r:,}, {n_r:,}] fp32 (per row)",
+                    act.ring_scores,
+                    "× 3 in forward, × 5 in backward",
+                    2,
+                )
+            )
         out += [
-            row(
-                f"ring block scores [b, {sh.heads // lay.ulysses}, {n_r:,}, {n_r:,}] fp32",
-                act.ring_scores,
-                "× 3 in forward, × 5 in backward",
-                2,
-            ),
             row(
                 "ring forward: K/V block + the one in flight, block kernel",
                 act.ring_forward,

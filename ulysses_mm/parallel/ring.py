@@ -131,6 +131,39 @@ class TileGroup:
     max_q: int
     max_k: int
     causal: bool
+    cap: int = 0  # queries per piece for a dense kernel (one row's worth); 0: no cut
+    _pieces: list[tuple[slice, slice, TileGroup]] | None = field(default=None, repr=False)
+
+    def pieces(self) -> list[tuple[slice, slice, TileGroup]]:
+        """The call cut at segment boundaries into pieces of at most ``cap`` queries:
+        (query rows, key rows, the piece as a call of its own), so a dense kernel holds
+        [h, ≤ n, ≤ n] scores whatever the batch size."""
+        if self._pieces is None:
+            cq, ck = self.cu_q.tolist(), self.cu_k.tolist()
+            m = len(cq) - 1
+            cuts, s0 = [], 0
+            for i in range(m):
+                if self.cap and i > s0 and cq[i + 1] - cq[s0] > self.cap:
+                    cuts.append((s0, i))
+                    s0 = i
+            cuts.append((s0, m))
+            self._pieces = [
+                (
+                    slice(cq[a], cq[b]),
+                    slice(ck[a], ck[b]),
+                    TileGroup(
+                        self.q_sel[cq[a] : cq[b]],
+                        self.k_sel[ck[a] : ck[b]],
+                        self.cu_q[a : b + 1] - cq[a],
+                        self.cu_k[a : b + 1] - ck[a],
+                        self.max_q,
+                        self.max_k,
+                        self.causal,
+                    ),
+                )
+                for a, b in cuts
+            ]
+        return self._pieces
 
     @property
     def pairs(self) -> int:
@@ -206,6 +239,7 @@ def block_tiles(q_idx: Tensor, q_start: Tensor, k_idx: Tensor) -> list[TileGroup
                 max_q=int(glq.max()),
                 max_k=int(glk.max()),
                 causal=flag,
+                cap=q_idx.shape[1],
             )
         )
     return groups
@@ -288,7 +322,8 @@ def _block_backward(
 
 
 class TorchTiles:
-    """The PyTorch block kernel: each varlen group as one masked dense product (fp32)."""
+    """The PyTorch block kernel: a varlen call as masked dense products (fp32), one per
+    piece of at most one row's queries (:meth:`TileGroup.pieces`)."""
 
     name = "torch"
 
@@ -297,10 +332,18 @@ class TorchTiles:
         q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
     ) -> tuple[Tensor, Tensor]:
         """(out [Tq, h, d] fp32, lse [Tq, h]) of the group's gathered rows."""
-        o, lse = _block_forward(
-            q.float()[None], k.float()[None], v.float()[None], g.allowed()[None], scale
-        )
-        return o[0], lse[0].T
+        out = q.new_empty(q.shape, dtype=torch.float32)
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+        for qs, ks, piece in g.pieces():
+            o, l_ = _block_forward(
+                q[qs].float()[None],
+                k[ks].float()[None],
+                v[ks].float()[None],
+                piece.allowed()[None],
+                scale,
+            )
+            out[qs], lse[qs] = o[0], l_[0].T
+        return out, lse
 
     @staticmethod
     def backward(
@@ -314,18 +357,26 @@ class TorchTiles:
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv) fp32 of the group, from the FINAL out and lse [Tq, h] of its rows."""
-        delta = (dout.float() * out.float()).sum(-1)  # [Tq, h]
-        dq, dk, dv = _block_backward(
-            q.float()[None],
-            k.float()[None],
-            v.float()[None],
-            g.allowed()[None],
-            scale,
-            lse.T[None],
-            dout.float()[None],
-            delta.T[None],
-        )
-        return dq[0], dk[0], dv[0]
+        dq = q.new_empty(q.shape, dtype=torch.float32)
+        dk = k.new_zeros(k.shape, dtype=torch.float32)
+        dv = v.new_zeros(v.shape, dtype=torch.float32)
+        for qs, ks, piece in g.pieces():
+            do = dout[qs].float()
+            delta = (do * out[qs].float()).sum(-1)  # [tq, h]
+            dq_p, dk_p, dv_p = _block_backward(
+                q[qs].float()[None],
+                k[ks].float()[None],
+                v[ks].float()[None],
+                piece.allowed()[None],
+                scale,
+                lse[qs].T[None],
+                do[None],
+                delta.T[None],
+            )
+            dq[qs] = dq_p[0]
+            dk[ks] += dk_p[0]
+            dv[ks] += dv_p[0]
+        return dq, dk, dv
 
 
 def _call(fn: Any, **kw: Any) -> Any:
