@@ -130,14 +130,17 @@ def _attention_skip(rank, world, doc):
     return stats["skipped"]
 
 
+def _attention_skips(rank, world, docs):
+    return [_attention_skip(rank, world, doc) for doc in docs]
+
+
 def test_ring_attention_skips_blocks_nobody_sees():
     # 4 ranks of 8 tokens. One-token documents: a query sees only itself, so every block
     # but a rank's own is skipped (R − 1 per rank); one document: none is.
     n = 32
-    skipped = run_distributed(_attention_skip, 4, torch.arange(n)[None])
-    assert skipped == [3, 3, 3, 3]
-    skipped = run_distributed(_attention_skip, 4, torch.zeros(1, n, dtype=torch.long))
-    assert skipped == [0, 0, 0, 0]
+    docs = [torch.arange(n)[None], torch.zeros(1, n, dtype=torch.long)]
+    skipped = run_distributed(_attention_skips, 4, docs)
+    assert skipped == [[3, 0]] * 4
 
 
 def _packed_docs(rows, n, mean, seed):
