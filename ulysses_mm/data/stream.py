@@ -14,6 +14,12 @@ source's own counter says which of its samples comes next, and a source that run
 starts its next epoch. With one source, an epoch's tail shorter than a global
 micro-batch is dropped, as before.
 
+Modalities. A manifest given per-modality weights (``(manifest, weight, {modality:
+weight})``) becomes one source per weighted modality: the samples that modality dominates,
+visited in the manifest's own epoch order, drawn at the rates
+:func:`~ulysses_mm.data.mixing.modality_pools` solves so that each modality's share of the
+manifest's tokens is its weight; the manifest's share of all draws stays its weight.
+
 The loader's whole state is therefore (epoch, position, per-source counters): identical on
 every rank and independent of the layout, so a run resumed with another dp continues the
 same global sequence of samples, none repeated or skipped.
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import io
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,7 +56,7 @@ from ulysses_mm.data.format import (
     load_npy,
 )
 from ulysses_mm.data.manifest import Manifest
-from ulysses_mm.data.mixing import normalised, sources_of
+from ulysses_mm.data.mixing import ModalityPool, mix_error, modality_pools, normalised, sources_of
 from ulysses_mm.data.prefetch import Prefetcher, fetch_shard, first_line
 
 STATE_VERSION = 2
@@ -102,17 +108,27 @@ def shard_samples(data: bytes, where: str) -> list[PackedSample]:
 
 
 class _Source:
-    """One manifest's sample order, epoch by epoch."""
+    """One manifest's sample order, epoch by epoch (or, with ``pool``, the order of the
+    samples one modality dominates: the manifest's order with the others left out)."""
 
     def __init__(
-        self, manifest: Manifest, seed: list[int], shuffle: bool, shuffle_buffer: int
+        self,
+        manifest: Manifest,
+        seed: list[int],
+        shuffle: bool,
+        shuffle_buffer: int,
+        m: int = 0,
+        pool: ModalityPool | None = None,
     ) -> None:
         self.manifest = manifest
+        self.m = m  # which of the stream's manifests
+        self.modality = pool.modality if pool is not None else ""
+        self.members = pool.members if pool is not None else None
         self.seed, self.shuffle = seed, shuffle
         typical = int(np.median([s.samples for s in manifest.shards]))
         # samples move by less than half a typical shard, so about two shards are live
         self.buffer = max(0, min(shuffle_buffer, typical // 2)) if shuffle else 0
-        self.n = manifest.num_samples
+        self.n = manifest.num_samples if self.members is None else len(self.members)
         self.firsts = np.array([s.first_sample for s in manifest.shards], dtype=np.int64)
         self._orders: dict[int, np.ndarray] = {}
 
@@ -124,9 +140,17 @@ class _Source:
         return self._orders[epoch]
 
     def _make_order(self, epoch: int) -> np.ndarray:
-        shards = self.manifest.shards
+        order = self._manifest_order(epoch)
+        if self.members is None:
+            return order
+        keep = np.zeros(self.manifest.num_samples, dtype=bool)
+        keep[self.members] = True
+        return order[keep[order]]
+
+    def _manifest_order(self, epoch: int) -> np.ndarray:
+        shards, n = self.manifest.shards, self.manifest.num_samples
         if not self.shuffle:
-            return np.arange(self.n, dtype=np.int64)
+            return np.arange(n, dtype=np.int64)
         rng = np.random.default_rng([*self.seed, epoch])
         parts = []
         for s in rng.permutation(len(shards)):
@@ -136,10 +160,8 @@ class _Source:
             parts.append(shards[s].first_sample + inner)
         order = np.concatenate(parts).astype(np.int64)
         if self.buffer > 1:
-            jitter = np.random.default_rng([*self.seed, epoch, 0x627566]).uniform(
-                0, self.buffer, self.n
-            )
-            order = order[np.argsort(np.arange(self.n) + jitter, kind="stable")]
+            jitter = np.random.default_rng([*self.seed, epoch, 0x627566]).uniform(0, self.buffer, n)
+            order = order[np.argsort(np.arange(n) + jitter, kind="stable")]
         return order
 
     def take(self, counters: np.ndarray) -> np.ndarray:
@@ -158,11 +180,13 @@ class _Source:
 class ShardStream:
     """Micro-batches of packed samples for one DP rank (see the module docstring).
 
-    ``manifest`` is one manifest, or several as ``[(manifest, weight), ...]``."""
+    ``manifest`` is one manifest, or several as ``[(manifest, weight), ...]``; an entry
+    ``(manifest, weight, {modality: weight})`` also weights the modalities inside it."""
 
     def __init__(
         self,
-        manifest: Manifest | Sequence[tuple[Manifest, float]],
+        manifest: Manifest
+        | Sequence[tuple[Manifest, float] | tuple[Manifest, float, Mapping[str, float]]],
         dp_rank: int,
         dp: int,
         micro_batch: int,
@@ -177,13 +201,27 @@ class ShardStream:
     ) -> None:
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank {dp_rank} is outside dp={dp}")
-        pairs = [(manifest, 1.0)] if isinstance(manifest, Manifest) else list(manifest)
-        if not pairs:
+        entries = [(manifest, 1.0)] if isinstance(manifest, Manifest) else list(manifest)
+        if not entries:
             raise ValueError("the loader needs at least one manifest")
-        self.manifests = [m for m, _ in pairs]
-        self.weights = [float(w) for w in normalised([w for _, w in pairs])]
+        self.manifests: list[Manifest] = [e[0] for e in entries]
         self.manifest = self.manifests[0]
-        self.mixed = len(pairs) > 1
+        # per manifest: its modality weights ({} = drawn as a whole)
+        self.modality_weights: list[dict[str, float]] = [
+            {k: float(v) for k, v in e[2].items()} if len(e) > 2 else {}  # type: ignore[misc]
+            for e in entries
+        ]
+        shares = normalised([e[1] for e in entries])
+        # the sources drawn from: a manifest, or one per weighted modality of a manifest
+        plan: list[tuple[int, ModalityPool | None, float]] = []
+        for j, (m, mw) in enumerate(zip(self.manifests, self.modality_weights)):
+            if not mw:
+                plan.append((j, None, float(shares[j])))
+                continue
+            pools = modality_pools(m.sample_tokens(), m.token_space.modalities, mw, m.location)
+            plan += [(j, p, float(shares[j]) * p.rate) for p in pools]
+        self.weights = [w for *_, w in plan]
+        self.mixed = len(plan) > 1 or plan[0][1] is not None
         self.dp_rank, self.dp, self.micro_batch = dp_rank, dp, micro_batch
         self.seed, self.shuffle, self.shuffle_buffer = seed, shuffle, shuffle_buffer
         self.retries, self.backoff_s, self.timeouts = max(1, retries), backoff_s, timeouts
@@ -195,14 +233,21 @@ class ShardStream:
                 f"than one global micro-batch (dp {dp} × micro_batch {micro_batch})"
             )
         self.sources = [
-            _Source(m, [seed] if not self.mixed else [seed, 0x737263, i], shuffle, shuffle_buffer)
-            for i, m in enumerate(self.manifests)
+            _Source(
+                self.manifests[j],
+                [seed] if not self.mixed else [seed, 0x737263, i],
+                shuffle,
+                shuffle_buffer,
+                j,
+                pool,
+            )
+            for i, (j, pool, _) in enumerate(plan)
         ]
         self.epoch = 0
         self.position = 0
-        self.counts = np.zeros(len(pairs), dtype=np.int64)  # draws per source so far
+        self.counts = np.zeros(len(plan), dtype=np.int64)  # draws per source so far
         # the live shards: about two per source (the buffer blends seams) and the one before
-        self._keep = 3 * len(pairs)
+        self._keep = 3 * len(plan)
         self._prefetch = (
             Prefetcher(self._load, prefetch_bytes, keep=self._keep) if prefetch_bytes > 0 else None
         )
@@ -210,14 +255,46 @@ class ShardStream:
 
     @property
     def source_labels(self) -> list[str]:
-        """A short distinct name per source: the directory of its manifest (else numbered)."""
+        """A short distinct name per source: the directory of its manifest (else numbered),
+        and ``/modality`` for a modality's share of a manifest."""
         labels = [
             m.location.rstrip("/").rsplit("/", 2)[-2] if "/" in m.location else m.name
             for m in self.manifests
         ]
         if len(set(labels)) < len(labels):
             labels = [f"{i}.{label}" for i, label in enumerate(labels)]
-        return labels
+        return [
+            labels[src.m] + (f"/{src.modality}" if src.modality else "") for src in self.sources
+        ]
+
+    def drawn_tokens(self) -> dict[int, np.ndarray]:
+        """For each manifest with modality weights (by its number): the real tokens of each
+        modality (token-space order) in the samples drawn from it so far, on every rank
+        together. Replays the order from the start: for reports, not for every step."""
+        out: dict[int, np.ndarray] = {}
+        if not self.mixed:
+            return out
+        src, idx, *_ = self._span(0, 0, np.zeros_like(self.counts), self.position)
+        per_sample = {
+            j: m.sample_tokens()
+            for j, (m, mw) in enumerate(zip(self.manifests, self.modality_weights))
+            if mw
+        }
+        for j, table in per_sample.items():
+            sel = np.isin(src, [s for s, source in enumerate(self.sources) if source.m == j])
+            out[j] = table[idx[sel]].sum(axis=0)
+        return out
+
+    def modality_mix_error(self) -> float:
+        """The largest |token share − weight| / weight over the weighted modalities of every
+        manifest, over the run so far (0 when no manifest weights its modalities)."""
+        err = 0.0
+        for j, tokens in self.drawn_tokens().items():
+            names = self.manifests[j].token_space.modalities
+            mw = self.modality_weights[j]
+            listed = [k for k, n in enumerate(names) if n in mw]
+            err = max(err, mix_error(tokens[listed].tolist(), [mw[names[k]] for k in listed]))
+        return err
 
     # ----------------------------------------------------------------- order
     @property
@@ -258,8 +335,9 @@ class ShardStream:
 
     # --------------------------------------------------------------- reading
     def _load(self, key: tuple[int, int]) -> list[PackedSample]:
-        s, shard = key
-        manifest = self.manifests[s]
+        """The samples of shard ``key`` = (manifest number, shard number)."""
+        m, shard = key
+        manifest = self.manifests[m]
         entry = manifest.shards[shard]
         location = manifest.shard_location(shard)
 
@@ -284,9 +362,10 @@ class ShardStream:
         return self._recent[key]
 
     def _sample(self, s: int, index: int) -> PackedSample:
-        manifest = self.manifests[s]
-        shard = int(self.sources[s].shards_of(np.array([index]))[0])
-        sample = self._shard((s, shard))[index - manifest.shards[shard].first_sample]
+        source = self.sources[s]
+        manifest = source.manifest
+        shard = int(source.shards_of(np.array([index]))[0])
+        sample = self._shard((source.m, shard))[index - manifest.shards[shard].first_sample]
         if sample.index != index:
             raise ShardFormatError(
                 f"{manifest.shard_location(shard)}: sample {index - manifest.shards[shard].first_sample} "
@@ -301,13 +380,18 @@ class ShardStream:
             total = sum(source.n for source in self.sources)
             positions = max(self.global_batch, min(_LOOKAHEAD, total))
         src, idx, *_ = self._span(self.epoch, self.position, self.counts, positions)
-        firsts: list[tuple[int, int, int]] = []  # (first position, source, shard)
+        first: dict[tuple[int, int], int] = {}  # (manifest, shard): first position
         for s, source in enumerate(self.sources):
             sel = np.flatnonzero(src == s)
             shards = source.shards_of(idx[sel])
-            _, first = np.unique(shards, return_index=True)
-            firsts += [(int(sel[i]), s, int(shards[i])) for i in first]
-        return [((s, sh), self.manifests[s].shards[sh].bytes) for _, s, sh in sorted(firsts)]
+            _, at = np.unique(shards, return_index=True)
+            for i in at:  # pools of one manifest share its shards
+                key = (source.m, int(shards[i]))
+                first[key] = min(first.get(key, int(sel[i])), int(sel[i]))
+        return [
+            (key, self.manifests[key[0]].shards[key[1]].bytes)
+            for key in sorted(first, key=first.__getitem__)
+        ]
 
     def next_batch(self) -> list[PackedSample]:
         """This DP rank's ``micro_batch`` samples of the next global micro-batch."""
@@ -343,7 +427,12 @@ class ShardStream:
 
     # ----------------------------------------------------------------- state
     def _identity(self) -> list[list[str]]:
-        return [[s.sha256 for s in m.shards] for m in self.manifests]
+        """Per source: its manifest's shard hashes (and the modality it draws, if one)."""
+        return [
+            [s.sha256 for s in src.manifest.shards]
+            + ([f"modality={src.modality}"] if src.modality else [])
+            for src in self.sources
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         """Identical on every rank: where the global order stands (no layout in it)."""
