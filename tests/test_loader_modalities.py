@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -113,26 +116,32 @@ def test_modalities_get_their_token_share_over_a_run(mixed, dna):
     assert err <= 0.02 and manifest_err <= 0.02
     want = [WEIGHTS[n] for n in ("dna", "audio", "video")]
     assert err == pytest.approx(max(abs(shares - want) / want))
+    # what training logs as mix/<label>: manifests' sample shares, modalities' token shares
+    logged = st.mix_shares()
+    assert sorted(logged) == ["dna", "mixed", "mixed/audio", "mixed/dna", "mixed/video"]
+    assert logged["mixed"] == pytest.approx(st.counts[1:].sum() / len(seen))
+    assert [logged[f"mixed/{n}"] for n in ("dna", "audio", "video")] == pytest.approx(shares)
 
 
 def test_the_order_is_a_function_of_seed_and_epoch_and_survives_a_dp_change(mixed):
     entries = [(mixed, 1.0, WEIGHTS)]
 
-    def run(dp: int, mb: int, steps: int, seed: int = 3, state=None) -> tuple[list[int], dict]:
+    def run(dp: int, mb: int, steps: int, seed: int = 3, state=None):
         streams = [ShardStream(entries, r, dp, mb, seed=seed, shuffle_buffer=8) for r in range(dp)]
         if state is not None:
             for st in streams:
                 st.load_state_dict(state)
         seen = [s.index for _ in range(steps) for st in streams for s in st.next_batch()]
         assert len({str(st.state_dict()) for st in streams}) == 1  # every rank agrees
-        return seen, streams[0].state_dict()
+        return seen, streams[0].state_dict(), streams[-1].drawn_tokens()[0].tolist()
 
-    whole, _ = run(1, 1, 240)
+    whole, _, drawn = run(1, 1, 240)
     assert run(1, 1, 240)[0] == whole
     assert run(1, 1, 240, seed=4)[0] != whole
-    head, state = run(2, 3, 10)  # 60 samples: every video sample several times over
-    tail, _ = run(3, 2, 30, state=state)
+    head, state, _ = run(2, 3, 10)  # 60 samples: every video sample several times over
+    tail, _, resumed = run(3, 2, 30, state=state)
     assert head + tail == whole
+    assert resumed == drawn  # the tokens drawn so far are carried across the resume
     # a checkpoint of a run without modality weights does not resume into one with them
     plain = ShardStream(mixed, 0, 1, 1).state_dict()
     with pytest.raises(ValueError, match="belongs to other shards"):
@@ -266,3 +275,32 @@ def test_the_plan_hands_the_modality_weights_to_the_loader(mixed, dna):
     st = ShardStream(plan.stream_sources, 0, 1, 1)
     assert st.source_labels == ["dna", "mixed/audio", "mixed/video"]  # no mixed/dna
     assert sum(st.weights[1:]) == pytest.approx(0.75)
+
+
+def test_a_run_logs_each_modalitys_token_share(tmp_path, mixed, dna):
+    """Through the trainer (one process): what it draws and logs is the loader's."""
+    train = {dna.location: 1.0, mixed.location: {"weight": 3.0, "modalities": WEIGHTS}}
+    cfg = yaml.safe_load(_config(tmp_path, train).read_text())
+    cfg["model"].update(intermediate_size=64, num_hidden_layers=1, loss_tile_tokens=512)
+    cfg["train"].update(steps=4, checkpoint_every=0)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    out = subprocess.run(
+        [sys.executable, "-m", "ulysses_mm", "train", str(path), "--nproc", "1"],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    last = [r for r in rows if r["kind"] == "train"][-1]
+    st = ShardStream([(dna, 1.0), (mixed, 3.0, WEIGHTS)], 0, 1, 1, shuffle_buffer=16)
+    for _ in range(4):
+        st.next_batch()
+    want = {f"mix/{k}": v for k, v in st.mix_shares().items()}
+    assert {k: v for k, v in last.items() if k.startswith("mix/")} == pytest.approx(want)
+    assert "mix/mixed/video" in want and "mix/dna" in want

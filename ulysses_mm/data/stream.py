@@ -246,6 +246,13 @@ class ShardStream:
         self.epoch = 0
         self.position = 0
         self.counts = np.zeros(len(plan), dtype=np.int64)  # draws per source so far
+        # per manifest with modality weights: each sample's tokens per modality, its
+        # sources, and the tokens drawn from it so far (every rank's, kept on each)
+        self._tables = {
+            j: m.sample_tokens() for j, m in enumerate(self.manifests) if self.modality_weights[j]
+        }
+        self._pools_of = {j: [s for s, (m, *_) in enumerate(plan) if m == j] for j in self._tables}
+        self._drawn = {j: np.zeros(t.shape[1], dtype=np.int64) for j, t in self._tables.items()}
         # the live shards: about two per source (the buffer blends seams) and the one before
         self._keep = 3 * len(plan)
         self._prefetch = (
@@ -253,36 +260,55 @@ class ShardStream:
         )
         self._recent: dict[tuple[int, int], list[PackedSample]] = {}
 
-    @property
-    def source_labels(self) -> list[str]:
-        """A short distinct name per source: the directory of its manifest (else numbered),
-        and ``/modality`` for a modality's share of a manifest."""
+    def _manifest_labels(self) -> list[str]:
         labels = [
             m.location.rstrip("/").rsplit("/", 2)[-2] if "/" in m.location else m.name
             for m in self.manifests
         ]
         if len(set(labels)) < len(labels):
             labels = [f"{i}.{label}" for i, label in enumerate(labels)]
+        return labels
+
+    @property
+    def source_labels(self) -> list[str]:
+        """A short distinct name per source: the directory of its manifest (else numbered),
+        and ``/modality`` for a modality's share of a manifest."""
+        labels = self._manifest_labels()
         return [
             labels[src.m] + (f"/{src.modality}" if src.modality else "") for src in self.sources
         ]
 
+    def _tokens_of(self, src: np.ndarray, idx: np.ndarray) -> dict[int, np.ndarray]:
+        """Per weighted manifest: real tokens per modality of the drawn samples given."""
+        return {
+            j: table[idx[np.isin(src, self._pools_of[j])]].sum(axis=0)
+            for j, table in self._tables.items()
+        }
+
     def drawn_tokens(self) -> dict[int, np.ndarray]:
         """For each manifest with modality weights (by its number): the real tokens of each
         modality (token-space order) in the samples drawn from it so far, on every rank
-        together. Replays the order from the start: for reports, not for every step."""
-        out: dict[int, np.ndarray] = {}
-        if not self.mixed:
-            return out
-        src, idx, *_ = self._span(0, 0, np.zeros_like(self.counts), self.position)
-        per_sample = {
-            j: m.sample_tokens()
-            for j, (m, mw) in enumerate(zip(self.manifests, self.modality_weights))
-            if mw
-        }
-        for j, table in per_sample.items():
-            sel = np.isin(src, [s for s, source in enumerate(self.sources) if source.m == j])
-            out[j] = table[idx[sel]].sum(axis=0)
+        together (from the manifest's record, not the shards)."""
+        return {j: t.copy() for j, t in self._drawn.items()}
+
+    def mix_shares(self) -> dict[str, float]:
+        """What the run drew so far, against the weights: each manifest's share of the
+        samples (``label``; with several manifests) and each weighted modality's share of
+        its manifest's tokens (``label/modality``)."""
+        labels = self._manifest_labels()
+        out: dict[str, float] = {}
+        if len(self.manifests) > 1:
+            per = np.zeros(len(self.manifests))
+            for source, c in zip(self.sources, self.counts):
+                per[source.m] += c
+            for j, share in enumerate(per / max(1.0, per.sum())):
+                out[labels[j]] = float(share)
+        for j, tokens in self._drawn.items():
+            names = self.manifests[j].token_space.modalities
+            listed = [k for k, n in enumerate(names) if n in self.modality_weights[j]]
+            total = max(1, int(tokens[listed].sum()))
+            for k in listed:
+                out[f"{labels[j]}/{names[k]}"] = float(tokens[k] / total)
         return out
 
     def modality_mix_error(self) -> float:
@@ -408,6 +434,8 @@ class ShardStream:
             for s, i in zip(src[lo : lo + self.micro_batch], idx[lo : lo + self.micro_batch])
         ]
         self.epoch, self.position, self.counts = epoch, position, counts
+        for j, tokens in self._tokens_of(src, idx).items():
+            self._drawn[j] += tokens
         if self._prefetch is not None:
             self._prefetch.schedule(self.upcoming_shards())
         return samples
@@ -475,3 +503,6 @@ class ShardStream:
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.counts = np.asarray(state["counts"], dtype=np.int64)
+        if self._tables:  # the tokens drawn so far: replay the order up to the position
+            src, idx, *_ = self._span(0, 0, np.zeros_like(self.counts), self.position)
+            self._drawn = self._tokens_of(src, idx)

@@ -302,10 +302,9 @@ class Trainer:
                 metrics[f"targets/{m}"] = counts[m]
         if "dna" in self.space.modalities and counts.get("dna"):
             metrics["bits_per_base/dna"] = metrics["loss/dna"] / LN2  # one token per base
-        if self.stream.mixed:  # each source's share of the samples so far, against its weight
-            drawn = self.stream.counts / max(1, int(self.stream.counts.sum()))
-            for label, share in zip(self.stream.source_labels, drawn):
-                metrics[f"mix/{label}"] = float(share)
+        # each manifest's share of the samples, each weighted modality's of its manifest's tokens
+        for label, share in self.stream.mix_shares().items():
+            metrics[f"mix/{label}"] = share
         return metrics
 
     @torch.no_grad()
