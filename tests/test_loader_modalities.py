@@ -148,6 +148,24 @@ def test_the_order_is_a_function_of_seed_and_epoch_and_survives_a_dp_change(mixe
         ShardStream(entries, 0, 1, 1).load_state_dict(plain)
 
 
+def test_a_modality_visits_its_samples_once_an_epoch_shard_by_shard(mixed):
+    st = ShardStream([(mixed, 1.0, WEIGHTS)], 0, 1, 1, seed=5, shuffle_buffer=4)
+    table = mixed.sample_tokens()
+    for source in st.sources:
+        k = mixed.token_space.modalities.index(source.modality)
+        assert (np.argmax(table[source.members], axis=1) == k).all()  # the samples it leads
+        orders = [source.order(e) for e in range(3)]
+        for order in orders:
+            assert sorted(order.tolist()) == source.members.tolist()
+        assert orders[0].tolist() != orders[1].tolist()
+        # a shard's samples stay together (up to the buffer's blending at the seams)
+        shards = source.shards_of(orders[0])
+        runs = 1 + int((shards[1:] != shards[:-1]).sum())
+        assert runs <= 3 * len(np.unique(shards)), (source.modality, runs)
+    members = np.concatenate([s.members for s in st.sources])
+    assert sorted(members.tolist()) == list(range(mixed.num_samples))  # every modality weighted
+
+
 def test_weights_the_samples_cannot_give_are_refused():
     names = ["dna", "audio", "video"]
     # every sample 60/40 one way or the other: no rates give audio 90 % of the tokens

@@ -108,8 +108,11 @@ def shard_samples(data: bytes, where: str) -> list[PackedSample]:
 
 
 class _Source:
-    """One manifest's sample order, epoch by epoch (or, with ``pool``, the order of the
-    samples one modality dominates: the manifest's order with the others left out)."""
+    """One manifest's sample order, epoch by epoch; or, with ``pool``, the order of the
+    samples one modality dominates: its shards in a permutation drawn from (seed, epoch),
+    its samples in each shard in a random order, and the same bounded buffer. That costs
+    O(pool + shards) per epoch, whatever the manifest's size, so a small pool drawn often
+    (many epochs in a look-ahead) stays cheap."""
 
     def __init__(
         self,
@@ -130,6 +133,7 @@ class _Source:
         self.buffer = max(0, min(shuffle_buffer, typical // 2)) if shuffle else 0
         self.n = manifest.num_samples if self.members is None else len(self.members)
         self.firsts = np.array([s.first_sample for s in manifest.shards], dtype=np.int64)
+        self._member_shards = self.shards_of(self.members) if self.members is not None else None
         self._orders: dict[int, np.ndarray] = {}
 
     def order(self, epoch: int) -> np.ndarray:
@@ -140,17 +144,11 @@ class _Source:
         return self._orders[epoch]
 
     def _make_order(self, epoch: int) -> np.ndarray:
-        order = self._manifest_order(epoch)
-        if self.members is None:
-            return order
-        keep = np.zeros(self.manifest.num_samples, dtype=bool)
-        keep[self.members] = True
-        return order[keep[order]]
-
-    def _manifest_order(self, epoch: int) -> np.ndarray:
-        shards, n = self.manifest.shards, self.manifest.num_samples
+        shards = self.manifest.shards
+        if self.members is not None:
+            return self._pool_order(epoch)
         if not self.shuffle:
-            return np.arange(n, dtype=np.int64)
+            return np.arange(self.n, dtype=np.int64)
         rng = np.random.default_rng([*self.seed, epoch])
         parts = []
         for s in rng.permutation(len(shards)):
@@ -159,10 +157,25 @@ class _Source:
             )
             parts.append(shards[s].first_sample + inner)
         order = np.concatenate(parts).astype(np.int64)
-        if self.buffer > 1:
-            jitter = np.random.default_rng([*self.seed, epoch, 0x627566]).uniform(0, self.buffer, n)
-            order = order[np.argsort(np.arange(n) + jitter, kind="stable")]
-        return order
+        return self._buffered(order, epoch)
+
+    def _pool_order(self, epoch: int) -> np.ndarray:
+        assert self.members is not None and self._member_shards is not None
+        if not self.shuffle:
+            return self.members
+        rng = np.random.default_rng([*self.seed, epoch])
+        rank = np.empty(len(self.firsts), dtype=np.int64)  # each shard's place this epoch
+        rank[rng.permutation(len(self.firsts))] = np.arange(len(self.firsts))
+        inside = rng.random(self.n)  # a random order inside each shard
+        order = self.members[np.lexsort((inside, rank[self._member_shards]))]
+        return self._buffered(order, epoch)
+
+    def _buffered(self, order: np.ndarray, epoch: int) -> np.ndarray:
+        if self.buffer <= 1:
+            return order
+        n = len(order)
+        jitter = np.random.default_rng([*self.seed, epoch, 0x627566]).uniform(0, self.buffer, n)
+        return order[np.argsort(np.arange(n) + jitter, kind="stable")]
 
     def take(self, counters: np.ndarray) -> np.ndarray:
         """Sample indices of this source's ``k``-th draws (epochs follow one another)."""
