@@ -11,7 +11,7 @@ Modalities inside one manifest. A packed sample can hold several modalities, so 
 with per-modality weights is split into one source per weighted modality: the samples it
 dominates (most of their tokens are of it). Drawing pool k at rate r_k gives modality m
 ``Σ_k r_k·A[k, m]`` tokens per draw, where ``A[k, m]`` is the mean tokens of m in a sample of
-pool k; :func:`modality_rates` solves ``r·A = c·w`` for the rates, so the expected token
+pool k; :func:`modality_pools` solves ``r·A = c·w`` for the rates, so the expected token
 shares are the weights exactly, however many samples straddle a modality boundary (as long
 as the solution is positive). The sources are then mixed like manifests, at the rates.
 """

@@ -16,7 +16,8 @@ micro-batch is dropped, as before.
 
 Modalities. A manifest given per-modality weights (``(manifest, weight, {modality:
 weight})``) becomes one source per weighted modality: the samples that modality dominates,
-visited in the manifest's own epoch order, drawn at the rates
+in an order of their own drawn the same way (shards permuted, samples shuffled inside
+each, the bounded buffer), drawn at the rates
 :func:`~ulysses_mm.data.mixing.modality_pools` solves so that each modality's share of the
 manifest's tokens is its weight; the manifest's share of all draws stays its weight.
 
@@ -225,13 +226,17 @@ class ShardStream:
             for e in entries
         ]
         shares = normalised([e[1] for e in entries])
+        # per manifest with modality weights: each sample's real tokens per modality
+        self._tables = {
+            j: m.sample_tokens() for j, m in enumerate(self.manifests) if self.modality_weights[j]
+        }
         # the sources drawn from: a manifest, or one per weighted modality of a manifest
         plan: list[tuple[int, ModalityPool | None, float]] = []
         for j, (m, mw) in enumerate(zip(self.manifests, self.modality_weights)):
             if not mw:
                 plan.append((j, None, float(shares[j])))
                 continue
-            pools = modality_pools(m.sample_tokens(), m.token_space.modalities, mw, m.location)
+            pools = modality_pools(self._tables[j], m.token_space.modalities, mw, m.location)
             plan += [(j, p, float(shares[j]) * p.rate) for p in pools]
         self.weights = [w for *_, w in plan]
         self.mixed = len(plan) > 1 or plan[0][1] is not None
@@ -259,11 +264,8 @@ class ShardStream:
         self.epoch = 0
         self.position = 0
         self.counts = np.zeros(len(plan), dtype=np.int64)  # draws per source so far
-        # per manifest with modality weights: each sample's tokens per modality, its
-        # sources, and the tokens drawn from it so far (every rank's, kept on each)
-        self._tables = {
-            j: m.sample_tokens() for j, m in enumerate(self.manifests) if self.modality_weights[j]
-        }
+        # per manifest with modality weights: its sources, and the tokens drawn from it so far
+        # (every rank's, kept on each)
         self._pools_of = {j: [s for s, (m, *_) in enumerate(plan) if m == j] for j in self._tables}
         self._drawn = {j: np.zeros(t.shape[1], dtype=np.int64) for j, t in self._tables.items()}
         # the live shards: about two per source (the buffer blends seams) and the one before
