@@ -1,22 +1,28 @@
 """The loader for real runs, measured: fetch amplification, fetch time hidden behind steps,
 mixing error, and the tokens/s the loader sustains alone.
 
-Two small DNA datasets are prepared with the real pipeline and mixed 0.7 / 0.3. One node
-of ``--ranks`` ranks (threads: dp 2 × sp ranks/2, each with its own loader, all sharing
-one node cache directory) trains ``--steps`` steps of ``--step-ms`` each against:
+Three datasets are prepared with the real mixed pipeline (one token space): two of DNA,
+and one of the sample files in tests/data (DNA, speech and a video clip packed together,
+some samples straddling two modalities). They are mixed 0.5 / 0.2 / 0.3, the mixed one with
+per-modality weights video 0.5, audio 0.3, dna 0.2 (shares of its tokens). One node of
+``--ranks`` ranks (threads: dp 2 × sp ranks/2, each with its own loader, all sharing one
+node cache directory) trains ``--steps`` steps of ``--step-ms`` each against:
 
 - a local HTTP server that delays every response by ``--latency-ms`` and counts the
   bytes it sends;
-- a moto S3 server on loopback (bytes counted by the cache: what the node downloaded).
+- a moto S3 server on loopback behind a byte-counting TCP proxy (tests/byte_proxy.py):
+  every byte the server sent, HTTP headers included.
 
 Figures, per server:
 
-- ``fetch_amplification`` = bytes sent to the node ÷ bytes of the distinct shards it read
-  (1 = each shard once per node, whatever the number of ranks);
+- ``fetch_amplification`` = bytes sent to the node ÷ bytes of the distinct shards it
+  fetched (1 = each shard once per node, whatever the number of ranks); the shards
+  prefetched for steps after the last are fetched too, and printed apart;
 - ``hidden_fraction`` = 1 − (time the ranks waited for shards ÷ time their prefetch threads
   spent fetching them), after the first batch (which has no step before it to hide its
   fetch behind; its wait is printed apart);
-- ``mix_error`` = the largest |share − weight| / weight over the sources;
+- ``mix_error`` = the largest |share − weight| / weight over the manifests (their shares of
+  the samples) and over the modalities of the mixed one (their shares of its tokens);
 - ``loader tokens/s``: one rank reading local shards through the same code with no step.
 
 The last line is ``fetch_amplification=A hidden_fraction=H mix_error=E`` (the worse of
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import http.server
+import importlib.util
 import io
 import logging
 import os
@@ -49,7 +56,33 @@ from ulysses_mm.data.prepare import load_pipeline_config, prepare
 from ulysses_mm.data.stream import ShardStream
 
 REPO = Path(__file__).resolve().parents[1]
-WEIGHTS = (0.7, 0.3)
+WEIGHTS = (0.5, 0.2, 0.3)  # a, b, mixed
+MODALITIES = {"video": 0.5, "audio": 0.3, "dna": 0.2}  # inside mixed, shares of its tokens
+
+
+def _proxy_class():
+    """tests/byte_proxy.py's ByteCountingProxy (standard library only)."""
+    spec = importlib.util.spec_from_file_location("byte_proxy", REPO / "tests" / "byte_proxy.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ByteCountingProxy
+
+
+def _prepare(root: Path, name: str, sources: list[str], seq_len: int) -> Manifest:
+    cfg = load_pipeline_config(
+        REPO / "pipelines" / "mixed.yaml",
+        [
+            f"sources=[{', '.join(sources)}]",
+            f"output={root / name}",
+            f"pack.seq_len={seq_len}",
+            "shards.max_samples=16",
+            "workers=0",
+            "progress=false",
+        ],
+    )
+    prepare(cfg, out=io.StringIO())
+    return Manifest.load(str(root / name / "manifest.json"))
 
 
 def make_dataset(root: Path, name: str, records: int, seq_len: int, seed: int) -> Manifest:
@@ -60,18 +93,21 @@ def make_dataset(root: Path, name: str, records: int, seq_len: int, seed: int) -
         for i in range(records):
             seq = "".join(rng.choice(list("ACGT"), int(rng.integers(seq_len // 2, 2 * seq_len))))
             f.write(f">r{i}\n{seq}\n")
-    cfg = load_pipeline_config(
-        REPO / "pipelines" / "dna.yaml",
-        [
-            f"sources=[{src}/*.fa]",
-            f"output={root / name}",
-            f"pack.seq_len={seq_len}",
-            "shards.max_samples=16",
-            "progress=false",
-        ],
-    )
-    prepare(cfg, out=io.StringIO())
-    return Manifest.load(str(root / name / "manifest.json"))
+    return _prepare(root, name, [f"{src}/*.fa"], seq_len)
+
+
+def make_mixed(root: Path, seq_len: int) -> Manifest:
+    """The sample files of tests/data through the mixed pipeline, in name order."""
+    files = sorted(str(p) for p in (REPO / "tests" / "data").iterdir() if p.suffix != ".md")
+    return _prepare(root, "mixed", files, seq_len)
+
+
+def manifest_counts(st: ShardStream) -> list[int]:
+    """Samples drawn from each manifest (its modality sources together)."""
+    out = [0] * len(st.manifests)
+    for source, c in zip(st.sources, st.counts):
+        out[source.m] += int(c)
+    return out
 
 
 class _Slow(http.server.SimpleHTTPRequestHandler):
@@ -91,7 +127,7 @@ class _Slow(http.server.SimpleHTTPRequestHandler):
 
 
 def run_node(
-    sources: list[tuple[Manifest, float]], ranks: int, steps: int, step_s: float, cache_dir: Path
+    sources: list, ranks: int, steps: int, step_s: float, cache_dir: Path
 ) -> dict[str, float]:
     """``ranks`` loaders (dp 2 × sp ranks/2) sharing one cache, ``steps`` steps each."""
     dp = 2 if ranks % 2 == 0 else 1
@@ -131,13 +167,17 @@ def run_node(
         t.join()
     if errors:
         raise errors[0]
-    # the shards the node read: those of every position the loaders went through
+    # the shards the node read: those of every position the loaders went through, and
+    # those prefetched for the steps after the last (in the cache, by content)
     read = set()
     for st in streams:
-        src, idx, *_ = st._span(0, 0, np.zeros(len(sources), np.int64), st.position)
+        src, idx, *_ = st._span(0, 0, np.zeros_like(st.counts), st.position)
         for s, source in enumerate(st.sources):
-            read |= {(s, int(sh)) for sh in source.shards_of(idx[src == s])}
-    shard_bytes = sum(sources[s][0].shards[sh].bytes for s, sh in read)
+            read |= {(source.m, int(sh)) for sh in source.shards_of(idx[src == s])}
+    size = {e.sha256: e.bytes for m, *_ in sources for e in m.shards}
+    read_bytes = sum(size[sources[m][0].shards[sh].sha256] for m, sh in read)
+    cached = {p.name.removesuffix(".tar") for p in cache_dir.glob("*.tar")}
+    distinct = cached | {sources[m][0].shards[sh].sha256 for m, sh in read}
     # the first batch has no step before it to hide its fetch behind: counted apart
     cold = sum(first[id(st)][0] for st in streams) / len(streams)
     waited = sum(st.waited_s - first[id(st)][0] for st in streams)
@@ -145,11 +185,13 @@ def run_node(
         st._prefetch.loaded_s - first[id(st)][1] for st in streams if st._prefetch is not None
     )
     return {
-        "shard_bytes": shard_bytes,
+        "shard_bytes": sum(size[h] for h in distinct),
+        "read_bytes": read_bytes,
         "downloaded": sum(st.cache.fetched_bytes for st in streams if st.cache is not None),
         "hidden": 1.0 - waited / loaded if loaded else 1.0,
         "cold_s": cold,
-        "mix_error": mix_error(streams[0].counts.tolist(), WEIGHTS),
+        "mix_error": mix_error(manifest_counts(streams[0]), WEIGHTS),
+        "modality_error": streams[0].modality_mix_error(),
         "samples": int(streams[0].counts.sum()),
     }
 
@@ -166,9 +208,9 @@ def bench_http(sources, args, root: Path) -> dict[str, float]:
                 dataclasses.replace(
                     m, location=f"{base}/{Path(m.location).parent.name}/manifest.json"
                 ),
-                w,
+                *rest,
             )
-            for m, w in sources
+            for m, *rest in sources
         ]
         out = run_node(remote, args.ranks, args.steps, args.step_ms / 1000, root / "cache-http")
     finally:
@@ -193,19 +235,22 @@ def bench_s3(sources, args, root: Path) -> dict[str, float] | None:
         port = s.getsockname()[1]
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
+    proxy = _proxy_class()(("127.0.0.1", port)).start()  # s3fs talks to moto through it
     try:
-        opts = {"client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}"}}
+        opts = {"client_kwargs": {"endpoint_url": proxy.url}}
         fs = s3fs.S3FileSystem(**opts)
         fs.mkdir("bench")
         remote = []
-        for m, w in sources:
+        for m, *rest in sources:
             name = Path(m.location).parent.name
             fs.put(str(Path(m.location).parent), f"bench/{name}", recursive=True)
-            remote.append((Manifest.load(f"s3://bench/{name}/manifest.json", opts), w))
+            remote.append((Manifest.load(f"s3://bench/{name}/manifest.json", opts), *rest))
+        proxy.reset()  # from here on: what the training node reads
         out = run_node(remote, args.ranks, args.steps, args.step_ms / 1000, root / "cache-s3")
+        out["sent"] = proxy.sent
     finally:
+        proxy.stop()
         server.stop()
-    out["sent"] = out["downloaded"]
     return out
 
 
@@ -233,11 +278,15 @@ def main() -> None:
         root = Path(tmp)
         a = make_dataset(root, "a", args.records, args.seq_len, 1)
         b = make_dataset(root, "b", args.records // 2, args.seq_len, 2)
-        sources = [(a, WEIGHTS[0]), (b, WEIGHTS[1])]
+        mixed = make_mixed(root, args.seq_len)
+        sources = [(a, WEIGHTS[0]), (b, WEIGHTS[1]), (mixed, WEIGHTS[2], MODALITIES)]
+        held = ", ".join(f"{m} {t}" for m, t in mixed.tokens.items())
         print(
             f"datasets: a {a.num_samples} samples in {len(a.shards)} shards, "
-            f"b {b.num_samples} samples in {len(b.shards)} shards; weights {WEIGHTS}; "
-            f"{args.ranks} ranks, {args.steps} steps of {args.step_ms} ms"
+            f"b {b.num_samples} samples in {len(b.shards)} shards, mixed {mixed.num_samples} "
+            f"samples in {len(mixed.shards)} shards (tokens: {held}); weights {WEIGHTS}, "
+            f"mixed's modalities {MODALITIES}; {args.ranks} ranks, {args.steps} steps of "
+            f"{args.step_ms} ms"
         )
         results = {"http": bench_http(sources, args, root)}
         s3 = bench_s3(sources, args, root)
@@ -247,16 +296,19 @@ def main() -> None:
             amp = r["sent"] / r["shard_bytes"]
             r["amp"] = amp
             print(
-                f"{name:5s} sent {int(r['sent'])} B for {int(r['shard_bytes'])} B of distinct "
-                f"shards: amplification {amp:.3f}; first batch {r['cold_s']:.2f} s, then "
+                f"{name:5s} sent {int(r['sent'])} B (the node's cache took {int(r['downloaded'])} "
+                f"B) for {int(r['shard_bytes'])} B of distinct shards ({int(r['read_bytes'])} B "
+                f"read by the steps, the rest prefetched for the next): amplification "
+                f"{amp:.3f}; first batch {r['cold_s']:.2f} s, then "
                 f"hidden {r['hidden']:.3f}; "
-                f"mix error {r['mix_error']:.4f} over {r['samples']} samples"
+                f"mix error {r['mix_error']:.4f} (manifests), {r['modality_error']:.4f} "
+                f"(modalities of mixed) over {r['samples']} samples"
             )
         tps = loader_alone(sources, args.seq_len, 800)
         print(f"loader alone: {tps:,.0f} tokens/s")
         amp = max(r["amp"] for r in results.values())
         hidden = min(r["hidden"] for r in results.values())
-        err = max(r["mix_error"] for r in results.values())
+        err = max(max(r["mix_error"], r["modality_error"]) for r in results.values())
         print(f"fetch_amplification={amp:.3f} hidden_fraction={hidden:.3f} mix_error={err:.4f}")
 
 

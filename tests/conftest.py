@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from byte_proxy import ByteCountingProxy
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -79,3 +80,12 @@ def s3_server(monkeypatch):
         yield f"http://127.0.0.1:{port}"
     finally:
         server.stop()
+
+
+@pytest.fixture
+def s3_counted(s3_server) -> Iterator[ByteCountingProxy]:
+    """The moto S3 server behind a byte-counting TCP proxy (moto reports no traffic):
+    point clients at ``proxy.url``; ``proxy.sent`` is what the server sent them."""
+    port = int(s3_server.rsplit(":", 1)[1])
+    with ByteCountingProxy(("127.0.0.1", port)) as proxy:
+        yield proxy

@@ -81,6 +81,38 @@ def test_ranks_of_a_node_download_each_shard_once(server, tmp_path):
     )
 
 
+def test_on_s3_the_server_sends_each_shard_once_per_node(dataset, s3_counted, tmp_path):
+    """Counted at the server (a proxy in front of moto): 4 ranks, one node cache."""
+    s3fs = pytest.importorskip("s3fs")
+    opts = {"endpoint_url": s3_counted.url, "key": "testing", "secret": "testing"}
+    fs = s3fs.S3FileSystem(**opts)
+    fs.mkdir("node")
+    fs.put(str(Path(dataset.location).parent), "node/ds", recursive=True)
+    remote = Manifest.load("s3://node/ds/manifest.json", opts)
+    s3_counted.reset()
+    ranks, errors = 4, []
+
+    def rank(r: int) -> None:
+        try:
+            cache = NodeCache(tmp_path / "node", max_bytes=1 << 30)
+            st = ShardStream(remote, r % 2, 2, 1, seed=1, cache=cache, timeouts=(5.0, 30.0))
+            for _ in range(remote.num_samples // 2):
+                st.next_batch()
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    total = sum(s.bytes for s in remote.shards)
+    # every shard's bytes once, plus HTTP headers: not × 4 ranks, not even × 1.25
+    print(f"S3 server sent {s3_counted.sent} B for {total} B of shards to 4 ranks")
+    assert total <= s3_counted.sent < 1.25 * total
+
+
 def test_the_cache_evicts_least_recently_used_and_refetches_damage(tmp_path):
     blobs = {hashlib.sha256(b).hexdigest(): b for b in (bytes([i]) * 1000 for i in range(4))}
     keys = list(blobs)

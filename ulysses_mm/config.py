@@ -194,12 +194,28 @@ class ParallelConfig:
 
 
 @dataclass
+class TrainSource:
+    """One manifest of a mix given as a mapping: ``{weight: 1.0, modalities: {video: 0.5,
+    audio: 0.3, dna: 0.2}}``."""
+
+    weight: float = _help("The manifest's share of the samples (against the others').", 1.0)
+    modalities: dict[str, float] = _help(
+        "Weights of the modalities inside the manifest: each gets its weight's share of the "
+        "manifest's tokens (the samples a modality not named here dominates are left out; "
+        "{} = the manifest as it comes).",
+        factory=dict,
+    )
+
+
+@dataclass
 class DataConfig:
     """Where training samples come from."""
 
-    train: str | dict[str, float] = _help(
+    train: str | dict[str, float | TrainSource] = _help(
         "Manifest URL or path of the training shards (file, http(s), s3, gs), or several "
-        "as {manifest: weight}: each then gives its weight's share of the samples.",
+        "as {manifest: weight}: each then gives its weight's share of the samples; "
+        "{manifest: {weight: w, modalities: {video: 0.5, audio: 0.5}}} also weights the "
+        "modalities inside a manifest by their share of its tokens.",
         "",
     )
     eval: str = _help("Manifest URL or path of held-out shards ('' = no evaluation).", "")
@@ -328,6 +344,10 @@ def _closest(name: str, options: Iterable[str]) -> str:
     return match[0] if match else ""
 
 
+def _is_mapping_type(tp: Any) -> bool:
+    return get_origin(tp) is dict or tp is dict or dataclasses.is_dataclass(tp)
+
+
 def _coerce(tp: Any, value: Any, path: str) -> Any:
     """Check ``value`` against the annotation ``tp``; return it (converted where lossless)."""
     origin = get_origin(tp)
@@ -337,7 +357,7 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
         args = get_args(tp)
         if value is None and type(None) in args:
             return None
-        errors = []
+        errors, alike = [], []
         for arg in args:
             if arg is type(None):
                 continue
@@ -345,6 +365,10 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
                 return _coerce(arg, value, path)
             except ConfigError as e:
                 errors.append(str(e))
+                if isinstance(value, Mapping) == _is_mapping_type(arg):
+                    alike.append(str(e))  # the error of the type the value has the shape of
+        if len(errors) > 1 and len(alike) == 1:
+            errors = alike
         raise ConfigError(
             errors[0] if len(errors) == 1 else f"{path}: {value!r} matches no type of {tp}"
         )

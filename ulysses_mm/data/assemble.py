@@ -51,6 +51,9 @@ class Assembler:
         self.entries: list[InputEntry] = []
         self.tokens = 0  # real tokens of the ok inputs so far
         self.counts = np.zeros(len(space.modalities), dtype=np.int64)  # per modality
+        self.modalities = space.modalities
+        # the token stream as runs of one modality: [modality index, tokens]
+        self._runs: list[list[int]] = []
 
     @property
     def any_ok(self) -> bool:
@@ -76,6 +79,11 @@ class Assembler:
         self._write(self.packer.add(block))
         self.tokens += o.tokens
 
+    @property
+    def modality_runs(self) -> list[tuple[str, int]]:
+        """The packed token stream as ``(modality, tokens)`` runs (for the manifest)."""
+        return [(self.modalities[m], t) for m, t in self._runs]
+
     def finish(self) -> list[ShardRecord]:
         """The padded last sample written, the last shard closed: every shard's record."""
         self._write(self.packer.finish())
@@ -85,4 +93,9 @@ class Assembler:
         for sample in samples:
             seg = sample.segments
             np.add.at(self.counts, seg[:, SEG_MODALITY], seg[:, SEG_LENGTH])
+            for m, n in zip(seg[:, SEG_MODALITY].tolist(), seg[:, SEG_LENGTH].tolist()):
+                if self._runs and self._runs[-1][0] == m:
+                    self._runs[-1][1] += n
+                else:
+                    self._runs.append([m, n])
             self.writer.write(sample)

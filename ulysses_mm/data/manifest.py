@@ -18,6 +18,10 @@ Layout (JSON object, ``format_version`` 1)::
                              sum(tokens) + pad_tokens == num_samples * seq_len
     pad_tokens
     shards                   [{url (relative to the manifest), samples, first_sample, bytes, sha256}]
+    modality_runs            [[modality, tokens], ...]: the packed token stream (every sample's
+                             segments in order) as runs of one modality, so the tokens of each
+                             modality in every sample follow without reading a shard
+                             (optional: manifests written before it lack it)
     inputs                   [{source, status "ok", modality, documents, tokens, first_doc_id}
                               | {source, status "skipped", reason}], in packing order
     config                   the resolved pipeline config, less where and how it ran
@@ -34,6 +38,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from ulysses_mm import storage
 from ulysses_mm.tokenspace import TokenSpace
@@ -105,6 +111,8 @@ class Manifest:
     tokens: dict[str, int]
     pad_tokens: int
     config: dict[str, Any] = field(default_factory=dict)
+    # the token stream as [(modality, tokens)] runs; None = not recorded (an older prepare)
+    modality_runs: list[tuple[str, int]] | None = None
     format_version: int = FORMAT_VERSION
     # where it was loaded from / saved to (not serialised)
     location: str = field(default="", compare=False, repr=False)
@@ -138,6 +146,39 @@ class Manifest:
                 return i, index - s.first_sample
         raise IndexError(f"sample {index} is not in this dataset ({self.num_samples} samples)")
 
+    @property
+    def held_modalities(self) -> list[str]:
+        """The modalities with tokens in this dataset, in token-space order."""
+        return [m for m in self.token_space.modalities if self.tokens.get(m, 0) > 0]
+
+    def sample_tokens(self) -> np.ndarray:
+        """Real tokens of each modality in each sample: int64 ``[num_samples, modalities]``
+        (columns in token-space order), from ``modality_runs`` (or, for a dataset of one
+        modality, from the packing rule: every sample full but the last)."""
+        n, mods = self.seq_len, self.token_space.modalities
+        out = np.zeros((self.num_samples, len(mods)), dtype=np.int64)
+        if self.modality_runs is None:
+            held = self.held_modalities
+            if len(held) != 1:
+                raise ManifestError(
+                    f"manifest {self.location}: records no per-sample modality counts "
+                    "(written by an older prepare); prepare it again to weight its modalities"
+                )
+            col = out[:, mods.index(held[0])]
+            col[:] = n
+            col[-1] -= self.pad_tokens
+            return out
+        lengths = np.array([t for _, t in self.modality_runs], dtype=np.int64)
+        which = np.array([mods.index(m) for m, _ in self.modality_runs], dtype=np.int64)
+        ends = np.concatenate([[0], np.cumsum(lengths)])
+        bounds = np.arange(self.num_samples + 1, dtype=np.int64) * n
+        for k in range(len(mods)):
+            # tokens of modality k before stream position x: piecewise linear in x
+            cum = np.concatenate([[0], np.cumsum(np.where(which == k, lengths, 0))])
+            at = np.interp(bounds, ends, cum)
+            out[:, k] = np.diff(np.rint(at).astype(np.int64))
+        return out
+
     def check_token_space(self, space: TokenSpace) -> None:
         """Refuse a model whose token space differs from the data's."""
         if space != self.token_space:
@@ -163,6 +204,11 @@ class Manifest:
             "shards": [s.to_dict() for s in self.shards],
             "inputs": [i.to_dict() for i in self.inputs],
             "config": self.config,
+            **(
+                {"modality_runs": [[m, t] for m, t in self.modality_runs]}
+                if self.modality_runs is not None
+                else {}
+            ),
         }
 
     def to_json(self) -> bytes:
@@ -256,6 +302,11 @@ class Manifest:
             ]
         except (KeyError, TypeError, ValueError) as e:
             raise fail(f"malformed shard or input entry: {e!r}") from e
+        runs = data.get("modality_runs")
+        try:  # each a [modality, tokens] pair
+            modality_runs = None if runs is None else [(str(m), _int(t)) for m, t in runs]
+        except (TypeError, ValueError) as e:
+            raise fail(f"modality_runs must be [modality, tokens] pairs: {e!r}") from e
         m = cls(
             name=data["name"],
             token_space=space,
@@ -267,6 +318,7 @@ class Manifest:
             tokens={str(k): _int(v) for k, v in data["tokens"].items()},
             pad_tokens=data["pad_tokens"],
             config=data["config"],
+            modality_runs=modality_runs,
         )
         if data["dtype"] != m.dtype:
             raise fail(f"dtype {data['dtype']!r} does not match the token space ({m.dtype})")
@@ -308,6 +360,14 @@ class Manifest:
         for i, entry in enumerate(self.inputs):
             if entry.status not in ("ok", "skipped"):
                 raise fail(f"input {i} ({entry.source}) has status {entry.status!r}")
+        if self.modality_runs is not None:
+            per: dict[str, int] = {}
+            for i, (m, t) in enumerate(self.modality_runs):
+                if m not in self.token_space.modalities or t < 1:
+                    raise fail(f"modality_runs[{i}] = [{m!r}, {t}] is not a modality and a count")
+                per[m] = per.get(m, 0) + t
+            if per != {m: t for m, t in self.tokens.items() if t}:
+                raise fail(f"modality_runs sum to {per}, tokens says {self.tokens}")
         docs = sum(e.documents for e in self.inputs if e.status == "ok")
         if docs != self.num_documents:
             raise fail(f"inputs hold {docs} documents, num_documents says {self.num_documents}")

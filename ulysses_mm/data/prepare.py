@@ -205,6 +205,7 @@ def _manifest(
         tokens={m: int(c) for m, c in zip(space.modalities, counts)},
         pad_tokens=assembler.packer.next_sample * cfg.pack.seq_len - int(counts.sum()),
         config=_recorded_config(cfg),
+        modality_runs=assembler.modality_runs,
     )
 
 

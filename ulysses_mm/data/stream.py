@@ -14,6 +14,13 @@ source's own counter says which of its samples comes next, and a source that run
 starts its next epoch. With one source, an epoch's tail shorter than a global
 micro-batch is dropped, as before.
 
+Modalities. A manifest given per-modality weights (``(manifest, weight, {modality:
+weight})``) becomes one source per weighted modality: the samples that modality dominates,
+in an order of their own drawn the same way (shards permuted, samples shuffled inside
+each, the bounded buffer), drawn at the rates
+:func:`~ulysses_mm.data.mixing.modality_pools` solves so that each modality's share of the
+manifest's tokens is its weight; the manifest's share of all draws stays its weight.
+
 The loader's whole state is therefore (epoch, position, per-source counters): identical on
 every rank and independent of the layout, so a run resumed with another dp continues the
 same global sequence of samples, none repeated or skipped.
@@ -35,7 +42,7 @@ from __future__ import annotations
 
 import io
 import tarfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -50,7 +57,7 @@ from ulysses_mm.data.format import (
     load_npy,
 )
 from ulysses_mm.data.manifest import Manifest
-from ulysses_mm.data.mixing import normalised, sources_of
+from ulysses_mm.data.mixing import ModalityPool, mix_error, modality_pools, normalised, sources_of
 from ulysses_mm.data.prefetch import Prefetcher, fetch_shard, first_line
 
 STATE_VERSION = 2
@@ -102,18 +109,32 @@ def shard_samples(data: bytes, where: str) -> list[PackedSample]:
 
 
 class _Source:
-    """One manifest's sample order, epoch by epoch."""
+    """One manifest's sample order, epoch by epoch; or, with ``pool``, the order of the
+    samples one modality dominates: its shards in a permutation drawn from (seed, epoch),
+    its samples in each shard in a random order, and the same bounded buffer. That costs
+    O(pool + shards) per epoch, whatever the manifest's size, so a small pool drawn often
+    (many epochs in a look-ahead) stays cheap."""
 
     def __init__(
-        self, manifest: Manifest, seed: list[int], shuffle: bool, shuffle_buffer: int
+        self,
+        manifest: Manifest,
+        seed: list[int],
+        shuffle: bool,
+        shuffle_buffer: int,
+        m: int = 0,
+        pool: ModalityPool | None = None,
     ) -> None:
         self.manifest = manifest
+        self.m = m  # which of the stream's manifests
+        self.modality = pool.modality if pool is not None else ""
+        self.members = pool.members if pool is not None else None
         self.seed, self.shuffle = seed, shuffle
         typical = int(np.median([s.samples for s in manifest.shards]))
         # samples move by less than half a typical shard, so about two shards are live
         self.buffer = max(0, min(shuffle_buffer, typical // 2)) if shuffle else 0
-        self.n = manifest.num_samples
+        self.n = manifest.num_samples if self.members is None else len(self.members)
         self.firsts = np.array([s.first_sample for s in manifest.shards], dtype=np.int64)
+        self._member_shards = self.shards_of(self.members) if self.members is not None else None
         self._orders: dict[int, np.ndarray] = {}
 
     def order(self, epoch: int) -> np.ndarray:
@@ -125,6 +146,8 @@ class _Source:
 
     def _make_order(self, epoch: int) -> np.ndarray:
         shards = self.manifest.shards
+        if self.members is not None:
+            return self._pool_order(epoch)
         if not self.shuffle:
             return np.arange(self.n, dtype=np.int64)
         rng = np.random.default_rng([*self.seed, epoch])
@@ -135,12 +158,25 @@ class _Source:
             )
             parts.append(shards[s].first_sample + inner)
         order = np.concatenate(parts).astype(np.int64)
-        if self.buffer > 1:
-            jitter = np.random.default_rng([*self.seed, epoch, 0x627566]).uniform(
-                0, self.buffer, self.n
-            )
-            order = order[np.argsort(np.arange(self.n) + jitter, kind="stable")]
-        return order
+        return self._buffered(order, epoch)
+
+    def _pool_order(self, epoch: int) -> np.ndarray:
+        assert self.members is not None and self._member_shards is not None
+        if not self.shuffle:
+            return self.members
+        rng = np.random.default_rng([*self.seed, epoch])
+        rank = np.empty(len(self.firsts), dtype=np.int64)  # each shard's place this epoch
+        rank[rng.permutation(len(self.firsts))] = np.arange(len(self.firsts))
+        inside = rng.random(self.n)  # a random order inside each shard
+        order = self.members[np.lexsort((inside, rank[self._member_shards]))]
+        return self._buffered(order, epoch)
+
+    def _buffered(self, order: np.ndarray, epoch: int) -> np.ndarray:
+        if self.buffer <= 1:
+            return order
+        n = len(order)
+        jitter = np.random.default_rng([*self.seed, epoch, 0x627566]).uniform(0, self.buffer, n)
+        return order[np.argsort(np.arange(n) + jitter, kind="stable")]
 
     def take(self, counters: np.ndarray) -> np.ndarray:
         """Sample indices of this source's ``k``-th draws (epochs follow one another)."""
@@ -158,11 +194,13 @@ class _Source:
 class ShardStream:
     """Micro-batches of packed samples for one DP rank (see the module docstring).
 
-    ``manifest`` is one manifest, or several as ``[(manifest, weight), ...]``."""
+    ``manifest`` is one manifest, or several as ``[(manifest, weight), ...]``; an entry
+    ``(manifest, weight, {modality: weight})`` also weights the modalities inside it."""
 
     def __init__(
         self,
-        manifest: Manifest | Sequence[tuple[Manifest, float]],
+        manifest: Manifest
+        | Sequence[tuple[Manifest, float] | tuple[Manifest, float, Mapping[str, float]]],
         dp_rank: int,
         dp: int,
         micro_batch: int,
@@ -177,13 +215,31 @@ class ShardStream:
     ) -> None:
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank {dp_rank} is outside dp={dp}")
-        pairs = [(manifest, 1.0)] if isinstance(manifest, Manifest) else list(manifest)
-        if not pairs:
+        entries = [(manifest, 1.0)] if isinstance(manifest, Manifest) else list(manifest)
+        if not entries:
             raise ValueError("the loader needs at least one manifest")
-        self.manifests = [m for m, _ in pairs]
-        self.weights = [float(w) for w in normalised([w for _, w in pairs])]
+        self.manifests: list[Manifest] = [e[0] for e in entries]
         self.manifest = self.manifests[0]
-        self.mixed = len(pairs) > 1
+        # per manifest: its modality weights ({} = drawn as a whole)
+        self.modality_weights: list[dict[str, float]] = [
+            {k: float(v) for k, v in e[2].items()} if len(e) > 2 else {}  # type: ignore[misc]
+            for e in entries
+        ]
+        shares = normalised([e[1] for e in entries])
+        # per manifest with modality weights: each sample's real tokens per modality
+        self._tables = {
+            j: m.sample_tokens() for j, m in enumerate(self.manifests) if self.modality_weights[j]
+        }
+        # the sources drawn from: a manifest, or one per weighted modality of a manifest
+        plan: list[tuple[int, ModalityPool | None, float]] = []
+        for j, (m, mw) in enumerate(zip(self.manifests, self.modality_weights)):
+            if not mw:
+                plan.append((j, None, float(shares[j])))
+                continue
+            pools = modality_pools(self._tables[j], m.token_space.modalities, mw, m.location)
+            plan += [(j, p, float(shares[j]) * p.rate) for p in pools]
+        self.weights = [w for *_, w in plan]
+        self.mixed = len(plan) > 1 or plan[0][1] is not None
         self.dp_rank, self.dp, self.micro_batch = dp_rank, dp, micro_batch
         self.seed, self.shuffle, self.shuffle_buffer = seed, shuffle, shuffle_buffer
         self.retries, self.backoff_s, self.timeouts = max(1, retries), backoff_s, timeouts
@@ -195,22 +251,31 @@ class ShardStream:
                 f"than one global micro-batch (dp {dp} × micro_batch {micro_batch})"
             )
         self.sources = [
-            _Source(m, [seed] if not self.mixed else [seed, 0x737263, i], shuffle, shuffle_buffer)
-            for i, m in enumerate(self.manifests)
+            _Source(
+                self.manifests[j],
+                [seed] if not self.mixed else [seed, 0x737263, i],
+                shuffle,
+                shuffle_buffer,
+                j,
+                pool,
+            )
+            for i, (j, pool, _) in enumerate(plan)
         ]
         self.epoch = 0
         self.position = 0
-        self.counts = np.zeros(len(pairs), dtype=np.int64)  # draws per source so far
+        self.counts = np.zeros(len(plan), dtype=np.int64)  # draws per source so far
+        # per manifest with modality weights: its sources, and the tokens drawn from it so far
+        # (every rank's, kept on each)
+        self._pools_of = {j: [s for s, (m, *_) in enumerate(plan) if m == j] for j in self._tables}
+        self._drawn = {j: np.zeros(t.shape[1], dtype=np.int64) for j, t in self._tables.items()}
         # the live shards: about two per source (the buffer blends seams) and the one before
-        self._keep = 3 * len(pairs)
+        self._keep = 3 * len(plan)
         self._prefetch = (
             Prefetcher(self._load, prefetch_bytes, keep=self._keep) if prefetch_bytes > 0 else None
         )
         self._recent: dict[tuple[int, int], list[PackedSample]] = {}
 
-    @property
-    def source_labels(self) -> list[str]:
-        """A short distinct name per source: the directory of its manifest (else numbered)."""
+    def _manifest_labels(self) -> list[str]:
         labels = [
             m.location.rstrip("/").rsplit("/", 2)[-2] if "/" in m.location else m.name
             for m in self.manifests
@@ -218,6 +283,59 @@ class ShardStream:
         if len(set(labels)) < len(labels):
             labels = [f"{i}.{label}" for i, label in enumerate(labels)]
         return labels
+
+    @property
+    def source_labels(self) -> list[str]:
+        """A short distinct name per source: the directory of its manifest (else numbered),
+        and ``/modality`` for a modality's share of a manifest."""
+        labels = self._manifest_labels()
+        return [
+            labels[src.m] + (f"/{src.modality}" if src.modality else "") for src in self.sources
+        ]
+
+    def _tokens_of(self, src: np.ndarray, idx: np.ndarray) -> dict[int, np.ndarray]:
+        """Per weighted manifest: real tokens per modality of the drawn samples given."""
+        return {
+            j: table[idx[np.isin(src, self._pools_of[j])]].sum(axis=0)
+            for j, table in self._tables.items()
+        }
+
+    def drawn_tokens(self) -> dict[int, np.ndarray]:
+        """For each manifest with modality weights (by its number): the real tokens of each
+        modality (token-space order) in the samples drawn from it so far, on every rank
+        together (from the manifest's record, not the shards)."""
+        return {j: t.copy() for j, t in self._drawn.items()}
+
+    def mix_shares(self) -> dict[str, float]:
+        """What the run drew so far, against the weights: each manifest's share of the
+        samples (``label``; with several manifests) and each weighted modality's share of
+        its manifest's tokens (``label/modality``)."""
+        labels = self._manifest_labels()
+        out: dict[str, float] = {}
+        if len(self.manifests) > 1:
+            per = np.zeros(len(self.manifests))
+            for source, c in zip(self.sources, self.counts):
+                per[source.m] += c
+            for j, share in enumerate(per / max(1.0, per.sum())):
+                out[labels[j]] = float(share)
+        for j, tokens in self._drawn.items():
+            names = self.manifests[j].token_space.modalities
+            listed = [k for k, n in enumerate(names) if n in self.modality_weights[j]]
+            total = max(1, int(tokens[listed].sum()))
+            for k in listed:
+                out[f"{labels[j]}/{names[k]}"] = float(tokens[k] / total)
+        return out
+
+    def modality_mix_error(self) -> float:
+        """The largest |token share − weight| / weight over the weighted modalities of every
+        manifest, over the run so far (0 when no manifest weights its modalities)."""
+        err = 0.0
+        for j, tokens in self.drawn_tokens().items():
+            names = self.manifests[j].token_space.modalities
+            mw = self.modality_weights[j]
+            listed = [k for k, n in enumerate(names) if n in mw]
+            err = max(err, mix_error(tokens[listed].tolist(), [mw[names[k]] for k in listed]))
+        return err
 
     # ----------------------------------------------------------------- order
     @property
@@ -258,8 +376,9 @@ class ShardStream:
 
     # --------------------------------------------------------------- reading
     def _load(self, key: tuple[int, int]) -> list[PackedSample]:
-        s, shard = key
-        manifest = self.manifests[s]
+        """The samples of shard ``key`` = (manifest number, shard number)."""
+        m, shard = key
+        manifest = self.manifests[m]
         entry = manifest.shards[shard]
         location = manifest.shard_location(shard)
 
@@ -284,9 +403,10 @@ class ShardStream:
         return self._recent[key]
 
     def _sample(self, s: int, index: int) -> PackedSample:
-        manifest = self.manifests[s]
-        shard = int(self.sources[s].shards_of(np.array([index]))[0])
-        sample = self._shard((s, shard))[index - manifest.shards[shard].first_sample]
+        source = self.sources[s]
+        manifest = source.manifest
+        shard = int(source.shards_of(np.array([index]))[0])
+        sample = self._shard((source.m, shard))[index - manifest.shards[shard].first_sample]
         if sample.index != index:
             raise ShardFormatError(
                 f"{manifest.shard_location(shard)}: sample {index - manifest.shards[shard].first_sample} "
@@ -301,13 +421,18 @@ class ShardStream:
             total = sum(source.n for source in self.sources)
             positions = max(self.global_batch, min(_LOOKAHEAD, total))
         src, idx, *_ = self._span(self.epoch, self.position, self.counts, positions)
-        firsts: list[tuple[int, int, int]] = []  # (first position, source, shard)
+        first: dict[tuple[int, int], int] = {}  # (manifest, shard): first position
         for s, source in enumerate(self.sources):
             sel = np.flatnonzero(src == s)
             shards = source.shards_of(idx[sel])
-            _, first = np.unique(shards, return_index=True)
-            firsts += [(int(sel[i]), s, int(shards[i])) for i in first]
-        return [((s, sh), self.manifests[s].shards[sh].bytes) for _, s, sh in sorted(firsts)]
+            _, at = np.unique(shards, return_index=True)
+            for i in at:  # pools of one manifest share its shards
+                key = (source.m, int(shards[i]))
+                first[key] = min(first.get(key, int(sel[i])), int(sel[i]))
+        return [
+            (key, self.manifests[key[0]].shards[key[1]].bytes)
+            for key in sorted(first, key=first.__getitem__)
+        ]
 
     def next_batch(self) -> list[PackedSample]:
         """This DP rank's ``micro_batch`` samples of the next global micro-batch."""
@@ -324,6 +449,8 @@ class ShardStream:
             for s, i in zip(src[lo : lo + self.micro_batch], idx[lo : lo + self.micro_batch])
         ]
         self.epoch, self.position, self.counts = epoch, position, counts
+        for j, tokens in self._tokens_of(src, idx).items():
+            self._drawn[j] += tokens
         if self._prefetch is not None:
             self._prefetch.schedule(self.upcoming_shards())
         return samples
@@ -343,7 +470,12 @@ class ShardStream:
 
     # ----------------------------------------------------------------- state
     def _identity(self) -> list[list[str]]:
-        return [[s.sha256 for s in m.shards] for m in self.manifests]
+        """Per source: its manifest's shard hashes (and the modality it draws, if one)."""
+        return [
+            [s.sha256 for s in src.manifest.shards]
+            + ([f"modality={src.modality}"] if src.modality else [])
+            for src in self.sources
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         """Identical on every rank: where the global order stands (no layout in it)."""
@@ -386,3 +518,6 @@ class ShardStream:
             )
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
         self.counts = np.asarray(state["counts"], dtype=np.int64)
+        if self._tables:  # the tokens drawn so far: replay the order up to the position
+            src, idx, *_ = self._span(0, 0, np.zeros_like(self.counts), self.position)
+            self._drawn = self._tokens_of(src, idx)

@@ -24,6 +24,7 @@ from ulysses_mm.config import RunConfig, from_dict, to_dict
 from ulysses_mm.data.batch import Batch, make_batch
 from ulysses_mm.data.cache import NodeCache
 from ulysses_mm.data.manifest import Manifest
+from ulysses_mm.data.mixing import modality_pools
 from ulysses_mm.data.stream import ShardStream
 from ulysses_mm.layout import check_layout
 from ulysses_mm.model.attention import check_kernel_config
@@ -73,20 +74,38 @@ class RunPlan:
     space: TokenSpace
     seq_len: int
     sources: list[tuple[Manifest, float]] = field(default_factory=list)
+    modalities: list[dict[str, float]] = field(default_factory=list)  # per source ({} = none)
+
+    @property
+    def stream_sources(self) -> list[tuple[Manifest, float, dict[str, float]]]:
+        """The sources as :class:`ShardStream` takes them, modality weights included."""
+        mods = self.modalities or [{} for _ in self.sources]
+        return [(m, w, mw) for (m, w), mw in zip(self.sources, mods)]
 
 
-def train_sources(cfg: RunConfig) -> list[tuple[Manifest, float]]:
-    """The training manifests and their weights (one, weight 1, for a plain ``data.train``)."""
+def train_entries(cfg: RunConfig) -> list[tuple[str, float, dict[str, float]]]:
+    """``data.train`` as (manifest location, weight, modality weights) entries."""
     d = cfg.data
     if not d.train:
         raise ValueError("data.train is empty: give the manifest of the training shards")
     mix = {d.train: 1.0} if isinstance(d.train, str) else dict(d.train)
-    for location, weight in mix.items():
+    entries = []
+    for location, value in mix.items():
+        weight, mods = (
+            (value, {}) if isinstance(value, (int, float)) else (value.weight, value.modalities)
+        )
         if not weight > 0 or not math.isfinite(weight):
             raise ValueError(
                 f"data.train: the weight of {location} is {weight}; give a positive one"
             )
-    return [(Manifest.load(loc, d.storage_options), float(w)) for loc, w in mix.items()]
+        entries.append((location, float(weight), dict(mods)))
+    return entries
+
+
+def train_sources(cfg: RunConfig) -> list[tuple[Manifest, float]]:
+    """The training manifests and their weights (one, weight 1, for a plain ``data.train``)."""
+    so = cfg.data.storage_options
+    return [(Manifest.load(loc, so), w) for loc, w, _ in train_entries(cfg)]
 
 
 def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
@@ -98,7 +117,9 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     (``model.init_from``) against the model, the data's token space against the model's
     and the checkpoint's (every mixed manifest's alike), the sequence length against the
     shards', the loader's budgets, and that a resumed run has a checkpoint."""
-    sources = train_sources(cfg)
+    entries = train_entries(cfg)
+    sources = [(Manifest.load(loc, cfg.data.storage_options), w) for loc, w, _ in entries]
+    modalities = [mods for *_, mods in entries]
     manifest = sources[0][0]
     space = model_space(cfg, manifest)
     seq_len = cfg.data.seq_len or manifest.seq_len
@@ -109,6 +130,10 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
                 f"of {source.seq_len} tokens; prepare the data again or set data.seq_len=0"
             )
         source.check_token_space(space)
+    for (source, _), mods in zip(sources, modalities):
+        if mods:  # names, presence, weights, and that the samples can give them
+            where = f"data.train: {source.location}"
+            modality_pools(source.sample_tokens(), source.token_space.modalities, mods, where)
     check_loader_config(cfg, sources)
     check_kernel_config(cfg.parallel.attention, cfg.deepspeed.precision)
     m = cfg.model
@@ -144,7 +169,7 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
                 f"--resume: checkpoint {ckpt_dir / tag} was trained on the "
                 f"{saved.describe()}, but this run's is the {space.describe()}"
             )
-    return RunPlan(manifest, eval_manifest, space, seq_len, sources)
+    return RunPlan(manifest, eval_manifest, space, seq_len, sources, modalities)
 
 
 def check_loader_config(cfg: RunConfig, sources: list[tuple[Manifest, float]]) -> None:
@@ -191,7 +216,7 @@ class Trainer:
         self.rt = build_runtime(cfg, self.space, self.world)
         self.engine, self.optimizer, self.model = self.rt.engine, self.rt.optimizer, self.rt.model
         self.weights = self.rt.weights
-        self.stream = self._stream(plan.sources, cfg.data.seed, cfg.data.shuffle)
+        self.stream = self._stream(plan.stream_sources, cfg.data.seed, cfg.data.shuffle)
         self.step = 0
         if resume:
             client = checkpoint.load(self.engine, self.ckpt_dir)
@@ -202,7 +227,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
     def _stream(
-        self, sources: Manifest | list[tuple[Manifest, float]], seed: int, shuffle: bool
+        self,
+        sources: Manifest | list[tuple[Manifest, float, dict[str, float]]],
+        seed: int,
+        shuffle: bool,
     ) -> ShardStream:
         d = self.cfg.data
         return ShardStream(
@@ -274,10 +302,9 @@ class Trainer:
                 metrics[f"targets/{m}"] = counts[m]
         if "dna" in self.space.modalities and counts.get("dna"):
             metrics["bits_per_base/dna"] = metrics["loss/dna"] / LN2  # one token per base
-        if self.stream.mixed:  # each source's share of the samples so far, against its weight
-            drawn = self.stream.counts / max(1, int(self.stream.counts.sum()))
-            for label, share in zip(self.stream.source_labels, drawn):
-                metrics[f"mix/{label}"] = float(share)
+        # each manifest's share of the samples, each weighted modality's of its manifest's tokens
+        for label, share in self.stream.mix_shares().items():
+            metrics[f"mix/{label}"] = share
         return metrics
 
     @torch.no_grad()
