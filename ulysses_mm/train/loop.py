@@ -102,12 +102,6 @@ def train_entries(cfg: RunConfig) -> list[tuple[str, float, dict[str, float]]]:
     return entries
 
 
-def train_sources(cfg: RunConfig) -> list[tuple[Manifest, float]]:
-    """The training manifests and their weights (one, weight 1, for a plain ``data.train``)."""
-    so = cfg.data.storage_options
-    return [(Manifest.load(loc, so), w) for loc, w, _ in train_entries(cfg)]
-
-
 def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     """Every check the config, the manifests and the checkpoint decide, in one place: run
     by the parent before it starts processes (one line, exit 2) and by each rank again.
