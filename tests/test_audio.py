@@ -26,7 +26,13 @@ from media_factory import (
     write_video,
 )
 
-from ulysses_mm.modalities.audio import MulawTokenizer, load_waveform, mulaw_decode, mulaw_encode
+from ulysses_mm.modalities.audio import (
+    MulawTokenizer,
+    _RateStream,
+    load_waveform,
+    mulaw_decode,
+    mulaw_encode,
+)
 from ulysses_mm.modalities.base import DecodeError, TokenizerSpec
 from ulysses_mm.modalities.registry import load_tokenizer
 from ulysses_mm.tokenspace import DOC_END, DOC_START, TokenSpace
@@ -300,6 +306,64 @@ def test_16k_keeps_the_band_to_7500_hz(tmp_path: Path) -> None:
     path = write_audio(tmp_path / "t8200.wav", tone(1.0, 44100, 8200.0, 0.5), 44100)
     alias = load_waveform(str(path), 16000).samples[2000:-2000]
     assert np.sqrt(np.mean(alias**2)) < 0.5 * 10 ** (-60 / 20)  # stop band: no alias at 7.8 kHz
+
+
+def _top_band(rate: int, seconds: float = 1.0) -> np.ndarray:
+    """Most of its energy at 7.6-7.95 kHz (flat-spectrum noise, shaped by FFT), the rest a
+    speech-like low band; faded in and out so a periodic reference and a stream agree."""
+    n = round(rate * seconds)
+    rng = np.random.default_rng(1)
+    f = np.fft.rfftfreq(n, 1 / rate)
+    spectrum = rng.standard_normal(f.shape[0]) + 1j * rng.standard_normal(f.shape[0])
+    gain = ((f >= 7600) & (f <= 7950)) + 0.3 * ((f >= 100) & (f <= 3000))
+    x = np.fft.irfft(spectrum * gain, n)
+    t = np.arange(n) / rate
+    x *= np.minimum(1.0, np.minimum(t, seconds - t) / 0.05)
+    return (0.5 * x / np.abs(x).max()).astype(np.float32)
+
+
+@pytest.mark.parametrize("rate", [44100, 22050])
+def test_sharp_resample_keeps_7_6_to_7_95_khz(tmp_path: Path, rate: int) -> None:
+    """The default filter is flat to 7.95 kHz: a signal with most of its energy at
+    7.6-7.95 kHz still matches an ideal band-limited resample; libsoxr's VHQ alone cannot."""
+    x = _top_band(rate)
+    path = write_audio(tmp_path / "top.wav", x, rate)
+    ref = _ideal_resample(x, rate, 16000)
+    got = load_waveform(str(path), 16000).samples
+    assert got.shape[0] == ref.shape[0]
+    assert snr_db(ref, got) >= 30.0, f"sharp: {snr_db(ref, got):.1f} dB"
+    old = load_waveform(str(path), 16000, resampler="soxr").samples[: ref.shape[0]]
+    assert snr_db(ref, old) < 10.0, f"soxr: {snr_db(ref, old):.1f} dB"
+
+
+def test_sharp_resample_is_flat_to_7950_hz(tmp_path: Path) -> None:
+    for f in (7500.0, 7800.0, 7950.0):
+        path = write_audio(tmp_path / f"t{int(f)}.wav", tone(1.0, 44100, f, 0.5), 44100)
+        y = load_waveform(str(path), 16000).samples[2000:-2000]
+        gain_db = 20 * np.log10(np.sqrt(2 * np.mean(y.astype(np.float64) ** 2)) / 0.5)
+        assert abs(gain_db) < 0.1, f"{f} Hz: {gain_db:.2f} dB"
+    for f in (8000.0, 8050.0):  # the stop band starts at the Nyquist: nothing folds back
+        path = write_audio(tmp_path / f"t{int(f)}.wav", tone(1.0, 44100, f, 0.5), 44100)
+        y = load_waveform(str(path), 16000).samples[2000:-2000]
+        assert np.sqrt(np.mean(y**2)) < 0.5 * 10 ** (-90 / 20), f"{f} Hz leaks"
+
+
+@pytest.mark.parametrize(
+    ("rate", "sharp"), [(44100, True), (22050, True), (32000, True), (48000, False)]
+)
+def test_streamed_resample_is_exact_across_chunks(rate: int, sharp: bool) -> None:
+    """Chunk sizes do not change a sample: the FIR runs on blocks counted from the start."""
+    x = _synth("speech", rate, 3.0)
+    whole = _RateStream(rate, 16000, sharp)
+    expect = np.concatenate([whole.resample_chunk(x), whole.resample_chunk(x[:0], last=True)])
+    rng = np.random.default_rng(0)
+    cuts = np.sort(rng.integers(0, x.shape[0], 40))
+    chunked = _RateStream(rate, 16000, sharp)
+    parts = [chunked.resample_chunk(c) for c in np.split(x, cuts)]
+    got = np.concatenate([*parts, chunked.resample_chunk(x[:0], last=True)])
+    np.testing.assert_array_equal(got, expect)
+    if sharp:
+        assert got.shape[0] == round(x.shape[0] * 16000 / rate)
 
 
 def test_resampler_param_is_checked() -> None:

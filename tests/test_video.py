@@ -10,6 +10,7 @@ import math
 import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import av
 import numpy as np
@@ -461,3 +462,129 @@ def test_shipped_gsvq_on_a_clip_it_was_not_fitted_on() -> None:
     dec = tok.decode_ids(tok.encode_frames(frames))  # type: ignore[attr-defined]
     assert tok.tokens_per_frame == 256  # type: ignore[attr-defined]
     assert psnr(frames, dec) > 24.0
+
+
+# --------------------------------------------------------------------------- video-gsvq motion
+def _panning(t: int, size: int = 64, step: tuple[int, int] = (2, -3)) -> np.ndarray:
+    """A textured scene the camera pans over by ``step`` pixels a frame: [t, size, size, 3]."""
+    big = smooth_frames(np.random.default_rng(3), 1, 2 * size, 2 * size)[0].astype(np.float32)
+    noise = np.random.default_rng(4).uniform(-1, 1, (2 * size, 2 * size)).astype(np.float32)
+    for axis in (0, 1, 0, 1):  # smoothed: a texture a shift shows in, not a periodic one
+        noise = (noise + np.roll(noise, 1, axis) + np.roll(noise, -1, axis)) / 3
+    big += 120 * noise[..., None]
+    big = np.clip(big, 0, 255).astype(np.uint8)
+    oy, ox = size // 2, size // 2
+    return np.stack(
+        [
+            big[
+                oy - k * step[0] : oy - k * step[0] + size,
+                ox - k * step[1] : ox - k * step[1] + size,
+            ]
+            for k in range(t)
+        ]
+    )
+
+
+def _with_motion(gsvq: Path, motion: int, local: int) -> Any:
+    from ulysses_mm.modalities.gainshape import MotionLayout, load_model
+
+    spec = TokenizerSpec.load(gsvq)
+    layout = MotionLayout(load_model(spec, 16).per_mode, motion, local)
+    params = {**spec.params, "motion": motion, "local": local}
+    return load_tokenizer(dataclasses.replace(spec, params=params, vocab_size=layout.vocab_size))
+
+
+def test_global_motion_finds_a_known_pan() -> None:
+    import torch
+
+    from ulysses_mm.modalities.gainshape import _luma, global_motion
+
+    frames = torch.from_numpy(_panning(2, 64, (3, -5))).to(torch.float32)
+    assert global_motion(_luma(frames[0]), _luma(frames[1]), 6) == (3, -5)
+    assert global_motion(_luma(frames[0]), _luma(frames[0]), 6) == (0, 0)
+
+
+def test_gsvq_motion_closed_loop_and_its_ids(gsvq: Path) -> None:
+    """Motion-compensated ids: one motion id per frame after the first, at position t mod N,
+    and the decoder tracks the encoder exactly."""
+    from ulysses_mm.modalities.gainshape import MotionLayout
+
+    frames = _panning(10)
+    moving = _with_motion(gsvq, 4, 1)
+    enc = moving.encoder()
+    ids = np.concatenate([enc(frames[:4]), enc(frames[4:])])  # state kept across batches
+    assert np.array_equal(ids, moving.encode_frames(frames))
+    lay: MotionLayout = moving.layout
+    assert moving.spec.vocab_size == 9 * (1 + lay.per_mode) + lay.per_mode + 81
+    n = ids.shape[1]
+    for t in range(ids.shape[0]):
+        is_motion = ids[t] >= lay.motion_start
+        assert is_motion.sum() == (t > 0) and (t == 0 or is_motion[t % n])
+    # closed loop: the decoder's frames are the encoder's predictions, frame by frame
+    coder = moving.coder()
+    x = torch_patches(frames)
+    encoded = []
+    for i in range(frames.shape[0]):
+        coder.encode(x[i], moving.model.project(x[i]))
+        encoded.append(coder.prev.numpy().astype(np.uint8))
+    dec = moving.decode_ids(ids)
+    assert np.array_equal(dec, unpatchify(np.concatenate(encoded), 64, 16))
+    bad = ids.copy()
+    bad[1, 0] = bad[1, 1]  # frame 1's slot (position 1) holds a motion id; put one elsewhere
+    with pytest.raises(ValueError, match="motion id outside"):
+        moving.decode_ids(bad)
+    bad = ids.copy()
+    bad[1, 1] = 0
+    with pytest.raises(ValueError, match="not a motion id"):
+        moving.decode_ids(bad)
+
+
+def test_shipped_gsvq_model_with_motion_gains_on_a_pan() -> None:
+    """The shipped model with params motion/local on a 256×256 camera pan (the previous
+    frame displaced, then refined per patch) beats the plain layout (measured 0.55 / 0.68 dB
+    for motion 8 / + local 1)."""
+    frames = _panning(8, 256, (4, 5))
+    spec = TOKENIZERS / "video-gsvq.json"
+    plain = load_tokenizer(spec)
+    base = psnr(frames, plain.decode_ids(plain.encode_frames(frames)))  # type: ignore[attr-defined]
+    for motion, local, bound in ((8, 0, 0.3), (8, 1, 0.4)):
+        tok = _with_motion(spec, motion, local)
+        gain = psnr(frames, tok.decode_ids(tok.encode_frames(frames))) - base
+        assert gain > bound, f"motion {motion}, local {local}: {gain:.2f} dB"
+
+
+def torch_patches(frames: np.ndarray) -> Any:
+    import torch
+
+    x = torch.from_numpy(patchify(frames, 16)).to(torch.float32)
+    return x.reshape(frames.shape[0], -1, x.shape[1])
+
+
+def test_gsvq_motion_params_are_checked(gsvq: Path, tmp_path: Path) -> None:
+    spec = json.loads(gsvq.read_text())
+    spec["params"]["motion"] = 4
+    spec["artifact"] = str(gsvq.with_suffix(".npz"))
+    (tmp_path / "m.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match=r"motion 4, local 0\) makes 850 ids, vocab_size is 769"):
+        load_tokenizer(tmp_path / "m.json")
+    spec["params"]["local"] = 9
+    (tmp_path / "m.json").write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="'local' 0..3"):
+        load_tokenizer(tmp_path / "m.json")
+
+
+def test_gsvq_fit_with_motion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    clip = write_video(tmp_path / "fit.mp4", _panning(10))
+    args = ["tokenizer", "fit", "video", str(clip), "--kind", "video-gsvq", "--size", "64"]
+    args += ["--dims", "16", "--shapes", "16", "--levels", "4", "--iters", "2"]
+    args += ["--motion", "3", "--local", "1", "--out", str(tmp_path / "m.json")]
+    assert main(args) == 0
+    spec = json.loads((tmp_path / "m.json").read_text())
+    assert (spec["params"]["motion"], spec["params"]["local"]) == (3, 1)
+    assert spec["vocab_size"] == 9 * (1 + 2 * 16 * 4) + 2 * 16 * 4 + 7 * 7
+    tok = load_tokenizer(tmp_path / "m.json")
+    frames = _panning(6)
+    assert tok.decode_ids(tok.encode_frames(frames)).shape == frames.shape  # type: ignore[attr-defined]
+    out = str(tmp_path / "x.json")
+    assert main(["tokenizer", "fit", "video", "x.mp4", "--motion", "2", "--out", out]) == 2
+    assert "--motion and --local apply to --kind video-gsvq only" in capsys.readouterr().err

@@ -379,6 +379,12 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--shapes", type=int, default=512, help="video-gsvq: shape codewords (512)")
     f.add_argument("--levels", type=int, default=16, help="video-gsvq: gain levels (16)")
     f.add_argument(
+        "--motion", type=int, default=0, help="video-gsvq: global motion searched, ± px (0: none)"
+    )
+    f.add_argument(
+        "--local", type=int, default=0, help="video-gsvq: per-patch motion around it, ± px (0)"
+    )
+    f.add_argument(
         "--synthetic",
         type=int,
         default=0,

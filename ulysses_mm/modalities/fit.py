@@ -165,11 +165,18 @@ def _check_flag_combinations(args: argparse.Namespace, opts: VideoFitOptions) ->
 
 def fit_gainshape_cli(args: argparse.Namespace, out: Path, params: dict[str, Any]) -> int:
     """``tokenizer fit video --kind video-gsvq``: the predictive gain-shape model."""
-    from ulysses_mm.modalities.gainshape import fit_gainshape, npz_bytes, residual_vectors
+    from ulysses_mm.modalities.gainshape import (
+        MotionLayout,
+        fit_gainshape,
+        npz_bytes,
+        residual_vectors,
+    )
     from ulysses_mm.modalities.registry import load_tokenizer
 
     if args.codebook or args.audio_spec:
         raise ValueError("--codebook and --audio-spec apply to --kind video-vq only")
+    if args.motion < 0 or args.local < 0:
+        raise ValueError("--motion and --local must be >= 0")
     if not args.sources and not args.synthetic:
         raise ValueError("give SOURCES and/or --synthetic N to fit on")
     clips: list[np.ndarray] = []
@@ -194,6 +201,9 @@ def fit_gainshape_cli(args: argparse.Namespace, out: Path, params: dict[str, Any
     artifact = out.with_suffix(".npz")
     data = npz_bytes(fit.model)
     atomic_write_local(artifact, data)
+    if args.motion or args.local:  # the plain layout's specs keep their params as they were
+        params["motion"], params["local"] = args.motion, args.local
+    layout = MotionLayout(fit.model.per_mode, args.motion, args.local)
     params["fit"] = {
         "sources": [Path(s).name for s in args.sources],
         "synthetic_clips": args.synthetic,
@@ -210,11 +220,18 @@ def fit_gainshape_cli(args: argparse.Namespace, out: Path, params: dict[str, Any
             f"Video as {args.size}x{args.size} crops at {args.fps:g} fps, one id per "
             f"{args.patch}x{args.patch} patch ({tokens} per frame, then <eof>): predictive "
             f"gain-shape VQ ({args.shapes} shapes in a {args.dims}-dim basis, {args.levels} "
-            "signed gain levels, from the previous frame or from grey)."
+            "signed gain levels, from the previous frame or from grey"
+            + (
+                f"; the previous frame moved by a global displacement up to ±{args.motion} px "
+                f"and ±{args.local} px per patch"
+                if args.motion or args.local
+                else ""
+            )
+            + ")."
         ),
         "modality": "video",
         "kind": "video-gsvq",
-        "vocab_size": fit.model.vocab_size,
+        "vocab_size": layout.vocab_size,
         "params": params,
         "artifact": _rel(artifact, out.parent),
         "artifact_sha256": hashlib.sha256(data).hexdigest(),
@@ -261,6 +278,8 @@ def cli_fit(args: argparse.Namespace) -> int:
         return fit_gainshape_cli(args, out, params)
     if args.synthetic:
         raise ValueError("--synthetic applies to --kind video-gsvq only")
+    if args.motion or args.local:
+        raise ValueError("--motion and --local apply to --kind video-gsvq only")
     if args.audio_spec:
         audio = Path(args.audio_spec)
         TokenizerSpec.load(audio)  # fail now if it is not a spec

@@ -12,6 +12,16 @@ Per clip, frames as the ``video-vq`` kind samples them (fps, resize, centre crop
                 vocab_size = 1 + 4·K·L)
     reconstruction  base + g·(s B), rounded and clipped to 0..255: the next prediction
 
+Motion (params ``motion`` = G and ``local`` = r, both 0 by default: the layout above). With
+G > 0 the inter base is the previous reconstruction displaced by one global vector per
+frame (phase correlation, |v| <= G; edges replicated), spent as the id at position
+``t mod N`` of every frame after the first (that patch is the displaced one, uncoded);
+with r > 0 each inter id also names one of (2r+1)² displacements around it per patch,
+the one whose prediction is closest in luma (see :class:`MotionLayout` for the ids).
+Handheld footage moves a few pixels a frame at 8 fps: on a held-out clip G = 12, r = 1
+with K = 512, L = 12 (vocab 123,514) gains 0.9 dB over the plain layout (25.5 against
+24.7 dB) at about half its encode speed.
+
 The encoder runs the decoder's own reconstruction (closed loop), so errors never drift.
 Gain–shape splits how much changes (gain, any scale) from how it looks (shape, unit norm):
 one codebook serves a whole first frame and the small refinements after it, and it
@@ -34,9 +44,16 @@ import numpy as np
 import torch
 
 from ulysses_mm.modalities.base import TokenizerSpec
+from ulysses_mm.modalities.util import ParamSchema
 from ulysses_mm.modalities.video import VqVideoTokenizer, patchify, unpatchify
 
 GREY = 128.0
+
+_GS_SCHEMA: ParamSchema = {
+    **VqVideoTokenizer.schema,
+    "motion": ((int,), 0),  # global displacement searched per frame, ± pixels (0: none)
+    "local": ((int,), 0),  # per-patch refinement of it, ± pixels (0: none)
+}
 
 
 @dataclass
@@ -120,6 +137,232 @@ class GainShapeModel:
         return (base + (g[:, None] * self._s[shape]) @ self._b).round_().clamp_(0.0, 255.0)
 
 
+# --------------------------------------------------------------------------- motion
+@dataclass(frozen=True)
+class MotionLayout:
+    """How motion-compensated prediction lays out the ids (params ``motion``, ``local``).
+
+    With ``motion`` = G > 0, every frame after the first spends the id at position
+    ``t mod N`` on the frame's global displacement (one of (2G+1)² ids; that patch is the
+    displaced previous frame, uncoded); with ``local`` = r > 0 each inter id also names one
+    of C = (2r+1)² displacements around it, chosen per patch by prediction error. Ids:
+    inter with offset o: ``o·(1 + 2KL) + j`` (j = 0 keep, else shape/sign/level as in
+    the module docstring); intra: ``C·(1 + 2KL) + j - 1``; motion: after both. G = r = 0 is
+    the plain layout, 1 + 4KL ids.
+    """
+
+    per_mode: int  # 2KL
+    motion: int = 0
+    local: int = 0
+
+    @property
+    def offsets(self) -> list[tuple[int, int]]:
+        r = self.local
+        return [(dy, dx) for dy in range(-r, r + 1) for dx in range(-r, r + 1)]
+
+    @property
+    def inter_block(self) -> int:
+        return 1 + self.per_mode
+
+    @property
+    def intra_start(self) -> int:
+        return len(self.offsets) * self.inter_block
+
+    @property
+    def motion_start(self) -> int:
+        return self.intra_start + self.per_mode
+
+    @property
+    def vocab_size(self) -> int:
+        return self.motion_start + ((2 * self.motion + 1) ** 2 if self.motion else 0)
+
+
+def _image_patches(img: torch.Tensor, patch: int) -> torch.Tensor:
+    """[S, S, 3] -> [N, p·p·3] in ``patchify``'s order (row-major patches, then pixels)."""
+    n = img.shape[0] // patch
+    x = img.reshape(n, patch, n, patch, 3).permute(0, 2, 1, 3, 4)  # [n, n, p, p, 3]
+    return x.reshape(n * n, patch * patch * 3)
+
+
+def _image(patches: torch.Tensor, size: int, patch: int) -> torch.Tensor:
+    n = size // patch
+    x = patches.reshape(n, n, patch, patch, 3).permute(0, 2, 1, 3, 4)  # [n, p, n, p, 3]
+    return x.reshape(size, size, 3)
+
+
+def _luma(img: torch.Tensor) -> torch.Tensor:
+    """[H, W, 3] -> [H, W]: the channel sum (a matmul: far faster than a strided sum)."""
+    return img @ torch.ones(3)
+
+
+def global_motion(a: torch.Tensor, b: torch.Tensor, limit: int) -> tuple[int, int]:
+    """The displacement v (|v| <= ``limit`` each way) with ``b[y] ≈ a[y - v]`` for two
+    frames' luma [S, S]: phase correlation on every other pixel (Hann-windowed) proposes
+    v to 2 pixels; the squared error away from the borders (every third pixel) picks among
+    it, its 3×3 neighbours at full resolution and no motion."""
+    s = a.shape[0]
+    half_a, half_b = a[::2, ::2], b[::2, ::2]  # [S/2, S/2]
+    h = half_a.shape[0]
+    w = torch.hann_window(h, periodic=False)
+    w2 = w[:, None] * w[None, :]
+    cross = (
+        torch.fft.rfft2((half_b - half_b.mean()) * w2)
+        * torch.fft.rfft2((half_a - half_a.mean()) * w2).conj()
+    )
+    r = torch.fft.irfft2(cross / cross.abs().clamp_min(1e-6), s=(h, h))  # peak at +v/2
+    lim = (limit + 1) // 2
+    idx = torch.arange(-lim, lim + 1)
+    k = int(r[idx % h][:, idx % h].argmax())
+    py, px = 2 * (k // (2 * lim + 1) - lim), 2 * (k % (2 * lim + 1) - lim)
+    m = limit
+    inner = b[m : s - m : 3, m : s - m : 3]  # every third row and column suffices here
+
+    def err(dy: int, dx: int) -> float:
+        d = a[m - dy : s - m - dy : 3, m - dx : s - m - dx : 3] - inner
+        return float(torch.einsum("ij,ij->", d, d))
+
+    best, best_e = (0, 0), err(0, 0)
+    for dy in (py - 1, py, py + 1):
+        for dx in (px - 1, px, px + 1):
+            if max(abs(dy), abs(dx)) <= limit and (dy, dx) != (0, 0):
+                e = err(dy, dx)
+                if e < best_e:
+                    best, best_e = (dy, dx), e
+    return best
+
+
+class MotionCoder:
+    """One clip's predictive coder (encoder or decoder): the previous reconstruction and
+    the frame counter, the state both sides keep in lockstep."""
+
+    def __init__(self, model: GainShapeModel, layout: MotionLayout, size: int, patch: int):
+        self.model, self.layout, self.size, self.patch = model, layout, size, patch
+        self.n = (size // patch) ** 2
+        self.prev = torch.full((self.n, patch * patch * 3), GREY)
+        self.t = 0
+        self.plain = layout.motion == 0 and layout.local == 0  # the previous frame as is
+        self._window_index: torch.Tensor | None = None
+
+    def _padded(self) -> torch.Tensor:
+        """The previous reconstruction as an image, edges replicated by motion + local."""
+        pad = self.layout.motion + self.layout.local
+        img = _image(self.prev, self.size, self.patch)
+        if pad:
+            img = torch.nn.functional.pad(
+                img.permute(2, 0, 1)[None], (pad, pad, pad, pad), mode="replicate"
+            )[0].permute(1, 2, 0)
+        return img.contiguous()
+
+    def _patch_view(self, img: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
+        """The padded previous image displaced by (dy, dx), as a view [n, n, p, p, 3]."""
+        pad, p, n = self.layout.motion + self.layout.local, self.patch, self.size // self.patch
+        w = img.shape[1]
+        return img.as_strided(
+            (n, n, p, p, 3),
+            (p * w * 3, p * 3, w * 3, 3, 1),
+            ((pad - dy) * w + (pad - dx)) * 3,
+        )
+
+    def _displaced(self, img: torch.Tensor, g: tuple[int, int], off: torch.Tensor) -> torch.Tensor:
+        """Patch i of the previous image displaced by g + offsets[off[i]]: [N, p·p·3]. One
+        copy of each patch's window (the patch and ``local`` pixels around it), then one
+        gather from it."""
+        r, p = self.layout.local, self.patch
+        q = p + 2 * r
+        if self._window_index is None:  # [C, p·p·3]: offset o's pixels within a window
+            ar = torch.arange(p)
+            c = torch.arange(3)
+            rows = []
+            for oy, ox in self.layout.offsets:
+                y = (r - oy + ar)[:, None, None]
+                x = (r - ox + ar)[None, :, None]
+                rows.append(((y * q + x) * 3 + c).reshape(-1))
+            self._window_index = torch.stack(rows)
+        n, w = self.size // p, img.shape[1]
+        pad = self.layout.motion + r
+        windows = img.as_strided(
+            (n, n, q, q, 3),
+            (p * w * 3, p * 3, w * 3, 3, 1),
+            ((pad - g[0] - r) * w + (pad - g[1] - r)) * 3,
+        ).reshape(self.n, -1)  # [N, q·q·3], a copy
+        return torch.gather(windows, 1, self._window_index[off])
+
+    def _slot(self) -> int | None:
+        return self.t % self.n if self.layout.motion and self.t > 0 else None
+
+    def encode(self, x: torch.Tensor, zx: torch.Tensor) -> torch.Tensor:
+        """One frame's patches [N, d] (and their projection) -> ids [N]."""
+        lay, slot = self.layout, self._slot()
+        if self.plain:
+            ids, self.prev = self.model.step(x, self.prev, zx)
+            self.t += 1
+            return ids
+        pad, size = lay.motion + lay.local, self.size
+        img = self._padded()  # [S + 2·pad, S + 2·pad, 3]
+        luma = _luma(img)
+        xl = _luma(_image(x, size, self.patch))  # [S, S]
+        g = (0, 0)
+        if slot is not None:
+            g = global_motion(luma[pad : pad + size, pad : pad + size], xl, lay.motion)
+        off = torch.zeros(self.n, dtype=torch.int64)
+        if len(lay.offsets) > 1:
+            # the offset whose prediction is closest in luma, on every other row and column
+            h = size // 2
+            xh = xl[::2, ::2]
+            diffs = torch.stack(
+                [
+                    luma[pad - g[0] - oy :: 2, pad - g[1] - ox :: 2][:h, :h] - xh
+                    for oy, ox in lay.offsets
+                ]
+            )  # [C, S/2, S/2]
+            sse = torch.nn.functional.avg_pool2d((diffs * diffs)[:, None], self.patch // 2)
+            off = sse.reshape(len(lay.offsets), self.n).argmin(dim=0)  # [N]
+        ids, rec = self.model.step(x, self._displaced(img, g, off), zx)
+        out = torch.where(
+            ids > lay.per_mode,
+            ids - 1 - lay.per_mode + lay.intra_start,
+            ids + off * lay.inter_block,
+        )
+        if slot is not None:
+            out[slot] = (
+                lay.motion_start + (g[0] + lay.motion) * (2 * lay.motion + 1) + g[1] + lay.motion
+            )
+            n = self.size // self.patch  # the slot: the displaced patch, uncoded
+            rec[slot] = self._patch_view(img, g[0], g[1])[slot // n, slot % n].reshape(-1)
+        self.prev, self.t = rec, self.t + 1
+        return out
+
+    def decode(self, ids: torch.Tensor) -> torch.Tensor:
+        """One frame's ids [N] -> its reconstruction [N, d] (0..255)."""
+        lay, slot = self.layout, self._slot()
+        if self.plain:
+            self.prev = self.model.reconstruct(ids, self.prev)
+            self.t += 1
+            return self.prev
+        g = (0, 0)
+        if slot is not None:
+            m = int(ids[slot]) - lay.motion_start
+            if not 0 <= m < (2 * lay.motion + 1) ** 2:
+                raise ValueError(
+                    f"frame {self.t}: id {int(ids[slot])} at {slot} is not a motion id"
+                )
+            g = (m // (2 * lay.motion + 1) - lay.motion, m % (2 * lay.motion + 1) - lay.motion)
+            ids = ids.clone()
+            ids[slot] = 0
+        if bool((ids >= lay.motion_start).any()):
+            raise ValueError(f"frame {self.t}: a motion id outside the frame's motion slot")
+        img = self._padded()
+        intra = ids >= lay.intra_start
+        off = torch.where(intra, len(lay.offsets) // 2, ids // lay.inter_block)
+        plain = torch.where(intra, ids - lay.intra_start + 1 + lay.per_mode, ids % lay.inter_block)
+        rec = self.model.reconstruct(plain, self._displaced(img, g, off))
+        if slot is not None:
+            n = self.size // self.patch
+            rec[slot] = self._patch_view(img, g[0], g[1])[slot // n, slot % n].reshape(-1)
+        self.prev, self.t = rec, self.t + 1
+        return rec
+
+
 def load_model(spec: TokenizerSpec, patch: int) -> GainShapeModel:
     where = spec.path or spec.name
     if spec.artifact is None:
@@ -138,35 +381,44 @@ def load_model(spec: TokenizerSpec, patch: int) -> GainShapeModel:
         )
     if not all(np.isfinite(a).all() for a in (b, s, g)) or (g <= 0).any():
         raise ValueError(f"{where}: model {spec.artifact} holds NaN, inf or gains <= 0")
-    model = GainShapeModel(b, s, g)
-    if model.vocab_size != spec.vocab_size:
-        raise ValueError(
-            f"{where}: the model makes 1 + 4·{s.shape[0]}·{g.shape[0]} = {model.vocab_size} "
-            f"ids, vocab_size is {spec.vocab_size}"
-        )
-    return model
+    return GainShapeModel(b, s, g)
 
 
 class GainShapeVideoTokenizer(VqVideoTokenizer):
     """kind ``video-gsvq``: ``(size/patch)²`` ids + ``<eof>`` per frame, predicted from the
     previous frame's reconstruction (see the module docstring)."""
 
+    schema = _GS_SCHEMA
+
     def load_artifact(self) -> None:
+        where = self.spec.path or self.spec.name
         self.model = load_model(self.spec, self.patch)
+        motion, local = self.params["motion"], self.params["local"]
+        if not 0 <= motion <= self.size // 4 or not 0 <= local <= 3:
+            raise ValueError(f"{where}: params 'motion' must be 0..size/4 and 'local' 0..3")
+        self.layout = MotionLayout(self.model.per_mode, motion, local)
+        if self.layout.vocab_size != self.spec.vocab_size:
+            k, levels = self.model.shapes.shape[0], self.model.gains.shape[0]
+            raise ValueError(
+                f"{where}: the model (K={k} shapes, L={levels} levels, motion {motion}, local "
+                f"{local}) makes {self.layout.vocab_size} ids, vocab_size is "
+                f"{self.spec.vocab_size}"
+            )
+
+    def coder(self) -> MotionCoder:
+        return MotionCoder(self.model, self.layout, self.size, self.patch)
 
     def encoder(self) -> Callable[[np.ndarray], np.ndarray]:
         """A per-clip encoder: batches of frames in order -> local ids [t, N]."""
-        prev = torch.full((self.tokens_per_frame, self.patch * self.patch * 3), GREY)
+        coder = self.coder()
 
         def encode(frames: np.ndarray) -> np.ndarray:
-            nonlocal prev
             x = torch.from_numpy(patchify(frames, self.patch)).to(torch.float32)
             x = x.reshape(frames.shape[0], self.tokens_per_frame, -1)
             out = np.empty((frames.shape[0], self.tokens_per_frame), dtype=np.int64)
             zx = self.model.project(x)  # one matmul for the batch
             for i in range(frames.shape[0]):
-                ids, prev = self.model.step(x[i], prev, zx[i])
-                out[i] = ids.numpy()
+                out[i] = coder.encode(x[i], zx[i]).numpy()
             return out
 
         return encode
@@ -178,14 +430,14 @@ class GainShapeVideoTokenizer(VqVideoTokenizer):
     def decode_ids(self, ids: np.ndarray) -> np.ndarray:
         """local ids [t, N] of a clip from its first frame -> uint8 frames [t, S, S, 3]."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1, self.tokens_per_frame)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.model.vocab_size):
-            raise ValueError(f"video local id out of range 0..{self.model.vocab_size - 1}")
-        prev = torch.full((self.tokens_per_frame, self.patch * self.patch * 3), GREY)
-        out = np.empty((ids.shape[0], self.tokens_per_frame, prev.shape[1]), dtype=np.uint8)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.layout.vocab_size):
+            raise ValueError(f"video local id out of range 0..{self.layout.vocab_size - 1}")
+        coder = self.coder()
+        d = self.patch * self.patch * 3
+        out = np.empty((ids.shape[0], self.tokens_per_frame, d), dtype=np.uint8)
         for i in range(ids.shape[0]):
-            prev = self.model.reconstruct(torch.from_numpy(ids[i]), prev)
-            out[i] = prev.numpy().astype(np.uint8)
-        return unpatchify(out.reshape(-1, prev.shape[1]), self.size, self.patch)
+            out[i] = coder.decode(torch.from_numpy(ids[i])).numpy().astype(np.uint8)
+        return unpatchify(out.reshape(-1, d), self.size, self.patch)
 
 
 # --------------------------------------------------------------------------- fitting

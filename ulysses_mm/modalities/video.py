@@ -98,9 +98,11 @@ def load_codebook(spec: TokenizerSpec, patch: int) -> Codebook:
 class VqVideoTokenizer(Tokenizer):
     """kind ``video-vq``: one document per clip, ``(size/patch)²`` ids + ``<eof>`` per frame."""
 
+    schema: ParamSchema = _SCHEMA  # a subclass kind may add params
+
     def __init__(self, spec: TokenizerSpec) -> None:
         super().__init__(spec)
-        p = spec_params(spec, _SCHEMA)
+        p = spec_params(spec, self.schema)
         where = spec.path or spec.name
         check_choice(spec, "backend", p["backend"], ("auto", "decord", "pyav"))
         if p["backend"] == "decord" and decord_or_none() is None:
