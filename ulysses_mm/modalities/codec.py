@@ -44,7 +44,7 @@ _SCHEMA: ParamSchema = {
     "num_quantizers": ((int,), 0),  # codebooks kept per frame
     "tokens_per_second": ((int, float), 0),  # frame_rate · num_quantizers, checked
     "max_seconds": ((int, float, type(None)), None),
-    "resampler": ((str,), "soxr"),
+    "resampler": ((str,), "sharp"),
 }
 
 _FAMILIES = ("encodec", "dac", "mimi")
