@@ -1,8 +1,8 @@
 """Audio tokenizer speed per core, as x real time (decode + resample + mu-law), vs naive.
 
 For each shared recording (mp3, ogg, flac, wav) the tokenizer (``audio-mulaw-16k``: PyAV
-decode, the spec's resampler (sharp: libsoxr + a 4,105-tap FIR) to 16 kHz mono in ~0.5 s batches, vectorised mu-law) is timed end to
-end. Two naive baselines run in the same process on the same file:
+decode, the spec's resampler — ``sharp``: libsoxr then a 4,105-tap FIR — to 16 kHz mono in
+~0.5 s batches, vectorised mu-law) is timed end to end. Two naive baselines run in the same process on the same file:
 
 - ``per-sample mu-law``: the same decode, then mu-law by a Python loop over the samples;
 - ``per-frame resample``: mu-law vectorised, but every decoded frame sent through the
