@@ -25,8 +25,9 @@ position). :func:`block_tiles` cuts a (query block, key block) pair into varlen 
 that are either full (every query of the segment sees the same keys) or causal aligned
 bottom-right (each next query sees one key more): exactly flash-attn's varlen calls with
 ``causal=False`` / ``causal=True``. On CUDA in bf16/fp16 with flash-attn (kernel ``auto`` or
-``flash_varlen``) each group is one ``_flash_attn_varlen_forward/backward`` call with its
-LSE; elsewhere the same segments run through a PyTorch kernel with the exact LSE (fp32).
+``flash_varlen``) each group runs as ``_flash_attn_varlen_forward/backward`` calls with
+their LSE (at most 65,535 segments a call); elsewhere the same segments run through a PyTorch
+kernel with the exact LSE (fp32).
 
 Dims: b batch, n = N/R tokens of this ring rank, h query heads here, hk kv heads here
 (h % hk == 0: query head i reads kv head i // (h/hk)), d head dim; "flat" tensors are
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ulysses_mm.model.attention import DocumentMask, resolve_kernel
+from ulysses_mm.model.attention import FLASH_MAX_DOCS, DocumentMask, resolve_kernel
 
 
 def _doc_spans(run_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -131,23 +132,32 @@ class TileGroup:
     max_q: int
     max_k: int
     causal: bool
-    cap: int = 0  # queries per piece for a dense kernel (one row's worth); 0: no cut
-    _pieces: list[tuple[slice, slice, TileGroup]] | None = field(default=None, repr=False)
+    cap: int = 0  # queries of one row: a dense kernel's piece
+    _pieces: dict[tuple[int, int], list[tuple[slice, slice, TileGroup]]] = field(
+        default_factory=dict, repr=False
+    )
 
-    def pieces(self) -> list[tuple[slice, slice, TileGroup]]:
-        """The call cut at segment boundaries into pieces of at most ``cap`` queries:
-        (query rows, key rows, the piece as a call of its own), so a dense kernel holds
-        [h, ≤ n, ≤ n] scores whatever the batch size."""
-        if self._pieces is None:
+    def pieces(
+        self, max_queries: int = 0, max_segments: int = 0
+    ) -> list[tuple[slice, slice, TileGroup]]:
+        """The call cut at segment boundaries into pieces of at most ``max_queries``
+        queries and ``max_segments`` segments (0: no bound): (query rows, key rows, the
+        piece as a call of its own). A dense kernel bounds the queries (one row's worth:
+        [h, ≤ n, ≤ n] scores whatever the batch), flash-attn the segments per call."""
+        key = (max_queries, max_segments)
+        if key not in self._pieces:
             cq, ck = self.cu_q.tolist(), self.cu_k.tolist()
             m = len(cq) - 1
             cuts, s0 = [], 0
             for i in range(m):
-                if self.cap and i > s0 and cq[i + 1] - cq[s0] > self.cap:
+                if i > s0 and (
+                    (max_queries and cq[i + 1] - cq[s0] > max_queries)
+                    or (max_segments and i - s0 >= max_segments)
+                ):
                     cuts.append((s0, i))
                     s0 = i
             cuts.append((s0, m))
-            self._pieces = [
+            self._pieces[key] = [
                 (
                     slice(cq[a], cq[b]),
                     slice(ck[a], ck[b]),
@@ -163,7 +173,7 @@ class TileGroup:
                 )
                 for a, b in cuts
             ]
-        return self._pieces
+        return self._pieces[key]
 
     @property
     def pairs(self) -> int:
@@ -334,7 +344,7 @@ class TorchTiles:
         """(out [Tq, h, d] fp32, lse [Tq, h]) of the group's gathered rows."""
         out = q.new_empty(q.shape, dtype=torch.float32)
         lse = q.new_empty(q.shape[:2], dtype=torch.float32)
-        for qs, ks, piece in g.pieces():
+        for qs, ks, piece in g.pieces(g.cap):
             o, l_ = _block_forward(
                 q[qs].float()[None],
                 k[ks].float()[None],
@@ -360,7 +370,7 @@ class TorchTiles:
         dq = q.new_empty(q.shape, dtype=torch.float32)
         dk = k.new_zeros(k.shape, dtype=torch.float32)
         dv = v.new_zeros(v.shape, dtype=torch.float32)
-        for qs, ks, piece in g.pieces():
+        for qs, ks, piece in g.pieces(g.cap):
             do = dout[qs].float()
             delta = (do * out[qs].float()).sum(-1)  # [tq, h]
             dq_p, dk_p, dv_p = _block_backward(
@@ -400,6 +410,40 @@ class FlashTiles:
     def forward(
         q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
     ) -> tuple[Tensor, Tensor]:
+        """(out [Tq, h, d] fp32, lse [Tq, h]): one flash call per FLASH_MAX_DOCS segments."""
+        out = q.new_empty(q.shape, dtype=torch.float32)
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+        for qs, ks, piece in g.pieces(0, FLASH_MAX_DOCS):
+            out[qs], lse[qs] = FlashTiles._forward(q[qs], k[ks], v[ks], piece, scale)
+        return out, lse
+
+    @staticmethod
+    def backward(
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        g: TileGroup,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        dq = q.new_empty(q.shape, dtype=torch.float32)
+        dk = k.new_zeros(k.shape, dtype=torch.float32)
+        dv = v.new_zeros(v.shape, dtype=torch.float32)
+        for qs, ks, p in g.pieces(0, FLASH_MAX_DOCS):
+            dq_p, dk_p, dv_p = FlashTiles._backward(
+                dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs], p, scale
+            )
+            dq[qs] = dq_p
+            dk[ks] += dk_p
+            dv[ks] += dv_p
+        return dq, dk, dv
+
+    @staticmethod
+    def _forward(
+        q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+    ) -> tuple[Tensor, Tensor]:
         from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
         res = _call(
@@ -427,7 +471,7 @@ class FlashTiles:
         return out.float(), lse.T.float()
 
     @staticmethod
-    def backward(
+    def _backward(
         dout: Tensor,
         q: Tensor,
         k: Tensor,
