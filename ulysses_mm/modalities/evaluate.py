@@ -92,7 +92,11 @@ def eval_video(tok: Any, path: str) -> Entry:
     if not frames:
         raise DecodeError(f"{path}: no frames decoded")
     ref = np.concatenate(frames)
-    dec = tok.decode_ids(np.concatenate(ids))
+    flat = np.concatenate(ids)
+    dec = tok.decode_ids(flat)
+    # ids per frame: fixed for a codebook kind ([t, N]), a frame's packet for a ragged one
+    # (1-D, frames ended by a negative id)
+    per = [flat.shape[1]] * flat.shape[0] if flat.ndim == 2 else _ragged_lengths(flat)
     per_frame = np.empty(ref.shape[0])
     for i in range(ref.shape[0]):
         per_frame[i] = np.mean((ref[i].astype(np.float64) - dec[i].astype(np.float64)) ** 2)
@@ -100,9 +104,16 @@ def eval_video(tok: Any, path: str) -> Entry:
         "psnr_db": round(_psnr_from_mse(float(per_frame.mean())), 2),
         "worst_frame_psnr_db": round(_psnr_from_mse(float(per_frame.max())), 2),
         "frames": int(ref.shape[0]),
-        "tokens_per_frame": int(tok.tokens_per_frame),
+        "tokens_per_frame": round(float(np.mean(per)), 1) if len(set(per)) > 1 else int(per[0]),
+        "max_tokens_per_frame": int(max(per)),
         "encode_fps": round(ref.shape[0] / max(seconds, 1e-9), 1),
     }
+
+
+def _ragged_lengths(ids: np.ndarray) -> list[int]:
+    """Ids of each frame of ragged local ids (frames ended by a negative id)."""
+    ends = np.flatnonzero(ids < 0)
+    return (np.diff(np.concatenate([[-1], ends])) - 1).astype(int).tolist()
 
 
 def evaluate_file(tok: Tokenizer, path: str) -> Entry:
@@ -134,7 +145,8 @@ def _line(path: str, entry: Entry) -> str:
         )
     return (
         f"{path}: PSNR {entry['psnr_db']} dB (worst frame {entry['worst_frame_psnr_db']} dB) "
-        f"over {entry['frames']} frames, {entry['tokens_per_frame']} tokens/frame, "
+        f"over {entry['frames']} frames, {entry['tokens_per_frame']} tokens/frame"
+        f"{f' (max {m})' if (m := entry['max_tokens_per_frame']) != entry['tokens_per_frame'] else ''}, "
         f"encode {entry['encode_fps']} frames/s"
     )
 

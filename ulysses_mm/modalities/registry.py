@@ -47,6 +47,7 @@ _KINDS: dict[str, Kind] = {
     ),
     "video-vq": Kind("ulysses_mm.modalities.video:VqVideoTokenizer", _VIDEO),
     "video-gsvq": Kind("ulysses_mm.modalities.gainshape:GainShapeVideoTokenizer", _VIDEO),
+    "video-h264": Kind("ulysses_mm.modalities.h264:H264VideoTokenizer", _VIDEO),
     "text": Kind("ulysses_mm.modalities.text:TextTokenizer", (".txt", ".jsonl")),
 }
 

@@ -196,11 +196,16 @@ class VqVideoTokenizer(Tokenizer):
         yield TokenDocument(source, f"{source}#{self.modality}", self.modality, tokens)
 
     def _interleave(
-        self, source: str, frames: np.ndarray, space: TokenSpace, probe: VideoProbe
+        self,
+        source: str,
+        frames: np.ndarray | list[np.ndarray],
+        space: TokenSpace,
+        probe: VideoProbe,
     ) -> list[np.ndarray]:
-        """Chunks of k frames, each followed by the audio of its k/fps seconds."""
+        """Chunks of k frames (rows, each a frame's unified ids and ``<eof>``), each followed
+        by the audio of its k/fps seconds."""
         assert self.audio is not None
-        t, k = frames.shape[0], self.params["chunk_frames"]
+        t, k = len(frames), self.params["chunk_frames"]
         # decode the audio the sampled frames cover (all of it unless max_frames cut the clip)
         wave = load_waveform(source, self.audio.rate, probe.start_seconds + t / self.fps + 0.5)
         bounds = np.unique(np.minimum(np.arange(0, t + k, k), t))  # frame index per chunk edge
@@ -216,7 +221,7 @@ class VqVideoTokenizer(Tokenizer):
         for c in range(len(bounds) - 1):
             if in_audio:
                 out.append(np.array([v_tok]))  # back to video after an audio run
-            out.append(frames[bounds[c] : bounds[c + 1]].ravel())
+            out.append(np.concatenate(frames[bounds[c] : bounds[c + 1]]))
             in_audio = bool(cut[c + 1] > cut[c])
             if in_audio:
                 out.append(np.array([a_tok]))

@@ -1,0 +1,239 @@
+"""kind ``video-h264``: video as the bytes of its H.264 bitstream, two bytes per id.
+
+The clip's sampled frames (the same sampling, resize and centre crop as every video kind:
+:mod:`ulysses_mm.modalities.frames`) go through libx264 (PyAV's bundled encoder) with no
+B-frames and no look-ahead (``tune=zerolatency``: one packet per frame, in display order),
+one thread (the bytes are a function of the frames and the params), average-bitrate rate
+control at ``tokens_per_frame`` ids a frame and a one-second VBV buffer (no frame bursts
+far above it; a keyframe every ``keyint`` frames costs a few times the average). Each
+frame's packet becomes ids: a byte pair ``(a, b)`` is id ``256·a + b``, an odd last byte
+``c`` is id ``65536 + c`` (vocab 65,792); then ``<eof>``. So a frame is a variable number
+of ids (its packet), ``tokens_per_frame`` on average.
+
+Motion compensation, intra prediction, transforms and entropy coding are what make H.264
+hold ≈ 30 dB at ~240 ids of 16 bits per 256×256 frame where a per-patch codebook of the
+same budget holds ≈ 25 (README, video tokenizers). The price: ids are entropy-coded bytes
+(language models do learn codec bytes — JPEG-LM, Han et al. 2024 — but a wrong id garbles
+the picture until the next keyframe). Decoding never fails on ids a model wrote: a frame
+the decoder rejects repeats the previous one (grey at the start), so every ``<eof>`` gives
+exactly one frame.
+
+Local ids are ragged: one clip's ids are a 1-D array whose frames end at ``FRAME_END``
+(−1); unified ids put ``<eof>`` there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from ulysses_mm.modalities.base import TokenDocument, Tokenizer, TokenizerSpec
+from ulysses_mm.modalities.frames import decord_or_none, probe_video
+from ulysses_mm.modalities.util import ParamSchema, check_choice, spec_params
+from ulysses_mm.modalities.video import VqVideoTokenizer
+from ulysses_mm.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
+
+FRAME_END = -1  # a frame's end in ragged local ids
+PAIRS = 1 << 16  # ids 0 .. 65535: byte pairs
+VOCAB = PAIRS + 256  # then 65536 + c: a packet's odd last byte
+PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower")
+
+_SCHEMA: ParamSchema = {
+    "fps": ((int, float), 8.0),
+    "size": ((int,), 256),
+    "max_frames": ((int, type(None)), None),
+    "backend": ((str,), "auto"),
+    "audio": ((dict, type(None)), None),
+    "chunk_frames": ((int,), 8),
+    "tokens_per_frame": ((int,), 240),  # the rate control's average ids per frame
+    "keyint": ((int,), 64),  # frames between keyframes
+    "preset": ((str,), "medium"),  # libx264's speed/efficiency preset
+}
+
+
+def packet_ids(packet: bytes) -> np.ndarray:
+    """A packet's bytes as ids: byte pairs (big-endian 16-bit), an odd last byte apart."""
+    b = np.frombuffer(packet, dtype=np.uint8)
+    even = b[: b.size - (b.size % 2)].astype(np.int64)
+    ids = even[0::2] * 256 + even[1::2]
+    if b.size % 2:
+        ids = np.append(ids, PAIRS + int(b[-1]))
+    return ids
+
+
+def ids_packet(ids: np.ndarray) -> bytes:
+    """Inverse of :func:`packet_ids` (an odd-byte id anywhere but last is kept as one byte)."""
+    ids = np.asarray(ids, dtype=np.int64)
+    out = bytearray()
+    pairs = ids < PAIRS
+    for i, v in enumerate(ids.tolist()):
+        if pairs[i]:
+            out += bytes((v >> 8, v & 0xFF))
+        else:
+            out.append(v - PAIRS)
+    return bytes(out)
+
+
+class H264VideoTokenizer(VqVideoTokenizer):
+    """kind ``video-h264``: one document per clip; each frame's H.264 packet as ids, then
+    ``<eof>`` (see the module docstring)."""
+
+    schema: ParamSchema = _SCHEMA
+
+    def __init__(self, spec: TokenizerSpec) -> None:  # no codebook to load
+        Tokenizer.__init__(self, spec)
+        p = spec_params(spec, self.schema)
+        where = spec.path or spec.name
+        check_choice(spec, "backend", p["backend"], ("auto", "decord", "pyav"))
+        check_choice(spec, "preset", p["preset"], PRESETS)
+        if p["backend"] == "decord" and decord_or_none() is None:
+            raise ValueError(f"{where}: backend 'decord' asked for, but decord is not installed")
+        if not p["fps"] > 0:
+            raise ValueError(f"{where}: param 'fps' must be > 0")
+        if p["size"] < 16 or p["size"] % 16:
+            raise ValueError(f"{where}: param 'size' must be a multiple of 16, got {p['size']}")
+        for key in ("tokens_per_frame", "keyint", "chunk_frames"):
+            if p[key] < 1:
+                raise ValueError(f"{where}: param {key!r} must be >= 1")
+        if p["max_frames"] is not None and p["max_frames"] < 1:
+            raise ValueError(f"{where}: param 'max_frames' must be >= 1 or null")
+        if spec.vocab_size != VOCAB:
+            raise ValueError(f"{where}: a video-h264 spec has vocab_size {VOCAB}")
+        self.params: dict[str, Any] = p
+        self.fps = float(p["fps"])
+        self.size = p["size"]
+        self.tokens_per_frame = p["tokens_per_frame"]  # on average
+        self.audio = None if p["audio"] is None else self._load_audio(p["audio"])
+
+    # ------------------------------------------------------------------ encode
+    def _codec(self) -> Any:
+        import av
+
+        ctx = av.CodecContext.create("libx264", "w")
+        ctx.width = ctx.height = self.size
+        ctx.pix_fmt = "yuv420p"
+        rate = Fraction(self.fps).limit_denominator(1001)
+        ctx.framerate, ctx.time_base = rate, 1 / rate
+        ctx.thread_count = 1
+        bits = int(self.tokens_per_frame * 16 * self.fps)
+        ctx.bit_rate = bits
+        ctx.gop_size = self.params["keyint"]
+        ctx.options = {
+            "preset": self.params["preset"],
+            "tune": "zerolatency",
+            "threads": "1",
+            "maxrate": str(bits),
+            "bufsize": str(2 * bits),
+            "keyint_min": str(self.params["keyint"]),
+            "sc_threshold": "0",  # keyframes on the grid only: a function of the frame count
+        }
+        return ctx
+
+    def encoder(self) -> Callable[[np.ndarray], np.ndarray]:
+        """A per-clip encoder: batches of a clip's frames, in order -> ragged local ids
+        (each frame's packet, then ``FRAME_END``)."""
+        import av
+
+        ctx = self._codec()
+        count = 0
+
+        def encode(frames: np.ndarray) -> np.ndarray:
+            nonlocal count
+            out: list[np.ndarray] = []
+            for x in frames:
+                vf = av.VideoFrame.from_ndarray(np.ascontiguousarray(x), format="rgb24")
+                vf.pts = count
+                count += 1
+                packets = ctx.encode(vf)
+                if len(packets) != 1:  # zerolatency: exactly one packet per frame
+                    raise RuntimeError(f"libx264 gave {len(packets)} packets for one frame")
+                out += [packet_ids(bytes(packets[0])), np.array([FRAME_END])]
+            return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+        return encode
+
+    def encode_frames(self, frames: np.ndarray) -> np.ndarray:
+        """[t, size, size, 3] uint8 -> ragged local ids (one clip: the encoder's state)."""
+        return self.encoder()(frames)
+
+    def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
+        source = str(path)
+        r = space.range(self.modality)
+        if self.audio is not None:
+            ar = space.range(self.audio.modality)
+            if ar.size != self.audio.spec.vocab_size:
+                raise ValueError(
+                    f"{self.spec.path}: the token space's {self.audio.modality} range has "
+                    f"{ar.size} ids, {self.audio.spec.name} uses {self.audio.spec.vocab_size}"
+                )
+        probe = probe_video(source)
+        encode = self.encoder()
+        ids = np.concatenate([encode(b) for b in self.frames(source, probe)])
+        unified = np.where(ids == FRAME_END, EOF, ids + r.start)
+        frames = np.split(unified, np.flatnonzero(ids == FRAME_END)[:-1] + 1)
+        body = [np.array([DOC_START, space.boundary_token(self.modality)])]
+        if self.audio is not None and probe.has_audio:
+            body += self._interleave(source, frames, space, probe)
+        else:
+            body.append(unified)
+        body.append(np.array([DOC_END]))
+        tokens = np.concatenate(body).astype(space.dtype())
+        yield TokenDocument(source, f"{source}#{self.modality}", self.modality, tokens)
+
+    # ------------------------------------------------------------------ decode
+    def decode_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Ragged local ids -> uint8 frames [t, size, size, 3], one per ``FRAME_END``.
+        A packet the decoder rejects (ids a model wrote) repeats the previous frame."""
+        import av
+
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        if ids.size and (ids.min() < FRAME_END or ids.max() >= VOCAB):
+            raise ValueError(f"video-h264 local id out of range 0..{VOCAB - 1}")
+        ends = np.flatnonzero(ids == FRAME_END)
+        dec = av.CodecContext.create("h264", "r")
+        dec.thread_count = 1
+        prev: np.ndarray = np.full((self.size, self.size, 3), 128, dtype=np.uint8)
+        out = np.empty((ends.size, self.size, self.size, 3), dtype=np.uint8)
+        start = 0
+        for i, end in enumerate(ends.tolist()):
+            packet = ids_packet(ids[start:end])
+            start = end + 1
+            got: np.ndarray | None = None
+            try:
+                for f in dec.decode(av.Packet(packet)) if packet else ():
+                    got = f.to_ndarray(format="rgb24")
+            except av.error.FFmpegError:
+                got = None
+            if got is not None and got.shape == prev.shape and got.dtype == np.uint8:
+                prev = got
+            out[i] = prev
+        return out
+
+    def split(self, tokens: np.ndarray, space: TokenSpace) -> tuple[np.ndarray, np.ndarray]:
+        """(ragged video local ids, audio local ids [n]) of one clip's unified ids: video ids
+        and ``<eof>`` in order (ids after the last ``<eof>`` are an unfinished frame and
+        dropped); other specials dropped; audio ids only if this spec interleaves audio."""
+        t = np.asarray(tokens).astype(np.int64, copy=False).ravel()
+        vr = space.range(self.modality)
+        is_video = (t >= vr.start) & (t < vr.stop)
+        is_audio = np.zeros_like(is_video)
+        a_start = 0
+        if self.audio is not None and self.audio.modality in space.modalities:
+            ar = space.range(self.audio.modality)
+            a_start = ar.start
+            is_audio = (t >= ar.start) & (t < ar.stop)
+        bad = ~(is_video | is_audio | (t < space.num_specials))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(
+                f"token {int(t[i])} at position {i} is not a special, video"
+                f"{' or audio' if self.audio is not None else ''} id in {space.describe()}"
+            )
+        seq = t[is_video | (t == EOF)]
+        eofs = np.flatnonzero(seq == EOF)
+        seq = seq[: eofs[-1] + 1] if eofs.size else seq[:0]
+        video = np.where(seq == EOF, FRAME_END, seq - vr.start)
+        return video, t[is_audio] - a_start
