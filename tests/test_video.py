@@ -588,3 +588,79 @@ def test_gsvq_fit_with_motion(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     out = str(tmp_path / "x.json")
     assert main(["tokenizer", "fit", "video", "x.mp4", "--motion", "2", "--out", out]) == 2
     assert "--motion and --local apply to --kind video-gsvq only" in capsys.readouterr().err
+
+
+def test_gsvq_motion_fast_paths_match_the_straightforward_computation(gsvq: Path) -> None:
+    """The encoder's vectorised stages (one padded buffer, one step for inter and intra,
+    batched refinements, strided views) give what a per-candidate / per-patch loop gives."""
+    import torch
+
+    from ulysses_mm.modalities.gainshape import _luma, global_motion
+
+    tok = _with_motion(gsvq, 4, 2)
+    coder, model, lay = tok.coder(), tok.model, tok.layout
+    frames = _panning(4, 64, (2, -3))
+    x = torch_patches(frames)
+    pad, size, p, n = lay.motion + lay.local, 64, 16, 4
+    found, chosen = [], set()
+    for i in range(frames.shape[0]):
+        # the padded previous image: F.pad's replicate
+        img = coder._padded()
+        want = torch.nn.functional.pad(
+            torch.from_numpy(unpatchify(coder.prev.numpy(), size, p)[0]).permute(2, 0, 1)[None],
+            (pad,) * 4,
+            mode="replicate",
+        )[0].permute(1, 2, 0)
+        assert torch.equal(img, want)
+        luma, xl = _luma(img), _luma(torch.from_numpy(frames[i]).to(torch.float32))
+        # the global displacement: each candidate's error on its own, the first least
+        a, b, m = luma[pad : pad + size, pad : pad + size], xl, lay.motion
+        g = global_motion(a, b, m)
+        found.append(g)
+        errs = {
+            (dy, dx): float(
+                (
+                    (
+                        a[m - dy : size - m - dy : 3, m - dx : size - m - dx : 3].double()
+                        - b[m : size - m : 3, m : size - m : 3].double()
+                    )
+                    ** 2
+                ).sum()
+            )
+            for dy in range(-m, m + 1)
+            for dx in range(-m, m + 1)
+        }
+        assert errs[g] <= errs[(0, 0)] and (g == (0, 0) or errs[g] < errs[(0, 0)])
+        # the per-patch offsets: each patch's error for each offset, the first least
+        off = coder.choose_offsets(luma, xl, g)
+        chosen |= set(off.tolist())
+        for k in range(n * n):
+            y0, x0 = (k // n) * p, (k % n) * p
+            e = [
+                float(
+                    (
+                        (
+                            luma[
+                                pad - g[0] - oy + y0 : pad - g[0] - oy + y0 + p : 2,
+                                pad - g[1] - ox + x0 : pad - g[1] - ox + x0 + p,
+                            ].double()
+                            - xl[y0 : y0 + p : 2, x0 : x0 + p].double()
+                        )
+                        ** 2
+                    ).sum()
+                )
+                for oy, ox in lay.offsets
+            ]
+            assert int(off[k]) == int(np.argmin(e)), (i, k)
+        # the displaced patches: each patch cut from the padded image on its own
+        disp = coder._displaced(img, g, off)
+        for k in range(n * n):
+            oy, ox = lay.offsets[int(off[k])]
+            y0 = pad - g[0] - oy + (k // n) * p
+            x0 = pad - g[1] - ox + (k % n) * p
+            assert torch.equal(disp[k], img[y0 : y0 + p, x0 : x0 + p].reshape(-1))
+        # one step: its reconstruction is what the decoder makes of its ids
+        ids, rec = model.step(x[i], disp, model.project(x[i]))
+        assert torch.equal(rec, model.reconstruct(ids, disp))
+        coder.encode(x[i], model.project(x[i]))
+    assert len(set(found)) > 1 and len(chosen) > 4  # the choices were not all alike
