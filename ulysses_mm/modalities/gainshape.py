@@ -118,7 +118,8 @@ class GainShapeModel:
         n = x.shape[0]
         z = torch.cat([zx - self.project(prev), zx - self._z_grey])  # [2n, D]: inter, intra
         ids2, q2 = self._quantise(z)
-        r2 = torch.cat([((x - prev) ** 2).sum(1), ((x - GREY) ** 2).sum(1)])
+        d_p, d_g = x - prev, x - GREY
+        r2 = torch.cat([(d_p * d_p).sum(1), (d_g * d_g).sum(1)])
         # ||r - qB||² = ||r||² - ||z||² (outside the basis) + ||z - q||² (inside)
         err = r2 - (z * z).sum(1) + ((z - q2) ** 2).sum(1)
         ids_p, ids_g, q_p, q_g = ids2[:n], ids2[n:], q2[:n], q2[n:]
@@ -211,8 +212,8 @@ def global_motion(a: torch.Tensor, b: torch.Tensor, limit: int) -> tuple[int, in
     )
     r = torch.fft.irfft2(cross / cross.abs().clamp_min(1e-6), s=(h, h))  # peak at +v/2
     lim = (limit + 1) // 2
-    idx = torch.arange(-lim, lim + 1)
-    k = int(r[idx % h][:, idx % h].argmax())
+    idx = torch.arange(-lim, lim + 1) % h
+    k = int(r.index_select(0, idx).index_select(1, idx).argmax())
     py, px = 2 * (k // (2 * lim + 1) - lim), 2 * (k % (2 * lim + 1) - lim)
     m = limit
     cands = [(0, 0)] + [
