@@ -96,9 +96,8 @@ class GainShapeModel:
         keep = mag < 0.5 * float(self.gains[0])
         gq = torch.from_numpy(self.gains)[level] * (1 - 2 * sign).to(torch.float32)
         gq = torch.where(keep, torch.zeros_like(gq), gq)
-        return torch.where(keep, torch.zeros_like(ids), ids), gq[:, None] * self._s.index_select(
-            0, best
-        )
+        q = gq[:, None] * self._s.index_select(0, best)  # index_select: faster than [best]
+        return torch.where(keep, torch.zeros_like(ids), ids), q
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """Patches [..., d] -> their coordinates in the basis [..., D]."""
@@ -339,11 +338,7 @@ class MotionCoder:
         sse = torch.nn.functional.avg_pool2d(d.mul_(d), (p // step, p))  # [C, 1, n, n]
         return sse.reshape(len(lay.offsets), self.n).flip(0).argmin(dim=0)
 
-    def encode(
-        self,
-        x: torch.Tensor,
-        zx: torch.Tensor,
-    ) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, zx: torch.Tensor) -> torch.Tensor:
         """One frame's patches [N, d] (and their projection) -> ids [N]."""
         lay, slot = self.layout, self._slot()
         if self.plain:
@@ -354,7 +349,7 @@ class MotionCoder:
         img = self._padded()  # [S + 2·pad, S + 2·pad, 3]
         prev_luma = _luma(img)
         p, n = self.patch, size // self.patch  # the frame's luma [S, S], from its patches
-        xl = _luma(x.view(n, n, p, p, 3)).permute(0, 2, 1, 3).reshape(size, size)
+        xl = _luma(x.reshape(n, n, p, p, 3)).permute(0, 2, 1, 3).reshape(size, size)
         g = (0, 0)
         if slot is not None:
             g = global_motion(prev_luma[pad : pad + size, pad : pad + size], xl, lay.motion)
