@@ -72,6 +72,17 @@ def test_decoding_ids_a_model_wrote_never_fails():
         tok.decode_ids(np.array([VOCAB, FRAME_END]))
 
 
+def test_a_pyav_without_libx264_is_one_clear_error(monkeypatch):
+    import av
+
+    def no_x264(name, mode="r"):
+        raise av.codec.codec.UnknownCodecError(name)
+
+    monkeypatch.setattr(av.codec, "Codec", no_x264)
+    with pytest.raises(ValueError, match="h264-test: this PyAV has no libx264 encoder"):
+        H264VideoTokenizer(_spec())
+
+
 def test_bad_params_are_one_clear_error():
     with pytest.raises(ValueError, match="multiple of 16"):
         H264VideoTokenizer(_spec(size=60))

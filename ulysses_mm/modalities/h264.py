@@ -102,6 +102,15 @@ class H264VideoTokenizer(VqVideoTokenizer):
             raise ValueError(f"{where}: param 'max_frames' must be >= 1 or null")
         if spec.vocab_size != VOCAB:
             raise ValueError(f"{where}: a video-h264 spec has vocab_size {VOCAB}")
+        import av
+
+        try:
+            av.codec.Codec("libx264", "w")
+        except (av.error.FFmpegError, ValueError) as e:  # UnknownCodecError: a ValueError
+            raise ValueError(
+                f"{where}: this PyAV has no libx264 encoder ({type(e).__name__}); install "
+                "PyAV's wheel (pip install av), which bundles it"
+            ) from None
         self.params: dict[str, Any] = p
         self.fps = float(p["fps"])
         self.size = p["size"]
