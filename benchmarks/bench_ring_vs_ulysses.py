@@ -149,23 +149,16 @@ def theory_table(args: argparse.Namespace) -> None:
 def balance_table(args: argparse.Namespace) -> None:
     import torch
 
+    from ulysses_mm.data.synthetic import packed_doc_ids
     from ulysses_mm.parallel.ring import unmasked_pairs
 
     n = args.balance_len
-    g = torch.Generator().manual_seed(0)
-
-    def packing(mean: int) -> torch.Tensor:
-        lens: list[int] = []
-        while sum(lens) < n:
-            lens.append(int(torch.randint(1, 2 * mean, (1,), generator=g)))
-        lens[-1] -= sum(lens) - n
-        return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))[None]
 
     print()
     print(f"causal work per ring rank (unmasked query-key pairs), max/min, N={n}")
     print(f"{'documents':>24} {'R':>3} {'document zigzag':>16} {'contiguous':>11}")
     cases = [("one document", torch.zeros(1, n, dtype=torch.long))]
-    cases += [(f"packed, mean {m} tokens", packing(m)) for m in (8, 256, 2048)]
+    cases += [(f"packed, mean {m} tokens", packed_doc_ids(1, n, m)) for m in (8, 256, 2048)]
     for name, doc in cases:
         for R in (2, 4, 8):
             z, c = unmasked_pairs(doc, R), unmasked_pairs(doc, R, contiguous=True)

@@ -16,7 +16,7 @@ from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig, ParallelConfig
 from ulysses_mm.data.batch import make_labels, sp_slice
-from ulysses_mm.data.synthetic import random_batch
+from ulysses_mm.data.synthetic import packed_doc_ids, random_batch
 from ulysses_mm.layout import LayoutError, check_layout, valid_sp_sizes
 from ulysses_mm.model import build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
@@ -143,18 +143,6 @@ def test_ring_attention_skips_blocks_nobody_sees():
     assert skipped == [[3, 0]] * 4
 
 
-def _packed_docs(rows, n, mean, seed):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(rows):
-        lens = []
-        while sum(lens) < n:
-            lens.append(int(torch.randint(1, 2 * mean, (1,), generator=g)))
-        lens[-1] -= sum(lens) - n
-        out.append(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)))
-    return torch.stack(out)
-
-
 def test_ring_layout_balances_causal_work():
     # one document: the classic zigzag; packed documents of any length: every rank within
     # 10 % (the contiguous split is far off)
@@ -166,7 +154,7 @@ def test_ring_layout_balances_causal_work():
         assert max(plain) > 1.1 * min(plain)  # the contiguous split is unbalanced
         assert sum(zig) == sum(plain) == 1024 * 1025 // 2
     for ring, mean in ((2, 300), (4, 40), (4, 900), (8, 3), (8, 2000)):
-        doc = _packed_docs(2, 4096, mean, seed=ring)
+        doc = packed_doc_ids(2, 4096, mean, seed=ring)
         work = unmasked_pairs(doc, ring)
         assert max(work) <= 1.1 * min(work), (ring, mean, work)
         assert sum(work) == sum(unmasked_pairs(doc, ring, contiguous=True))
@@ -175,7 +163,7 @@ def test_ring_layout_balances_causal_work():
 def test_ring_order_is_a_permutation_of_equal_parts():
     # every slot of every row holds N/2R tokens, whatever the documents
     for ring, mean in ((2, 5), (4, 37), (8, 100)):
-        doc = _packed_docs(3, 1024, mean, seed=mean)
+        doc = packed_doc_ids(3, 1024, mean, seed=mean)
         runs = DocumentMask(doc).run_ids
         order = ring_order(runs, ring)
         for row in order:

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from ulysses_mm.data.synthetic import packed_doc_ids
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel import ring as ring_mod
 from ulysses_mm.parallel.ring import (
@@ -24,18 +25,6 @@ from ulysses_mm.parallel.ring import (
     block_forward,
     merge,
 )
-
-
-def _docs(rows, n, mean, seed):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(rows):
-        lens = []
-        while sum(lens) < n:
-            lens.append(int(torch.randint(1, 2 * mean, (1,), generator=g)))
-        lens[-1] -= sum(lens) - n
-        out.append(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)))
-    return torch.stack(out)
 
 
 def _ring_forward(kernel, q, k, v, plan, ring):
@@ -61,7 +50,7 @@ def _ring_forward(kernel, q, k, v, plan, ring):
 def test_tiles_merged_equal_dense_attention(ring, mean, heads):
     b, n, d = 2, 256, 8
     h, hk = heads
-    doc = _docs(b, n, mean, seed=ring + mean)
+    doc = packed_doc_ids(b, n, mean, seed=ring + mean)
     mask = DocumentMask(doc)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(b, n, h, d, generator=g)
@@ -184,7 +173,7 @@ def test_flash_path_matches_the_torch_kernel(monkeypatch, version, max_docs):
     monkeypatch.setitem(sys.modules, "flash_attn", pkg)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", mod)
     b, n, h, hk, d, ring = 2, 128, 4, 2, 8, 4
-    mask = DocumentMask(_docs(b, n, 25, seed=7))
+    mask = DocumentMask(packed_doc_ids(b, n, 25, seed=7))
     g = torch.Generator().manual_seed(2)
     q = torch.randn(b, n, h, d, generator=g)
     k, v = (torch.randn(b, n, hk, d, generator=g) for _ in range(2))

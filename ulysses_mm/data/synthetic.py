@@ -9,6 +9,7 @@ sample padded. The layout depends only on the seed.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from ulysses_mm.data.batch import Batch, make_batch
 from ulysses_mm.tokenspace import DOC_END, DOC_START, EOF, PAD, TokenSpace
@@ -114,3 +115,17 @@ def single_modality_batch(
             doc_id += 1
         tables.append(np.array(rows, dtype=np.int64))
     return make_batch(tokens, tables, space)
+
+
+def packed_doc_ids(rows: int, seq_len: int, mean: int, seed: int = 0) -> torch.Tensor:
+    """[rows, seq_len] document ids of random packings: lengths uniform in [1, 2·mean),
+    the last cut to fit (a workload for layouts and load balance)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(rows):
+        lens: list[int] = []
+        while sum(lens) < seq_len:
+            lens.append(int(torch.randint(1, 2 * mean, (1,), generator=g)))
+        lens[-1] -= sum(lens) - seq_len
+        out.append(torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens)))
+    return torch.stack(out)

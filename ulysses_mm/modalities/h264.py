@@ -171,13 +171,7 @@ class H264VideoTokenizer(VqVideoTokenizer):
     def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
         source = str(path)
         r = space.range(self.modality)
-        if self.audio is not None:
-            ar = space.range(self.audio.modality)
-            if ar.size != self.audio.spec.vocab_size:
-                raise ValueError(
-                    f"{self.spec.path}: the token space's {self.audio.modality} range has "
-                    f"{ar.size} ids, {self.audio.spec.name} uses {self.audio.spec.vocab_size}"
-                )
+        self.check_audio_range(space)
         probe = probe_video(source)
         encode = self.encoder()
         ids = np.concatenate([encode(b) for b in self.frames(source, probe)])
@@ -225,24 +219,10 @@ class H264VideoTokenizer(VqVideoTokenizer):
         """(ragged video local ids, audio local ids [n]) of one clip's unified ids: video ids
         and ``<eof>`` in order (ids after the last ``<eof>`` are an unfinished frame and
         dropped); other specials dropped; audio ids only if this spec interleaves audio."""
-        t = np.asarray(tokens).astype(np.int64, copy=False).ravel()
+        t, is_video, audio = self.classify(tokens, space)
         vr = space.range(self.modality)
-        is_video = (t >= vr.start) & (t < vr.stop)
-        is_audio = np.zeros_like(is_video)
-        a_start = 0
-        if self.audio is not None and self.audio.modality in space.modalities:
-            ar = space.range(self.audio.modality)
-            a_start = ar.start
-            is_audio = (t >= ar.start) & (t < ar.stop)
-        bad = ~(is_video | is_audio | (t < space.num_specials))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ValueError(
-                f"token {int(t[i])} at position {i} is not a special, video"
-                f"{' or audio' if self.audio is not None else ''} id in {space.describe()}"
-            )
         seq = t[is_video | (t == EOF)]
         eofs = np.flatnonzero(seq == EOF)
         seq = seq[: eofs[-1] + 1] if eofs.size else seq[:0]
         video = np.where(seq == EOF, FRAME_END, seq - vr.start)
-        return video, t[is_audio] - a_start
+        return video, audio

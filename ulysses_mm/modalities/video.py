@@ -169,16 +169,21 @@ class VqVideoTokenizer(Tokenizer):
         (Here frames are independent; a predictive kind keeps state across batches.)"""
         return self.encode_frames
 
-    def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
-        source = str(path)
-        r = space.range(self.modality)  # KeyError now if the space lacks video
+    def check_audio_range(self, space: TokenSpace) -> None:
+        """Refuse a token space whose range for the interleaved audio differs from the
+        audio spec's (KeyError if the space lacks that modality)."""
         if self.audio is not None:
-            ar = space.range(self.audio.modality)  # ... or the audio it interleaves
+            ar = space.range(self.audio.modality)
             if ar.size != self.audio.spec.vocab_size:
                 raise ValueError(
                     f"{self.spec.path}: the token space's {self.audio.modality} range has "
                     f"{ar.size} ids, {self.audio.spec.name} uses {self.audio.spec.vocab_size}"
                 )
+
+    def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
+        source = str(path)
+        r = space.range(self.modality)  # KeyError now if the space lacks video
+        self.check_audio_range(space)
         probe = probe_video(source)
         encode = self.encoder()
         ids = np.concatenate([encode(b) for b in self.frames(source, probe)])
@@ -238,11 +243,12 @@ class VqVideoTokenizer(Tokenizer):
         frames = unpatchify(px, self.size, self.patch)
         return np.clip(np.rint(frames), 0, 255).astype(np.uint8)
 
-    def split(self, tokens: np.ndarray, space: TokenSpace) -> tuple[np.ndarray, np.ndarray]:
-        """(video local ids [t, N], audio local ids [n]) of one clip's unified ids.
-
-        Video ids must come in whole frames, each closed by ``<eof>``; other specials are
-        dropped; audio ids are accepted only if this spec interleaves audio."""
+    def classify(
+        self, tokens: np.ndarray, space: TokenSpace
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(one clip's unified ids as int64, which are video ids, the audio local ids):
+        anything but specials, video ids and (if this spec interleaves audio) audio ids is
+        refused, naming the first."""
         t = np.asarray(tokens).astype(np.int64, copy=False).ravel()
         vr = space.range(self.modality)
         is_video = (t >= vr.start) & (t < vr.stop)
@@ -259,6 +265,15 @@ class VqVideoTokenizer(Tokenizer):
                 f"token {int(t[i])} at position {i} is not a special, video"
                 f"{' or audio' if self.audio is not None else ''} id in {space.describe()}"
             )
+        return t, is_video, t[is_audio] - a_start
+
+    def split(self, tokens: np.ndarray, space: TokenSpace) -> tuple[np.ndarray, np.ndarray]:
+        """(video local ids [t, N], audio local ids [n]) of one clip's unified ids.
+
+        Video ids must come in whole frames, each closed by ``<eof>``; other specials are
+        dropped; audio ids are accepted only if this spec interleaves audio."""
+        t, is_video, audio = self.classify(tokens, space)
+        vr = space.range(self.modality)
         seq = t[is_video | (t == EOF)]
         eofs = np.flatnonzero(seq == EOF)
         lengths = np.diff(np.concatenate([[-1], eofs])) - 1
@@ -266,7 +281,7 @@ class VqVideoTokenizer(Tokenizer):
         if (lengths != n).any() or seq.size != eofs.size * (n + 1):
             raise ValueError(f"video ids do not form whole frames of {n} ids, each then <eof>")
         video = seq[seq != EOF].reshape(-1, n) - vr.start
-        return video, t[is_audio] - a_start
+        return video, audio
 
     def decode(self, tokens: np.ndarray, space: TokenSpace) -> np.ndarray:
         """Unified ids of one clip -> uint8 frames [t, size, size, 3] (audio runs skipped)."""

@@ -331,32 +331,26 @@ def _block_backward(
     return dq, dk, dv
 
 
-class TorchTiles:
-    """The PyTorch block kernel: a varlen call as masked dense products (fp32), one per
-    piece of at most one row's queries (:meth:`TileGroup.pieces`)."""
+class BlockKernel:
+    """A varlen block kernel: a group's calls cut into pieces (:meth:`TileGroup.pieces`,
+    within the kernel's ``limits``), each run by ``piece_forward`` / ``piece_backward``."""
 
-    name = "torch"
+    name = ""
 
-    @staticmethod
-    def forward(
-        q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+    @classmethod
+    def limits(cls, g: TileGroup) -> tuple[int, int]:
+        """(most queries, most segments) of one call; 0: no bound."""
+        raise NotImplementedError
+
+    @classmethod
+    def piece_forward(
+        cls, q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """(out [Tq, h, d] fp32, lse [Tq, h]) of the group's gathered rows."""
-        out = q.new_empty(q.shape, dtype=torch.float32)
-        lse = q.new_empty(q.shape[:2], dtype=torch.float32)
-        for qs, ks, piece in g.pieces(g.cap):
-            o, l_ = _block_forward(
-                q[qs].float()[None],
-                k[ks].float()[None],
-                v[ks].float()[None],
-                piece.allowed()[None],
-                scale,
-            )
-            out[qs], lse[qs] = o[0], l_[0].T
-        return out, lse
+        raise NotImplementedError
 
-    @staticmethod
-    def backward(
+    @classmethod
+    def piece_backward(
+        cls,
         dout: Tensor,
         q: Tensor,
         k: Tensor,
@@ -366,27 +360,89 @@ class TorchTiles:
         g: TileGroup,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """(dq, dk, dv) fp32 of the group, from the FINAL out and lse [Tq, h] of its rows."""
+        raise NotImplementedError
+
+    @classmethod
+    def forward(
+        cls, q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """(out [Tq, h, d] fp32, lse [Tq, h]) of the group's gathered rows."""
+        out = q.new_empty(q.shape, dtype=torch.float32)
+        lse = q.new_empty(q.shape[:2], dtype=torch.float32)
+        for qs, ks, piece in g.pieces(*cls.limits(g)):
+            out[qs], lse[qs] = cls.piece_forward(q[qs], k[ks], v[ks], piece, scale)
+        return out, lse
+
+    @classmethod
+    def backward(
+        cls,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        g: TileGroup,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """(dq, dk, dv) fp32 of the group, from the FINAL out and lse [Tq, h] of its rows
+        (a key row may serve several pieces: its gradients add up)."""
         dq = q.new_empty(q.shape, dtype=torch.float32)
         dk = k.new_zeros(k.shape, dtype=torch.float32)
         dv = v.new_zeros(v.shape, dtype=torch.float32)
-        for qs, ks, piece in g.pieces(g.cap):
-            do = dout[qs].float()
-            delta = (do * out[qs].float()).sum(-1)  # [tq, h]
-            dq_p, dk_p, dv_p = _block_backward(
-                q[qs].float()[None],
-                k[ks].float()[None],
-                v[ks].float()[None],
-                piece.allowed()[None],
-                scale,
-                lse[qs].T[None],
-                do[None],
-                delta.T[None],
+        for qs, ks, p in g.pieces(*cls.limits(g)):
+            dq[qs], dk_p, dv_p = cls.piece_backward(
+                dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs], p, scale
             )
-            dq[qs] = dq_p[0]
-            dk[ks] += dk_p[0]
-            dv[ks] += dv_p[0]
+            dk[ks] += dk_p
+            dv[ks] += dv_p
         return dq, dk, dv
+
+
+class TorchTiles(BlockKernel):
+    """The PyTorch block kernel: masked dense products (fp32), one per piece of at most one
+    row's queries, so its scores are [h, ≤ n, ≤ n] whatever the batch."""
+
+    name = "torch"
+
+    @classmethod
+    def limits(cls, g: TileGroup) -> tuple[int, int]:
+        return g.cap, 0
+
+    @classmethod
+    def piece_forward(
+        cls, q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        o, lse = _block_forward(
+            q.float()[None], k.float()[None], v.float()[None], g.allowed()[None], scale
+        )
+        return o[0], lse[0].T
+
+    @classmethod
+    def piece_backward(
+        cls,
+        dout: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        out: Tensor,
+        lse: Tensor,
+        g: TileGroup,
+        scale: float,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        do = dout.float()
+        delta = (do * out.float()).sum(-1)  # [tq, h]
+        dq, dk, dv = _block_backward(
+            q.float()[None],
+            k.float()[None],
+            v.float()[None],
+            g.allowed()[None],
+            scale,
+            lse.T[None],
+            do[None],
+            delta.T[None],
+        )
+        return dq[0], dk[0], dv[0]
 
 
 def _call(fn: Any, **kw: Any) -> Any:
@@ -401,48 +457,19 @@ def _call(fn: Any, **kw: Any) -> Any:
     return fn(**{k: v for k, v in kw.items() if k in params})
 
 
-class FlashTiles:
-    """flash-attn's varlen forward/backward with the LSE, one call per group (CUDA, bf16/fp16)."""
+class FlashTiles(BlockKernel):
+    """flash-attn's varlen forward/backward with the LSE (CUDA, bf16/fp16), one call per
+    ``FLASH_MAX_DOCS`` segments."""
 
     name = "flash_varlen"
 
-    @staticmethod
-    def forward(
-        q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
-    ) -> tuple[Tensor, Tensor]:
-        """(out [Tq, h, d] fp32, lse [Tq, h]): one flash call per FLASH_MAX_DOCS segments."""
-        out = q.new_empty(q.shape, dtype=torch.float32)
-        lse = q.new_empty(q.shape[:2], dtype=torch.float32)
-        for qs, ks, piece in g.pieces(0, FLASH_MAX_DOCS):
-            out[qs], lse[qs] = FlashTiles._forward(q[qs], k[ks], v[ks], piece, scale)
-        return out, lse
+    @classmethod
+    def limits(cls, g: TileGroup) -> tuple[int, int]:
+        return 0, FLASH_MAX_DOCS
 
-    @staticmethod
-    def backward(
-        dout: Tensor,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        out: Tensor,
-        lse: Tensor,
-        g: TileGroup,
-        scale: float,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        dq = q.new_empty(q.shape, dtype=torch.float32)
-        dk = k.new_zeros(k.shape, dtype=torch.float32)
-        dv = v.new_zeros(v.shape, dtype=torch.float32)
-        for qs, ks, p in g.pieces(0, FLASH_MAX_DOCS):
-            dq_p, dk_p, dv_p = FlashTiles._backward(
-                dout[qs], q[qs], k[ks], v[ks], out[qs], lse[qs], p, scale
-            )
-            dq[qs] = dq_p
-            dk[ks] += dk_p
-            dv[ks] += dv_p
-        return dq, dk, dv
-
-    @staticmethod
-    def _forward(
-        q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+    @classmethod
+    def piece_forward(
+        cls, q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
     ) -> tuple[Tensor, Tensor]:
         from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
@@ -470,8 +497,9 @@ class FlashTiles:
             )
         return out.float(), lse.T.float()
 
-    @staticmethod
-    def _backward(
+    @classmethod
+    def piece_backward(
+        cls,
         dout: Tensor,
         q: Tensor,
         k: Tensor,
@@ -512,7 +540,12 @@ class FlashTiles:
 
 
 def block_forward(
-    kernel: Any, qf: Tensor, kf: Tensor, vf: Tensor, groups: list[TileGroup], scale: float
+    kernel: type[BlockKernel],
+    qf: Tensor,
+    kf: Tensor,
+    vf: Tensor,
+    groups: list[TileGroup],
+    scale: float,
 ) -> tuple[Tensor, Tensor]:
     """(out [T, h, d] fp32, lse [T, h]) of flat queries ``qf`` against one flat key block;
     queries in no group get 0 and −inf."""
@@ -567,7 +600,7 @@ class _RingAttentionFn(torch.autograd.Function):
         ring: _Ring,
         ring_rank: int,
         plan: RingPlan,
-        kernel: Any,
+        kernel: type[BlockKernel],
         stats: dict[str, int] | None,
     ) -> Tensor:
         R = ring.R
