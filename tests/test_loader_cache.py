@@ -55,6 +55,15 @@ def server(dataset):
         _Handler.delay_s = 0.0
 
 
+def _run_ranks(rank, ranks: int) -> None:
+    """``rank(r)`` for each of ``ranks`` ranks on threads at once (one node's ranks)."""
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_ranks_of_a_node_download_each_shard_once(server, tmp_path):
     _Handler.delay_s = 0.05  # so the ranks really overlap on the same shard
     ranks, results, errors = 4, {}, []
@@ -67,11 +76,7 @@ def test_ranks_of_a_node_download_each_shard_once(server, tmp_path):
         except Exception as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_ranks(rank, ranks)
     assert not errors, errors
     assert all(results[r] == results[0] for r in range(ranks))
     total = sum(s.bytes for s in server.shards)
@@ -101,11 +106,7 @@ def test_on_s3_the_server_sends_each_shard_once_per_node(dataset, s3_counted, tm
         except Exception as e:  # surfaced below
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(ranks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _run_ranks(rank, ranks)
     assert not errors, errors
     total = sum(s.bytes for s in remote.shards)
     # every shard's bytes once, plus HTTP headers: not × 4 ranks, not even × 1.25
