@@ -33,11 +33,27 @@ DEFAULT = [
 ]
 
 
-def main() -> None:
-    from ulysses_mm.config import RunConfig, load_config, to_dict
+def measured_and_estimated(cfg, sp: int, seq_len: int, doc_len: int):
+    """(the measured rank with the highest peak, the estimate, the estimated peak above the
+    step start: the peak less what lives between steps)."""
+    from ulysses_mm.config import to_dict
     from ulysses_mm.estimate import estimate
     from ulysses_mm.measure import measure_launched
     from ulysses_mm.parallel.launch import launch_local
+
+    res = launch_local(measure_launched, sp, to_dict(cfg), seq_len, doc_len)
+    m = max(res.values(), key=lambda r: r["peak"])
+    est = estimate(cfg, seq_len, device="cpu")
+    between = [
+        t.bytes
+        for t in est.phase("optimizer step").terms
+        if t.name not in ("gradients", "optimizer step temporaries")
+    ]
+    return m, est, est.peak - sum(between)
+
+
+def main() -> None:
+    from ulysses_mm.config import RunConfig, load_config
 
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -61,15 +77,8 @@ def main() -> None:
     for path, seq_len in cases:
         for sp in args.sp:
             cfg = load_config(RunConfig, REPO / path, [*args.overrides, f"parallel.sp={sp}"])
-            res = launch_local(measure_launched, sp, to_dict(cfg), seq_len, args.doc_len)
-            m = max(res.values(), key=lambda r: r["peak"])
-            est = estimate(cfg, seq_len, device="cpu")
-            between = [
-                t.bytes
-                for t in est.phase("optimizer step").terms
-                if t.name not in ("gradients", "optimizer step temporaries")
-            ]
-            e_above, m_above = est.peak - sum(between), m["peak"] - m["base"]
+            m, est, e_above = measured_and_estimated(cfg, sp, seq_len, args.doc_len)
+            m_above = m["peak"] - m["base"]
             mib = 2**20
             print(
                 f"{Path(path).name:<28s}{seq_len:>7d}{sp:>4d}  {est.peak / mib:>14.2f}"
@@ -80,10 +89,7 @@ def main() -> None:
 
 
 def modes(args) -> None:
-    from ulysses_mm.config import RunConfig, load_config, to_dict
-    from ulysses_mm.estimate import estimate
-    from ulysses_mm.measure import measure_launched
-    from ulysses_mm.parallel.launch import launch_local
+    from ulysses_mm.config import RunConfig, load_config
 
     path = args.config or "configs/small.yaml"
     seq_len = args.seq_len or 8192
@@ -102,16 +108,9 @@ def modes(args) -> None:
     first: dict[str, float] = {}
     for name, ov in variants.items():
         cfg = load_config(RunConfig, REPO / path, [*args.overrides, *ov, "parallel.sp=1"])
-        res = launch_local(measure_launched, 1, to_dict(cfg), seq_len, args.doc_len)
-        m = max(res.values(), key=lambda r: r["peak"])
-        est = estimate(cfg, seq_len, device="cpu")
-        between = [
-            t.bytes
-            for t in est.phase("optimizer step").terms
-            if t.name not in ("gradients", "optimizer step temporaries")
-        ]
+        m, est, e_above = measured_and_estimated(cfg, 1, seq_len, args.doc_len)
         meas = (m["peak"] - m["base"]) / seq_len
-        est_pt = (est.peak - sum(between)) / seq_len
+        est_pt = e_above / seq_len
         tps = m["tokens_per_s"]
         first = first or {"meas": meas, "est": est_pt, "tps": tps}
         print(

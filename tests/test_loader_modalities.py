@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from conftest import REPO
-from train_data import learnable_fasta
+from train_data import learnable_fasta, train_rows
 
 from ulysses_mm.cli import main
 from ulysses_mm.config import ConfigError, RunConfig, load_config
@@ -303,19 +300,8 @@ def test_a_run_logs_each_modalitys_token_share(tmp_path, mixed, dna):
     cfg["train"].update(steps=4, checkpoint_every=0)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    out = subprocess.run(
-        [sys.executable, "-m", "ulysses_mm", "train", str(path), "--nproc", "1"],
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    rows = [
-        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    ]
-    last = [r for r in rows if r["kind"] == "train"][-1]
+    rows = train_rows(path, tmp_path / "run")
+    last = rows[max(rows)]
     st = ShardStream([(dna, 1.0), (mixed, 3.0, WEIGHTS)], 0, 1, 1, shuffle_buffer=16)
     for _ in range(4):
         st.next_batch()

@@ -6,15 +6,9 @@ the uninterrupted run."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import yaml
-from conftest import REPO
-from train_data import prepare_dna
+from train_data import prepare_dna, train_rows
 
 from ulysses_mm.data.manifest import Manifest
 
@@ -47,19 +41,7 @@ def test_a_mixed_run_through_the_node_cache(tmp_path):
     path.write_text(yaml.safe_dump(cfg))
 
     def train(out_dir, *overrides: str) -> dict[int, dict]:
-        out = subprocess.run(
-            [sys.executable, "-m", "ulysses_mm", "train", str(path), f"train.out_dir={out_dir}"]
-            + list(overrides)
-            + ["--nproc", "2"],
-            cwd=REPO,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert out.returncode == 0, out.stderr[-4000:]
-        rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-        return {r["step"]: r for r in rows if r["kind"] == "train"}
+        return train_rows(path, out_dir, *overrides, nproc=2)
 
     rows = train(run)
     last = rows[10]

@@ -2,11 +2,16 @@
 
 ``learnable_fasta`` writes records that repeat one short motif from a random phase: a
 stream a tiny model learns in a few steps, so a falling loss means training works.
+``train_rows`` runs ``ulysses-mm train`` as a user would and reads back what it logged.
 """
 
 from __future__ import annotations
 
 import io
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -53,3 +58,21 @@ def prepare_dna(
     manifest = out / "manifest.json"
     assert Manifest.load(str(manifest)).num_samples > 0
     return manifest
+
+
+def train_rows(config: Path, out_dir: Path, *overrides: str, nproc: int = 1) -> dict[int, dict]:
+    """``ulysses-mm train CONFIG train.out_dir=OUT_DIR OVERRIDES --nproc N`` in a subprocess
+    (it must succeed): the training rows of its metrics.jsonl, by step."""
+    out = subprocess.run(
+        [sys.executable, "-m", "ulysses_mm", "train", str(config), f"train.out_dir={out_dir}"]
+        + list(overrides)
+        + ["--nproc", str(nproc)],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if r["kind"] == "train"}
