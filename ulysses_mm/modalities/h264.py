@@ -24,17 +24,17 @@ Local ids are ragged: one clip's ids are a 1-D array whose frames end at ``FRAME
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
 
 import numpy as np
 
-from ulysses_mm.modalities.base import TokenDocument, Tokenizer, TokenizerSpec
-from ulysses_mm.modalities.frames import decord_or_none, probe_video
+from ulysses_mm.modalities.base import Tokenizer, TokenizerSpec
+from ulysses_mm.modalities.frames import decord_or_none
 from ulysses_mm.modalities.util import ParamSchema, check_choice, spec_params
 from ulysses_mm.modalities.video import VqVideoTokenizer
-from ulysses_mm.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
+from ulysses_mm.tokenspace import EOF, TokenSpace
 
 FRAME_END = -1  # a frame's end in ragged local ids
 PAIRS = 1 << 16  # ids 0 .. 65535: byte pairs
@@ -67,14 +67,13 @@ def packet_ids(packet: bytes) -> np.ndarray:
 def ids_packet(ids: np.ndarray) -> bytes:
     """Inverse of :func:`packet_ids` (an odd-byte id anywhere but last is kept as one byte)."""
     ids = np.asarray(ids, dtype=np.int64)
-    out = bytearray()
-    pairs = ids < PAIRS
-    for i, v in enumerate(ids.tolist()):
-        if pairs[i]:
-            out += bytes((v >> 8, v & 0xFF))
-        else:
-            out.append(v - PAIRS)
-    return bytes(out)
+    single = ids >= PAIRS
+    out = np.empty((ids.size, 2), dtype=np.uint8)
+    out[:, 0] = np.where(single, ids - PAIRS, ids >> 8)
+    out[:, 1] = ids & 0xFF
+    keep = np.ones(out.shape, dtype=bool)
+    keep[single, 1] = False
+    return out[keep].tobytes()
 
 
 class H264VideoTokenizer(VqVideoTokenizer):
@@ -168,23 +167,11 @@ class H264VideoTokenizer(VqVideoTokenizer):
         """[t, size, size, 3] uint8 -> ragged local ids (one clip: the encoder's state)."""
         return self.encoder()(frames)
 
-    def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
-        source = str(path)
-        r = space.range(self.modality)
-        self.check_audio_range(space)
-        probe = probe_video(source)
-        encode = self.encoder()
-        ids = np.concatenate([encode(b) for b in self.frames(source, probe)])
-        unified = np.where(ids == FRAME_END, EOF, ids + r.start)
-        frames = np.split(unified, np.flatnonzero(ids == FRAME_END)[:-1] + 1)
-        body = [np.array([DOC_START, space.boundary_token(self.modality)])]
-        if self.audio is not None and probe.has_audio:
-            body += self._interleave(source, frames, space, probe)
-        else:
-            body.append(unified)
-        body.append(np.array([DOC_END]))
-        tokens = np.concatenate(body).astype(space.dtype())
-        yield TokenDocument(source, f"{source}#{self.modality}", self.modality, tokens)
+    def frame_rows(self, ids: np.ndarray, start: int) -> list[np.ndarray]:
+        """Ragged local ids as unified ids, one array per frame: its packet, then ``<eof>``."""
+        ends = ids == FRAME_END
+        unified = np.where(ends, EOF, ids + start)
+        return np.split(unified, np.flatnonzero(ends)[:-1] + 1)
 
     # ------------------------------------------------------------------ decode
     def decode_ids(self, ids: np.ndarray) -> np.ndarray:

@@ -169,6 +169,14 @@ class VqVideoTokenizer(Tokenizer):
         (Here frames are independent; a predictive kind keeps state across batches.)"""
         return self.encode_frames
 
+    def frame_rows(self, ids: np.ndarray, start: int) -> np.ndarray | list[np.ndarray]:
+        """A clip's local ids (the encoder's output) as unified ids, one row per frame:
+        here [t, N + 1], each frame's patches then ``<eof>``."""
+        frames = np.empty((ids.shape[0], self.tokens_per_frame + 1), dtype=np.int64)
+        frames[:, :-1] = ids + start
+        frames[:, -1] = EOF
+        return frames
+
     def check_audio_range(self, space: TokenSpace) -> None:
         """Refuse a token space whose range for the interleaved audio differs from the
         audio spec's (KeyError if the space lacks that modality)."""
@@ -187,15 +195,12 @@ class VqVideoTokenizer(Tokenizer):
         probe = probe_video(source)
         encode = self.encoder()
         ids = np.concatenate([encode(b) for b in self.frames(source, probe)])
-        # [t, N + 1] unified ids: each frame's patches, then <eof>
-        frames = np.empty((ids.shape[0], self.tokens_per_frame + 1), dtype=np.int64)
-        frames[:, :-1] = ids + r.start
-        frames[:, -1] = EOF
+        frames = self.frame_rows(ids, r.start)
         body = [np.array([DOC_START, space.boundary_token(self.modality)])]
         if self.audio is not None and probe.has_audio:
             body += self._interleave(source, frames, space, probe)
         else:
-            body.append(frames.ravel())
+            body.append(np.concatenate(frames))
         body.append(np.array([DOC_END]))
         tokens = np.concatenate(body).astype(space.dtype())
         yield TokenDocument(source, f"{source}#{self.modality}", self.modality, tokens)
