@@ -92,6 +92,16 @@ def test_overrides_parse_yaml_values():
         parse_overrides(["model.hidden_size"])
 
 
+def test_an_override_that_is_not_yaml_is_one_config_error():
+    # a shell glob with braces inside a flow list used to end in a yaml ParserError traceback
+    with pytest.raises(
+        ConfigError, match=r"override 'sources=\[a/\*\.\{mp4,webm\}\]': the value is not YAML"
+    ):
+        parse_overrides(["sources=[a/*.{mp4,webm}]"])
+    with pytest.raises(ConfigError, match="model.modalities='\"...\"'"):
+        parse_overrides(["model.modalities={dna: ["])
+
+
 def test_an_override_replaces_the_value_at_its_key(tmp_path):
     p = _write(
         tmp_path,

@@ -461,7 +461,15 @@ def parse_overrides(overrides: Iterable[str]) -> dict[str, Any]:
         key = key.strip()
         if not key or any(not part for part in key.split(".")):
             raise ConfigError(f"override '{item}' has an empty key")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(
+                f"override '{item}': the value is not YAML ({problem}); a string with "
+                "YAML's special characters needs quotes inside the shell's: "
+                f"""{key}='"..."'"""
+            ) from None
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:

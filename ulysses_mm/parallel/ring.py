@@ -49,15 +49,15 @@ from ulysses_mm.model.attention import FLASH_MAX_DOCS, DocumentMask, resolve_ker
 
 
 def _doc_spans(run_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per token of ``run_ids`` [b, N]: (document index over the flattened batch, global
-    start of its document in its row, its document's length), all [b, N]."""
+    """(per token of ``run_ids`` [b, N]: its document's index over the flattened batch and
+    its document's global start in its row, both [b, N]; each document's length [docs])."""
     b, n = run_ids.shape
     flat = (run_ids.long() + torch.arange(b, device=run_ids.device)[:, None] * (n + 1)).flatten()
     _, inverse, lengths = torch.unique_consecutive(flat, return_inverse=True, return_counts=True)
     starts = torch.cumsum(lengths, 0) - lengths  # flat start of each document
     row_start = (torch.arange(b, device=run_ids.device) * n)[:, None]
     doc = inverse.view(b, n)
-    return doc, starts[doc] - row_start, lengths[doc]
+    return doc, starts[doc] - row_start, lengths
 
 
 def ring_order(run_ids: Tensor, ring: int) -> Tensor:
@@ -70,11 +70,8 @@ def ring_order(run_ids: Tensor, ring: int) -> Tensor:
     s = 2 * ring
     if n % s:
         raise ValueError(f"ring={ring} needs a sequence divisible by {s}, got {n}")
-    doc, start, length = _doc_spans(run_ids)
+    doc, start, d_len = _doc_spans(run_ids)
     # per document: base slot size and the remainder's first slot (remainders go round)
-    first = torch.ones_like(doc, dtype=torch.bool)
-    first[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    d_len = length[first]  # one entry per document, flattened in order
     rem = d_len % s
     c = (torch.cumsum(rem, 0) - rem) % s
     base = d_len // s
@@ -83,7 +80,7 @@ def ring_order(run_ids: Tensor, ring: int) -> Tensor:
     for k in range(1, s):
         # slot boundary k: k·base + how many of the rem extra tokens fall in slots < k
         wrap = torch.clamp(torch.clamp(c + rem - s, max=k), min=0)
-        extra = torch.clamp(torch.clamp(c + rem, max=min(s, k)) - c, min=0)
+        extra = torch.clamp(torch.clamp(c + rem, max=k) - c, min=0)
         bound = k * base + extra + wrap
         slot += offset >= bound[doc]
     group = torch.minimum(slot, s - 1 - slot)
