@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import ClassVar
 
 import pytest
-from conftest import serve_dir
+from conftest import REPO, serve_dir
 from train_data import prepare_dna
 
 from ulysses_mm.data.format import ShardFormatError
-from ulysses_mm.data.manifest import Manifest, ShardEntry, ShardIntegrityError
+from ulysses_mm.data.manifest import Manifest, ManifestError, ShardEntry, ShardIntegrityError
 from ulysses_mm.data.stream import ShardStream
 
 
@@ -74,6 +74,23 @@ def test_a_stalled_http_server_ends_in_one_line_within_the_bound(dataset, stalle
     assert message.startswith(f"could not read shard {url} after {RETRIES} attempts")
     assert "\n" not in message
     assert took < BOUND_S + 1.0, f"took {took:.2f}s, bound {BOUND_S:.2f}s"
+
+
+def test_a_stalled_server_holding_the_manifest_is_one_line_not_a_hang(tmp_path, stalled_server):
+    """The parent reads the manifest before any process starts: with the run's timeouts
+    (it used to wait for as long as the server held the connection)."""
+    from ulysses_mm.cli import main
+
+    url = f"http://127.0.0.1:{stalled_server}/ds/manifest.json"
+    t0 = time.monotonic()
+    with pytest.raises(ManifestError, match=f"cannot read manifest {url}: .*Timeout"):
+        Manifest.load(url, timeouts=(CONNECT_S, READ_S))
+    assert time.monotonic() - t0 < CONNECT_S + READ_S + 1.0
+    args = ["train", str(REPO / "configs/debug-tiny.yaml"), "parallel.sp=1", f"data.train={url}"]
+    args += [f"data.connect_timeout_s={CONNECT_S}", f"data.read_timeout_s={READ_S}"]
+    t0 = time.monotonic()
+    assert main([*args, "--nproc", "1"]) == 2
+    assert time.monotonic() - t0 < CONNECT_S + READ_S + 5.0
 
 
 def test_a_stalled_s3_server_ends_in_one_line_within_the_bound(

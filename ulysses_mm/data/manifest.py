@@ -42,11 +42,13 @@ from typing import Any
 import numpy as np
 
 from ulysses_mm import storage
+from ulysses_mm.errors import first_line
 from ulysses_mm.tokenspace import TokenSpace
 
 FORMAT = "ulysses-mm-shards"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+READ_TIMEOUTS = (10.0, 60.0)  # connect, read seconds: data.connect_timeout_s, read_timeout_s
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -222,15 +224,21 @@ class Manifest:
         self.storage_options = dict(storage_options or {})
 
     @classmethod
-    def load(cls, location: str, storage_options: Mapping[str, Any] | None = None) -> Manifest:
+    def load(
+        cls,
+        location: str,
+        storage_options: Mapping[str, Any] | None = None,
+        timeouts: tuple[float, float] = READ_TIMEOUTS,
+    ) -> Manifest:
         """Read and validate ``manifest.json`` from a path or URL (a dataset directory works
-        too)."""
+        too). A remote read has ``timeouts`` (connect, read seconds): a server that accepts
+        and then stalls is one error, not a hang."""
         if not location.endswith(".json"):
             location = storage.join(location, MANIFEST_NAME)
         try:
-            raw = storage.read_bytes(location, storage_options)
+            raw = storage.read_bytes(location, storage_options, timeouts)
         except (OSError, ValueError) as e:
-            raise ManifestError(f"cannot read manifest {location}: {e}") from e
+            raise ManifestError(f"cannot read manifest {location}: {first_line(e)}") from e
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -29,11 +29,7 @@ from typing import Any
 
 from ulysses_mm import storage
 from ulysses_mm.data.manifest import Manifest, ShardIntegrityError, verify_shard_bytes
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+from ulysses_mm.errors import first_line
 
 
 def fetch_shard(

@@ -58,7 +58,8 @@ from ulysses_mm.data.format import (
 )
 from ulysses_mm.data.manifest import Manifest
 from ulysses_mm.data.mixing import ModalityPool, mix_error, modality_pools, normalised, sources_of
-from ulysses_mm.data.prefetch import Prefetcher, fetch_shard, first_line
+from ulysses_mm.data.prefetch import Prefetcher, fetch_shard
+from ulysses_mm.errors import first_line
 
 STATE_VERSION = 2
 _LOOKAHEAD = 1 << 14  # positions the prefetcher looks ahead for shards to fetch

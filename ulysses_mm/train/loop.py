@@ -112,7 +112,9 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     and the checkpoint's (every mixed manifest's alike), the sequence length against the
     shards', the loader's budgets, and that a resumed run has a checkpoint."""
     entries = train_entries(cfg)
-    sources = [(Manifest.load(loc, cfg.data.storage_options), w) for loc, w, _ in entries]
+    d = cfg.data
+    timeouts = loader_timeouts(cfg)
+    sources = [(Manifest.load(loc, d.storage_options, timeouts), w) for loc, w, _ in entries]
     modalities = [mods for *_, mods in entries]
     manifest = sources[0][0]
     space = model_space(cfg, manifest)
@@ -145,9 +147,7 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     )  # DeepSpeed settings that clash
     if cfg.model.init_from:
         check_init_from(cfg.model, space, cfg.model.init_from)
-    eval_manifest = (
-        Manifest.load(cfg.data.eval, cfg.data.storage_options) if cfg.data.eval else None
-    )
+    eval_manifest = Manifest.load(d.eval, d.storage_options, timeouts) if d.eval else None
     if eval_manifest is not None:
         eval_manifest.check_token_space(space)
     if resume:
@@ -166,11 +166,17 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     return RunPlan(manifest, eval_manifest, space, seq_len, sources, modalities)
 
 
-def check_loader_config(cfg: RunConfig, sources: list[tuple[Manifest, float]]) -> None:
+def loader_timeouts(cfg: RunConfig) -> tuple[float, float]:
+    """(connect, read) seconds of every remote read, manifests and shards alike."""
     d = cfg.data
     for key in ("connect_timeout_s", "read_timeout_s"):
         if not getattr(d, key) > 0:
             raise ValueError(f"data.{key}={getattr(d, key)}: give a positive number of seconds")
+    return d.connect_timeout_s, d.read_timeout_s
+
+
+def check_loader_config(cfg: RunConfig, sources: list[tuple[Manifest, float]]) -> None:
+    d = cfg.data
     for key in ("prefetch_bytes", "cache_bytes", "shuffle_buffer"):
         if getattr(d, key) < 0:
             raise ValueError(f"data.{key}={getattr(d, key)} is negative")
@@ -237,7 +243,7 @@ class Trainer:
             retries=d.retries,
             backoff_s=d.retry_backoff_s,
             shuffle_buffer=d.shuffle_buffer if shuffle else 0,
-            timeouts=(d.connect_timeout_s, d.read_timeout_s),
+            timeouts=loader_timeouts(self.cfg),
             cache=self.cache,
             prefetch_bytes=d.prefetch_bytes,
         )
