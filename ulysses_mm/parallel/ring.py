@@ -64,13 +64,19 @@ def ring_order(run_ids: Tensor, ring: int) -> Tensor:
     """[b, N] permutation of each row whose consecutive N/R pieces are the ring ranks'
     tokens (document zigzag, see the module docstring); needs N % 2R == 0."""
     b, n = run_ids.shape
-    pos = torch.arange(n, device=run_ids.device).expand(b, n)
     if ring == 1:
-        return pos.clone()
+        return torch.arange(n, device=run_ids.device).expand(b, n).clone()
+    return _document_zigzag(_doc_spans(run_ids), ring)
+
+
+def _document_zigzag(spans: tuple[Tensor, Tensor, Tensor], ring: int) -> Tensor:
+    """:func:`ring_order` (R > 1) from :func:`_doc_spans`' output."""
+    doc, start, d_len = spans
+    b, n = doc.shape
+    pos = torch.arange(n, device=doc.device).expand(b, n)
     s = 2 * ring
     if n % s:
         raise ValueError(f"ring={ring} needs a sequence divisible by {s}, got {n}")
-    doc, start, d_len = _doc_spans(run_ids)
     # per document: base slot size and the remainder's first slot (remainders go round)
     rem = d_len % s
     c = (torch.cumsum(rem, 0) - rem) % s
@@ -268,8 +274,9 @@ class RingPlan:
         if key not in mask._cache:
             runs = mask.run_ids
             n = mask.seq_len // ring
-            order = ring_order(runs, ring)
-            _, start, _ = _doc_spans(runs)
+            spans = _doc_spans(runs)
+            start = spans[1]
+            order = _document_zigzag(spans, ring) if ring > 1 else ring_order(runs, 1)
             idx = [order[:, j * n : (j + 1) * n].contiguous() for j in range(ring)]
             mask._cache[key] = cls(idx, [start.gather(1, i) for i in idx])
         plan: RingPlan = mask._cache[key]
