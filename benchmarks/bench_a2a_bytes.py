@@ -35,12 +35,12 @@ def worker(args: argparse.Namespace, P: int, heads: int, kv: int) -> dict:
     from torch.profiler import profile
 
     from ulysses_mm.config import ModelConfig
-    from ulysses_mm.data.batch import sp_slice
-    from ulysses_mm.data.synthetic import random_batch
+    from ulysses_mm.loader.synthetic import random_batch
     from ulysses_mm.model import build_model
     from ulysses_mm.parallel import CommStats, Mesh, apply_ulysses, loss_weights
     from ulysses_mm.parallel.mesh import init_distributed
-    from ulysses_mm.runtime import loss_of
+    from ulysses_mm.parallel.slice import sp_slice
+    from ulysses_mm.train.step import forward_loss
 
     torch.set_num_threads(1)
     init_distributed("gloo")
@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace, P: int, heads: int, kv: int) -> dict:
         return total
 
     with profile(record_shapes=True) as fwd:
-        share, _ = loss_of(model, batch, loss_weights(model.space.modalities, {}), mesh)
+        share, _ = forward_loss(model, batch, loss_weights(model.space.modalities, {}), mesh)
     with profile(record_shapes=True) as bwd:
         share.backward()
     return {

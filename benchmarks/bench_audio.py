@@ -27,9 +27,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 import torch
 
-from ulysses_mm.modalities.audio import load_waveform, mulaw_encode
-from ulysses_mm.modalities.registry import load_tokenizer
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.tokenize.audio import load_waveform, mulaw_encode
+from ulysses_mm.tokenize.registry import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"

@@ -1,7 +1,7 @@
 """The memory estimate beside measurement: per-rank peak of one real training step.
 
 For each case, ``ulysses-mm estimate``'s arithmetic (``device="cpu"``: the tensors of a
-CPU process) is printed beside the peak that ``ulysses_mm.measure`` measures on the same
+CPU process) is printed beside the peak that ``ulysses_mm.tools.measure`` measures on the same
 run (DeepSpeed engine, gloo, SP ranks as local processes started by torch's elastic
 launcher), and the part above what was live before the step. tests/test_estimate.py
 asserts the same figures within 15 %.
@@ -37,9 +37,9 @@ def measured_and_estimated(cfg, sp: int, seq_len: int, doc_len: int):
     """(the measured rank with the highest peak, the estimate, the estimated peak above the
     step start: the peak less what lives between steps)."""
     from ulysses_mm.config import to_dict
-    from ulysses_mm.estimate import estimate
-    from ulysses_mm.measure import measure_launched
     from ulysses_mm.parallel.launch import launch_local
+    from ulysses_mm.tools.estimate import estimate
+    from ulysses_mm.tools.measure import measure_launched
 
     res = launch_local(measure_launched, sp, to_dict(cfg), seq_len, doc_len)
     m = max(res.values(), key=lambda r: r["peak"])

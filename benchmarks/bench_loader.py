@@ -49,11 +49,11 @@ from typing import ClassVar
 
 import numpy as np
 
-from ulysses_mm.data.cache import NodeCache
-from ulysses_mm.data.manifest import Manifest
-from ulysses_mm.data.mixing import mix_error
-from ulysses_mm.data.prepare import load_pipeline_config, prepare
-from ulysses_mm.data.stream import ShardStream
+from ulysses_mm.loader.mixing import mix_error
+from ulysses_mm.loader.node_cache import NodeCache
+from ulysses_mm.loader.stream import ShardStream
+from ulysses_mm.shards.manifest import Manifest
+from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
 REPO = Path(__file__).resolve().parents[1]
 WEIGHTS = (0.5, 0.2, 0.3)  # a, b, mixed

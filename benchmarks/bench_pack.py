@@ -3,8 +3,8 @@
 Two workloads bracket real data: many short documents (sequencing reads, ~150 tokens)
 and a few long ones (genomes / long clips, ~3M tokens). For each, measured in one run:
 
-- ``pack``: :class:`ulysses_mm.data.packing.Packer` alone (samples + segment tables);
-- ``pack+write``: packing plus :class:`ulysses_mm.data.shards.ShardWriter` writing tar
+- ``pack``: :class:`ulysses_mm.shards.pack.Packer` alone (samples + segment tables);
+- ``pack+write``: packing plus :class:`ulysses_mm.shards.writer.ShardWriter` writing tar
   shards to a temporary directory (``.npy`` encoding, sha256, file writes);
 - ``naive``: a per-token Python loop that builds each sample and its segment table one
   token at a time, then writes the same shards — on a smaller slice, because it is slow.
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ulysses_mm.data.format import PackedSample
-from ulysses_mm.data.packing import DocumentBlock, Packer
-from ulysses_mm.data.shards import ShardRecord, ShardWriter
-from ulysses_mm.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
+from ulysses_mm.core.format import PackedSample
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
+from ulysses_mm.shards.pack import DocumentBlock, Packer
+from ulysses_mm.shards.writer import ShardRecord, ShardWriter
 
 SPACE = TokenSpace.from_vocab({"dna": 16, "audio": 256, "video": 1024})
 

@@ -43,13 +43,13 @@ def worker(args: argparse.Namespace, P: int, ring: int) -> dict:
     import torch
 
     from ulysses_mm.config import ModelConfig
-    from ulysses_mm.data.batch import sp_slice
-    from ulysses_mm.data.synthetic import random_batch
+    from ulysses_mm.loader.synthetic import random_batch
     from ulysses_mm.model import build_model
     from ulysses_mm.parallel import CommStats, Mesh, apply_ulysses, loss_weights
     from ulysses_mm.parallel.mesh import init_distributed
     from ulysses_mm.parallel.ring import new_ring_stats
-    from ulysses_mm.runtime import loss_of
+    from ulysses_mm.parallel.slice import sp_slice
+    from ulysses_mm.train.step import forward_loss
 
     torch.set_num_threads(1)
     init_distributed("gloo")
@@ -68,11 +68,11 @@ def worker(args: argparse.Namespace, P: int, ring: int) -> dict:
     batch = random_batch(model.space, 1, args.seq_len, seed=0)
     local = sp_slice(batch, mesh.sp_rank, P, ring)
     weights = loss_weights(model.space.modalities, {})
-    loss_of(model, local, weights, mesh)[0].backward()  # warm-up: lazy setup is not timed
+    forward_loss(model, local, weights, mesh)[0].backward()  # warm-up: lazy setup is not timed
     f0, b0 = stats.forward_bytes + rstats["forward_bytes"], stats.backward_bytes
     b0 += rstats["backward_bytes"]
     t0 = time.perf_counter()
-    share, _ = loss_of(model, local, weights, mesh)
+    share, _ = forward_loss(model, local, weights, mesh)
     t1 = time.perf_counter()
     f_bytes = stats.forward_bytes + rstats["forward_bytes"] - f0
     share.backward()
@@ -149,8 +149,8 @@ def theory_table(args: argparse.Namespace) -> None:
 def balance_table(args: argparse.Namespace) -> None:
     import torch
 
-    from ulysses_mm.data.synthetic import packed_doc_ids
-    from ulysses_mm.parallel.ring import unmasked_pairs
+    from ulysses_mm.loader.synthetic import packed_doc_ids
+    from ulysses_mm.parallel.slice import unmasked_pairs
 
     n = args.balance_len
 

@@ -2,7 +2,7 @@
 
 The whole model (embedding, decoder layers with Ulysses attention, tiled per-modality loss)
 runs on a packed sample of N tokens; each rank's peak tensor memory during forward+backward
-is measured with ``ulysses_mm.memory.TensorMemoryTracker`` (it tracks every
+is measured with ``ulysses_mm.tools.memory.TensorMemoryTracker`` (it tracks every
 tensor storage the process allocates: parameters, gradients, activations, temporaries), and
 printed as a ratio to SP=1. Ulysses keeps N/P tokens per rank everywhere except inside
 attention, where it holds all N tokens on H/P heads, so activations should scale as 1/P.
@@ -22,13 +22,13 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     from ulysses_mm.config import ModelConfig
-    from ulysses_mm.data.batch import sp_slice
-    from ulysses_mm.data.synthetic import random_batch
-    from ulysses_mm.memory import TensorMemoryTracker
+    from ulysses_mm.loader.synthetic import random_batch
     from ulysses_mm.model import build_model
     from ulysses_mm.parallel import Mesh, apply_ulysses, loss_weights
     from ulysses_mm.parallel.mesh import in_launched_world, init_distributed
-    from ulysses_mm.runtime import forward_backward
+    from ulysses_mm.parallel.slice import sp_slice
+    from ulysses_mm.tools.memory import TensorMemoryTracker
+    from ulysses_mm.train.step import forward_backward
 
     torch.set_num_threads(1)
     if in_launched_world():

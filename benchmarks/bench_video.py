@@ -24,11 +24,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 import torch
 
-from ulysses_mm.modalities.frames import probe_video
-from ulysses_mm.modalities.kmeans import Codebook
-from ulysses_mm.modalities.registry import load_tokenizer
-from ulysses_mm.modalities.video import VqVideoTokenizer, patchify, psnr
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.tokenize.kmeans import Codebook
+from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.video.frames import probe_video
+from ulysses_mm.tokenize.video.vq import VqVideoTokenizer, patchify, psnr
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"

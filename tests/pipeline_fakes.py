@@ -1,6 +1,6 @@
-"""Small fake tokenizers for the pipeline tests (the real ones live in ulysses_mm.modalities).
+"""Small fake tokenizers for the pipeline tests (the real ones live in ulysses_mm.tokenize).
 
-They follow the contract of ulysses_mm.modalities.base and are registered through the
+They follow the contract of ulysses_mm.tokenize.base and are registered through the
 pipeline config's ``tokenizer_kinds`` (so spawned workers and CLI subprocesses find them):
 
 - ``test-lines`` (dna): a text file, one document per non-empty line of ``ACGTN``; any
@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from ulysses_mm.modalities.base import DecodeError, TokenDocument, Tokenizer
-from ulysses_mm.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
+from ulysses_mm.tokenize.base import DecodeError, TokenDocument, Tokenizer
 
 HERE = Path(__file__).resolve().parent
 KINDS = {

@@ -26,16 +26,16 @@ from media_factory import (
     write_video,
 )
 
-from ulysses_mm.modalities.audio import (
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.tokenize.audio import (
     MulawTokenizer,
     _RateStream,
     load_waveform,
     mulaw_decode,
     mulaw_encode,
 )
-from ulysses_mm.modalities.base import DecodeError, TokenizerSpec
-from ulysses_mm.modalities.registry import load_tokenizer
-from ulysses_mm.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec
+from ulysses_mm.tokenize.registry import load_tokenizer
 
 
 def tokenizer(**params) -> MulawTokenizer:

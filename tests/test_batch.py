@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from ulysses_mm.data.batch import make_batch, segments_to_ids, sp_slice
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.loader.batch import make_batch, segments_to_ids
 from ulysses_mm.model import IGNORE
-from ulysses_mm.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.parallel.slice import sp_slice
 
 SPACE = TokenSpace.from_vocab({"dna": 8})
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ulysses_mm.config import RunConfig, load_config
-from ulysses_mm.estimate import max_seq_len
+from ulysses_mm.tools.estimate import max_seq_len
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "gpu" / "bench_gpu.py"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.train import checkpoint
 
 SPACE = TokenSpace.from_vocab({"dna": 10})

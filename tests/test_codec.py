@@ -11,9 +11,9 @@ import pytest
 import torch
 from media_factory import tone, write_audio
 
-from ulysses_mm.modalities.base import TokenizerSpec, build_token_space
-from ulysses_mm.modalities.registry import load_tokenizer
-from ulysses_mm.tokenspace import DOC_END, DOC_START
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START
+from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
+from ulysses_mm.tokenize.registry import load_tokenizer
 
 RATE, HOP, CODEBOOK = 8000, 16, 16  # 500 frames/s
 
@@ -76,11 +76,11 @@ def test_relative_model_dir_file_packing_and_a_training_step(
     model_dir: Path, tmp_path: Path
 ) -> None:
     from ulysses_mm.config import RunConfig, load_config
-    from ulysses_mm.data.batch import make_batch
-    from ulysses_mm.data.packing import DocumentBlock, pack
+    from ulysses_mm.loader.batch import make_batch
     from ulysses_mm.model import build_model
     from ulysses_mm.parallel import Mesh, loss_weights
-    from ulysses_mm.runtime import forward_backward
+    from ulysses_mm.shards.pack import DocumentBlock, pack
+    from ulysses_mm.train.step import forward_backward
 
     (tmp_path / "models").symlink_to(model_dir.parent)
     spec_path = _spec(tmp_path, f"models/{model_dir.name}")  # relative to the spec

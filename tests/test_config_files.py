@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from ulysses_mm.config import ConfigError, PipelineConfig, RunConfig, load_config, read_yaml
-from ulysses_mm.data.inputs import route
-from ulysses_mm.data.prepare import load_pipeline_config
-from ulysses_mm.modalities import registry
-from ulysses_mm.storage import expand_braces
+from ulysses_mm.core.storage import expand_braces
+from ulysses_mm.shards.prepare.route import route
+from ulysses_mm.shards.prepare.run import load_pipeline_config
+from ulysses_mm.tokenize import registry
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -18,10 +18,10 @@ from media_factory import (
     write_genbank,
 )
 
-from ulysses_mm.modalities.base import DecodeError, TokenizerSpec
-from ulysses_mm.modalities.dna import DnaTokenizer, alphabet
-from ulysses_mm.modalities.registry import load_tokenizer
-from ulysses_mm.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec
+from ulysses_mm.tokenize.dna import DnaTokenizer, alphabet
+from ulysses_mm.tokenize.registry import load_tokenizer
 
 AMBIG = "RYSWKMBDHV"
 POLICIES = list(itertools.product(["keep", "fold"], ["keep", "to_n"]))

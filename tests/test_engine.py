@@ -13,14 +13,16 @@ from distributed import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import RunConfig, load_config
-from ulysses_mm.data.batch import Batch, sp_slice
-from ulysses_mm.data.synthetic import random_batch
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.loader.batch import Batch
+from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model import build_model
 from ulysses_mm.parallel import Mesh, loss_weights
-from ulysses_mm.runtime import Runtime, build_runtime, forward_backward, open_world, train_step
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.parallel.mesh import open_world
+from ulysses_mm.parallel.slice import sp_slice
 from ulysses_mm.train.engine import ds_config
 from ulysses_mm.train.schedule import WarmupSchedule, lr_factor, lr_schedule
+from ulysses_mm.train.step import Setup, build_setup, forward_backward, train_step
 
 VOCAB = {"dna": 10, "audio": 32}
 SPACE = TokenSpace.from_vocab(VOCAB)
@@ -64,11 +66,11 @@ def _engine_backward(engine, local: Batch, mesh: Mesh):
     return forward_backward(engine, local, weights, mesh)[1]
 
 
-def _runtime(cfg: RunConfig, sp: int) -> Runtime:
+def _runtime(cfg: RunConfig, sp: int) -> Setup:
     """This rank's model → Ulysses → engine, as training builds it."""
     cfg.parallel.sp = sp
     space = TokenSpace.from_vocab(cfg.model.modalities)
-    return build_runtime(cfg, space, open_world(cfg, device="cpu"))
+    return build_setup(cfg, space, open_world(cfg, device="cpu"))
 
 
 def _engine_grads(rank, world, sp, stages, gas):

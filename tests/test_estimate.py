@@ -1,8 +1,8 @@
-"""The memory estimate (ulysses_mm.estimate) against measurement, and its arithmetic.
+"""The memory estimate (ulysses_mm.tools.estimate) against measurement, and its arithmetic.
 
 The contract: for configs/debug-tiny.yaml and configs/small.yaml, one real training step
 (the DeepSpeed engine of ``ulysses-mm train``, gloo, SP=1 and SP=2) is measured with
-:class:`~ulysses_mm.memory.TensorMemoryTracker` (ulysses_mm.measure) and compared with
+:class:`~ulysses_mm.tools.memory.TensorMemoryTracker` (ulysses_mm.tools.measure) and compared with
 ``estimate(device="cpu")``: the peak and the part of it above what was live before the
 step (activations, gradients, buffers, optimizer temporaries) agree within 15 %.
 debug-tiny at 8,192 tokens is activation-bound at both SP sizes; small (ZeRO-1,
@@ -29,8 +29,8 @@ from distributed import run_distributed
 
 from ulysses_mm import cli
 from ulysses_mm.config import RunConfig, load_config, to_dict
-from ulysses_mm.data.synthetic import largest_head, single_modality_batch
-from ulysses_mm.estimate import (
+from ulysses_mm.loader.synthetic import largest_head, single_modality_batch
+from ulysses_mm.tools.estimate import (
     DS_ZERO_DEFAULTS,
     MAX_GRANULARITY,
     GiB,
@@ -40,7 +40,7 @@ from ulysses_mm.estimate import (
     model_shape,
     token_space,
 )
-from ulysses_mm.measure import measure_worker, run_space
+from ulysses_mm.tools.measure import measure_worker, run_space
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -357,7 +357,7 @@ def test_ring_is_estimated_with_its_bytes(capsys):
     layer are ring_theory_bytes, the all-to-all's verify's theory over U = sp / R, and
     the figures reach the text and the JSON."""
     from ulysses_mm.parallel.ring import ring_theory_bytes
-    from ulysses_mm.verify import VerifyOptions, theory_bytes_per_layer
+    from ulysses_mm.tools.verify import VerifyOptions, theory_bytes_per_layer
 
     n = 262144
     for ring in (2, 4, 8):

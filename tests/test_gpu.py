@@ -7,7 +7,7 @@ import torch
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig
-from ulysses_mm.data.synthetic import random_batch
+from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model import available_kernels, build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention, resolve_kernel
 from ulysses_mm.model.llama import RotaryEmbedding

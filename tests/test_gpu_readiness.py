@@ -15,14 +15,6 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig, RunConfig, load_config
-from ulysses_mm.estimate import (
-    CONTEXT_RESERVE_GIB,
-    NCCL_GIB_PER_COMMUNICATOR,
-    GiB,
-    estimate,
-    flex_block_mask_bytes,
-)
-from ulysses_mm.memory import TensorMemoryTracker
 from ulysses_mm.model import attention, build_model
 from ulysses_mm.model.attention import (
     DocumentMask,
@@ -33,6 +25,14 @@ from ulysses_mm.model.attention import (
 from ulysses_mm.model.llama import RotaryEmbedding
 from ulysses_mm.parallel import mesh as mesh_mod
 from ulysses_mm.parallel.mesh import choose_backend
+from ulysses_mm.tools.estimate import (
+    CONTEXT_RESERVE_GIB,
+    NCCL_GIB_PER_COMMUNICATOR,
+    GiB,
+    estimate,
+    flex_block_mask_bytes,
+)
+from ulysses_mm.tools.memory import TensorMemoryTracker
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -430,9 +430,10 @@ def test_deepspeed_is_handed_the_host_model_and_peaks_start_after_set_up(monkeyp
     """Item 9: the fp32 model is never moved to the GPU before DeepSpeed casts it (a
     6 bytes/parameter transient), and the peak-memory counters are reset once the engine
     exists, so logged peaks are training's. A GPU world is faked: nothing touches CUDA."""
-    from ulysses_mm import runtime
+    from ulysses_mm.core.tokenspace import TokenSpace
     from ulysses_mm.parallel import Mesh
-    from ulysses_mm.tokenspace import TokenSpace
+    from ulysses_mm.parallel.mesh import World
+    from ulysses_mm.train import step
 
     seen: dict[str, object] = {}
 
@@ -448,11 +449,11 @@ def test_deepspeed_is_handed_the_host_model_and_peaks_start_after_set_up(monkeyp
     monkeypatch.setattr("ulysses_mm.train.engine.build_engine", fake_engine)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
-    monkeypatch.setattr(runtime, "loss_weights", lambda mods, weights, device: None)
-    monkeypatch.setattr(runtime, "resolve_kernel", lambda name, device, dtype: "sdpa_varlen")
+    monkeypatch.setattr(step, "loss_weights", lambda mods, weights, device: None)
+    monkeypatch.setattr(step, "resolve_kernel", lambda name, device, dtype: "sdpa_varlen")
     cfg = load_config(RunConfig, None, ["deepspeed.precision=bf16", "model.hidden_size=32"])
-    world = runtime.World(Mesh.single(), torch.device("cuda", 0), "nccl")
-    rt = runtime.build_runtime(cfg, TokenSpace.from_vocab({"dna": 10}), world)
+    world = World(Mesh.single(), torch.device("cuda", 0), "nccl")
+    rt = step.build_setup(cfg, TokenSpace.from_vocab({"dna": 10}), world)
     assert seen["devices"] == {"cpu"} and seen["dtypes"] == {torch.float32}
     assert seen["reset_after_engine"] is True
     assert rt.device == torch.device("cuda", 0)

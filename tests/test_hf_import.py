@@ -17,9 +17,10 @@ from distributed import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig, RunConfig, to_dict
-from ulysses_mm.data.batch import Batch, sp_slice
-from ulysses_mm.data.format import IGNORE
-from ulysses_mm.data.synthetic import random_batch
+from ulysses_mm.core.format import IGNORE
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.loader.batch import Batch
+from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model import build_model
 from ulysses_mm.model.hf_import import (
     InitFromError,
@@ -29,8 +30,8 @@ from ulysses_mm.model.hf_import import (
 )
 from ulysses_mm.parallel import Mesh, apply_ulysses
 from ulysses_mm.parallel.loss import loss_weights
-from ulysses_mm.runtime import forward_backward
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.parallel.slice import sp_slice
+from ulysses_mm.train.step import forward_backward
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_VOCAB = 300
@@ -260,7 +261,7 @@ def test_config_from_hf_prints_the_matching_run_config(tmp_path):
     # and the run's model, built from it, starts from the checkpoint
     from safetensors.torch import load_file
 
-    from ulysses_mm.runtime import build_parallel_model
+    from ulysses_mm.train.step import build_parallel_model
 
     run = RunConfig(model=ModelConfig(**model))
     space = TokenSpace.from_vocab(run.model.modalities)
@@ -287,7 +288,7 @@ def test_tied_embeddings_load_into_the_text_head_too(tmp_path):
 
 @pytest.mark.parametrize("kw", [dict(qk_norm=True), dict(attention_bias=True)])
 def test_estimate_counts_the_qk_norms_and_biases(kw):
-    from ulysses_mm.estimate import model_shape
+    from ulysses_mm.tools.estimate import model_shape
 
     cfg = RunConfig(model=ModelConfig(**SHAPE, **kw, modalities={"dna": 10, "text": 40}))
     space = TokenSpace.from_vocab(cfg.model.modalities)

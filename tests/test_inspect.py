@@ -12,7 +12,7 @@ import pytest
 from pipeline_fakes import VIDEO, make_inputs, write_pipeline
 
 from ulysses_mm.cli import main
-from ulysses_mm.data.inspect import (
+from ulysses_mm.shards.inspect import (
     decode_sample,
     find_tokenizer,
     load_sample,
@@ -21,8 +21,8 @@ from ulysses_mm.data.inspect import (
     render_png,
     run_inspect,
 )
-from ulysses_mm.data.manifest import Manifest, ShardIntegrityError
-from ulysses_mm.data.prepare import load_pipeline_config, prepare
+from ulysses_mm.shards.manifest import Manifest, ShardIntegrityError
+from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
 BASES = "ACGTN"
 

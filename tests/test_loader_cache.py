@@ -17,9 +17,9 @@ import pytest
 from conftest import serve_dir
 from train_data import prepare_dna
 
-from ulysses_mm.data.cache import NodeCache
-from ulysses_mm.data.manifest import Manifest
-from ulysses_mm.data.stream import ShardStream
+from ulysses_mm.loader.node_cache import NodeCache
+from ulysses_mm.loader.stream import ShardStream
+from ulysses_mm.shards.manifest import Manifest
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ import pytest
 from conftest import REPO, serve_dir
 from train_data import prepare_dna
 
-from ulysses_mm.data.format import ShardFormatError
-from ulysses_mm.data.manifest import Manifest, ManifestError, ShardEntry, ShardIntegrityError
-from ulysses_mm.data.stream import ShardStream
+from ulysses_mm.core.format import ShardFormatError
+from ulysses_mm.loader.stream import ShardStream
+from ulysses_mm.shards.manifest import Manifest, ManifestError, ShardEntry, ShardIntegrityError
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,12 @@ from train_data import learnable_fasta, train_rows
 
 from ulysses_mm.cli import main
 from ulysses_mm.config import ConfigError, RunConfig, load_config
-from ulysses_mm.data.format import SEG_LENGTH, SEG_MODALITY
-from ulysses_mm.data.manifest import Manifest, ManifestError
-from ulysses_mm.data.mixing import mix_error, modality_pools
-from ulysses_mm.data.prepare import load_pipeline_config, prepare
-from ulysses_mm.data.stream import ShardStream
-from ulysses_mm.storage import expand_sources
+from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY
+from ulysses_mm.core.storage import expand_sources
+from ulysses_mm.loader.mixing import mix_error, modality_pools
+from ulysses_mm.loader.stream import ShardStream
+from ulysses_mm.shards.manifest import Manifest, ManifestError
+from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
 SEQ = 2048
 WEIGHTS = {"video": 0.5, "audio": 0.3, "dna": 0.2}

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from train_data import prepare_dna
 
-from ulysses_mm.data.manifest import Manifest
-from ulysses_mm.data.mixing import mix_error, sources_of
-from ulysses_mm.data.stream import ShardStream
+from ulysses_mm.loader.mixing import mix_error, sources_of
+from ulysses_mm.loader.stream import ShardStream
+from ulysses_mm.shards.manifest import Manifest
 
 
 @pytest.fixture(scope="module")

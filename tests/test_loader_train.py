@@ -10,7 +10,7 @@ import pytest
 import yaml
 from train_data import prepare_dna, train_rows
 
-from ulysses_mm.data.manifest import Manifest
+from ulysses_mm.shards.manifest import Manifest
 
 
 def test_a_mixed_run_through_the_node_cache(tmp_path):

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from ulysses_mm.memory import TensorMemoryTracker
+from ulysses_mm.tools.memory import TensorMemoryTracker
 
 
 def test_tracker_counts_live_storages_and_the_peak():

@@ -12,13 +12,15 @@ from distributed import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import ConfigError, ModelConfig, RunConfig, load_config
-from ulysses_mm.data.batch import sp_slice
-from ulysses_mm.data.synthetic import random_batch
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model import build_model
-from ulysses_mm.model.offload import HOST, tile_map, tiles
+from ulysses_mm.model.offload import HOST
+from ulysses_mm.model.tiling import tile_map, tiles
 from ulysses_mm.parallel import Mesh, loss_weights
-from ulysses_mm.runtime import build_runtime, forward_backward, open_world
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.parallel.mesh import open_world
+from ulysses_mm.parallel.slice import sp_slice
+from ulysses_mm.train.step import build_setup, forward_backward
 
 VOCAB = {"dna": 16, "audio": 64, "video": 96}
 SPACE = TokenSpace.from_vocab(VOCAB)
@@ -123,7 +125,7 @@ def _engine_run(rank, world, stages):
         out = []
         for switches in ([], SWITCHES):
             cfg = _engine_cfg(stage, world, switches)
-            rt = build_runtime(cfg, ENGINE_SPACE, open_world(cfg, device="cpu"))
+            rt = build_setup(cfg, ENGINE_SPACE, open_world(cfg, device="cpu"))
             local = sp_slice(batch, rt.mesh.sp_rank, world)
             loss, _ = forward_backward(rt.engine, local, rt.weights, rt.mesh)
             grads = {

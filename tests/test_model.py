@@ -9,12 +9,12 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig
-from ulysses_mm.data.synthetic import random_batch
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model import IGNORE, available_kernels, build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel import Mesh, global_loss, loss_weights
-from ulysses_mm.runtime import forward_backward
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.train.step import forward_backward
 
 VOCAB = {"dna": 16, "audio": 64, "video": 96}
 SPACE = TokenSpace.from_vocab(VOCAB)

@@ -11,18 +11,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 OFFLINE = [
-    "ulysses_mm.storage",
-    "ulysses_mm.data.format",
-    "ulysses_mm.data.packing",
-    "ulysses_mm.data.shards",
-    "ulysses_mm.data.manifest",
-    "ulysses_mm.data.inputs",
-    "ulysses_mm.data.workers",
-    "ulysses_mm.data.output",
-    "ulysses_mm.data.assemble",
-    "ulysses_mm.data.prepare",
-    "ulysses_mm.data.inspect",  # matplotlib is imported only to draw
-    "ulysses_mm.modalities.registry",
+    "ulysses_mm.core.storage",
+    "ulysses_mm.core.format",
+    "ulysses_mm.shards.pack",
+    "ulysses_mm.shards.writer",
+    "ulysses_mm.shards.manifest",
+    "ulysses_mm.shards.prepare.route",
+    "ulysses_mm.shards.prepare.pool",
+    "ulysses_mm.shards.prepare.publish",
+    "ulysses_mm.shards.prepare.assemble",
+    "ulysses_mm.shards.prepare.run",
+    "ulysses_mm.shards.inspect",  # matplotlib is imported only to draw
+    "ulysses_mm.tokenize.registry",
 ]
 
 _PROBE = """
@@ -52,10 +52,10 @@ def test_the_probe_sees_torch():
     """The check above can fail: the training batch module does import torch."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-c", _PROBE, "ulysses_mm.data.format", "ulysses_mm.data.batch"],
+        [sys.executable, "-c", _PROBE, "ulysses_mm.core.format", "ulysses_mm.loader.batch"],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 1 and "ulysses_mm.data.batch imports ['torch']" in proc.stdout
+    assert proc.returncode == 1 and "ulysses_mm.loader.batch imports ['torch']" in proc.stdout

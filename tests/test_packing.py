@@ -10,10 +10,10 @@ import itertools
 import numpy as np
 import pytest
 
-from ulysses_mm.data.batch import make_batch
-from ulysses_mm.data.format import SEGMENT_COLUMNS, PackedSample, segments_to_ids
-from ulysses_mm.data.packing import DocumentBlock, Packer, check_sample, pack
-from ulysses_mm.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
+from ulysses_mm.core.format import SEGMENT_COLUMNS, PackedSample, segments_to_ids
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
+from ulysses_mm.loader.batch import make_batch
+from ulysses_mm.shards.pack import DocumentBlock, Packer, check_sample, pack
 
 SPACE = TokenSpace.from_vocab({"dna": 16, "audio": 256, "video": 512})
 

@@ -12,9 +12,9 @@ import yaml
 from train_data import prepare_dna
 
 from ulysses_mm.cli import main
-from ulysses_mm.errors import WorkerError
+from ulysses_mm.core.errors import WorkerError
+from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.parallel.launch import run_world
-from ulysses_mm.tokenspace import TokenSpace
 
 SEQ = 256
 

@@ -18,14 +18,14 @@ import numpy as np
 import pytest
 from pipeline_fakes import KINDS, VIDEO, expected_documents, make_inputs, write_pipeline, write_spec
 
-from ulysses_mm import storage
 from ulysses_mm.config import PipelineConfig
-from ulysses_mm.data.inputs import route
-from ulysses_mm.data.manifest import Manifest, read_verified_shard
-from ulysses_mm.data.prepare import PrepareError, load_pipeline_config, prepare
-from ulysses_mm.data.shards import read_samples
-from ulysses_mm.modalities import registry
-from ulysses_mm.modalities.base import TokenizerSpec, build_token_space
+from ulysses_mm.core import storage
+from ulysses_mm.shards.manifest import Manifest, read_verified_shard
+from ulysses_mm.shards.prepare.route import route
+from ulysses_mm.shards.prepare.run import PrepareError, load_pipeline_config, prepare
+from ulysses_mm.shards.writer import read_samples
+from ulysses_mm.tokenize import registry
+from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

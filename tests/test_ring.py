@@ -15,15 +15,16 @@ from distributed import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig, ParallelConfig
-from ulysses_mm.data.batch import make_labels, sp_slice
-from ulysses_mm.data.synthetic import packed_doc_ids, random_batch
-from ulysses_mm.layout import LayoutError, check_layout, valid_sp_sizes
+from ulysses_mm.core.layout import LayoutError, check_layout, valid_sp_sizes
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.loader.batch import make_labels
+from ulysses_mm.loader.synthetic import packed_doc_ids, random_batch
 from ulysses_mm.model import build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel import Mesh, apply_ulysses, loss_weights, unmasked_pairs, zigzag_order
-from ulysses_mm.parallel.ring import new_ring_stats, ring_order
-from ulysses_mm.runtime import forward_backward
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.parallel.ring import new_ring_stats
+from ulysses_mm.parallel.slice import ring_order, sp_slice
+from ulysses_mm.train.step import forward_backward
 
 VOCAB = {"dna": 16, "audio": 64, "video": 96}
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -229,7 +230,7 @@ def test_verify_ring_cli(capsys):
 
 def _engine_ring(rank, world):
     # as training builds it: open_world → Mesh.build(ring) → apply_ulysses → DeepSpeed
-    # ZeRO-2, Runtime.local slices the zigzag layout
+    # ZeRO-2, Setup.slice_of slices the zigzag layout
     from deepspeed.utils import safe_get_full_grad
     from test_engine import SPACE, _cfg, _engine_backward, _reference_grads, _runtime
 
@@ -239,7 +240,7 @@ def _engine_ring(rank, world):
     assert rt.mesh.ring == world
     b = random_batch(SPACE, 1, 128, seed=10)
     want_losses, want = _reference_grads(cfg, [b])
-    report = _engine_backward(rt.engine, rt.local(b), rt.mesh)
+    report = _engine_backward(rt.engine, rt.slice_of(b), rt.mesh)
     for name, p in rt.engine.module.named_parameters():
         assert_close(safe_get_full_grad(p), want[name], rtol=1e-4, atol=1e-6)
     assert report.total == pytest.approx(want_losses[0], rel=1e-6)

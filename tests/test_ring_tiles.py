@@ -14,17 +14,17 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from ulysses_mm.data.synthetic import packed_doc_ids
+from ulysses_mm.loader.synthetic import packed_doc_ids
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel import ring as ring_mod
 from ulysses_mm.parallel.ring import (
     FlashTiles,
     RingPlan,
     TorchTiles,
-    _allowed,
     block_forward,
     merge,
 )
+from ulysses_mm.parallel.slice import _allowed
 
 
 def _ring_forward(kernel, q, k, v, plan, ring):

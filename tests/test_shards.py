@@ -17,9 +17,10 @@ import pytest
 import webdataset as wds
 from conftest import tar_of
 
-from ulysses_mm import storage
-from ulysses_mm.data.format import PackedSample, ShardFormatError
-from ulysses_mm.data.manifest import (
+from ulysses_mm.core import storage
+from ulysses_mm.core.format import PackedSample, ShardFormatError
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.shards.manifest import (
     InputEntry,
     Manifest,
     ManifestError,
@@ -28,15 +29,14 @@ from ulysses_mm.data.manifest import (
     read_verified_shard,
     verify_shard_bytes,
 )
-from ulysses_mm.data.packing import DocumentBlock, pack
-from ulysses_mm.data.shards import (
+from ulysses_mm.shards.pack import DocumentBlock, pack
+from ulysses_mm.shards.writer import (
     ShardRecord,
     ShardWriter,
     encode_sample,
     iter_samples,
     read_samples,
 )
-from ulysses_mm.tokenspace import DOC_END, DOC_START, TokenSpace
 
 SPACE = TokenSpace.from_vocab({"dna": 16, "audio": 256})
 

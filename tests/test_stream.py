@@ -15,9 +15,9 @@ from conftest import serve_dir, tar_of
 from train_data import prepare_dna
 
 from ulysses_mm.config import RunConfig, load_config
-from ulysses_mm.data.format import ShardFormatError
-from ulysses_mm.data.manifest import Manifest, ManifestError
-from ulysses_mm.data.stream import ShardStream, shard_samples
+from ulysses_mm.core.format import ShardFormatError
+from ulysses_mm.loader.stream import ShardStream, shard_samples
+from ulysses_mm.shards.manifest import Manifest, ManifestError
 from ulysses_mm.train.loop import model_space
 
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from ulysses_mm.config import PipelineConfig
-from ulysses_mm.data.inputs import route
-from ulysses_mm.data.manifest import Manifest, read_verified_shard
-from ulysses_mm.data.prepare import prepare
-from ulysses_mm.data.shards import read_samples
-from ulysses_mm.modalities.base import DecodeError, TokenizerSpec, build_token_space
-from ulysses_mm.modalities.registry import load_tokenizer
-from ulysses_mm.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.shards.manifest import Manifest, read_verified_shard
+from ulysses_mm.shards.prepare.route import route
+from ulysses_mm.shards.prepare.run import prepare
+from ulysses_mm.shards.writer import read_samples
+from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec, build_token_space
+from ulysses_mm.tokenize.registry import load_tokenizer
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent

@@ -10,7 +10,7 @@ import pytest
 from media_factory import TEST_DATA, TOKENIZERS, tone, write_audio, write_fasta
 
 from ulysses_mm.cli import main
-from ulysses_mm.modalities.evaluate import snr_db
+from ulysses_mm.tokenize.evaluate import snr_db
 
 
 def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, dict]:

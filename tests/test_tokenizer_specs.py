@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from media_factory import SHARED_DATA, TOKENIZERS
 
-from ulysses_mm.modalities.base import DecodeError, TokenizerSpec, build_token_space
-from ulysses_mm.modalities.registry import kinds, load_tokenizer
-from ulysses_mm.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
+from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec, build_token_space
+from ulysses_mm.tokenize.registry import kinds, load_tokenizer
 
 SPECS = sorted(TOKENIZERS.glob("*.json"))
 

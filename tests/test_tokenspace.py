@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ulysses_mm.tokenspace import DOC_END, DOC_START, EOF, PAD, TokenSpace, token_modalities
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, PAD, TokenSpace, token_modalities
 
 
 def test_layout_and_roundtrip():

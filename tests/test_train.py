@@ -166,8 +166,8 @@ def test_export_loads_in_transformers_and_gives_the_backbone_hidden_states(refer
     from transformers import AutoModelForCausalLM
 
     from ulysses_mm.config import RunConfig, from_dict
+    from ulysses_mm.core.tokenspace import TokenSpace
     from ulysses_mm.model import build_model
-    from ulysses_mm.tokenspace import TokenSpace
 
     out = tmp_path / "hf"
     _cli("export", str(reference["run"]), str(out), timeout=120)
@@ -211,7 +211,7 @@ def _alternating_history(steps: int = 40) -> list[dict]:
 
 
 def test_report_smooths_the_total_and_keeps_each_modality(tmp_path):
-    from ulysses_mm.train.report import loss_series, plot
+    from ulysses_mm.tools.report import loss_series, plot
 
     records = _alternating_history()
     s = loss_series(records)
@@ -234,8 +234,8 @@ def test_export_honours_the_umask(tmp_path, umask, folder, file):
     from safetensors.torch import save_file
 
     from ulysses_mm.config import RunConfig, load_config, to_dict
+    from ulysses_mm.core.tokenspace import TokenSpace
     from ulysses_mm.model import build_model
-    from ulysses_mm.tokenspace import TokenSpace
     from ulysses_mm.train.checkpoint import CONFIG_FILE, MODEL_FILE, SPACE_FILE
     from ulysses_mm.train.export import export
 

@@ -14,9 +14,10 @@ from distributed import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig
-from ulysses_mm.data.batch import Batch, sp_slice
-from ulysses_mm.data.synthetic import random_batch
-from ulysses_mm.layout import check_layout, valid_sp_sizes
+from ulysses_mm.core.layout import check_layout, valid_sp_sizes
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.loader.batch import Batch
+from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model import build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel import (
@@ -26,8 +27,8 @@ from ulysses_mm.parallel import (
     apply_ulysses,
     loss_weights,
 )
-from ulysses_mm.runtime import forward_backward
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.parallel.slice import sp_slice
+from ulysses_mm.train.step import forward_backward
 
 VOCAB = {"dna": 16, "audio": 64, "video": 96}
 GRAD_TOL = dict(rtol=1e-5, atol=1e-7)

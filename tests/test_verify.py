@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 
 from ulysses_mm.config import RunConfig, load_config
-from ulysses_mm.verify import VerifyOptions, run_verify
+from ulysses_mm.tools.verify import VerifyOptions, run_verify
 
 
 def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -116,7 +116,7 @@ def test_verify_reads_the_run_config_and_its_overrides(monkeypatch, tmp_path, ca
         return []
 
     monkeypatch.setattr("ulysses_mm.parallel.launch.run_world", fake_world)
-    monkeypatch.setattr("ulysses_mm.verify.format_report", lambda *a: "")
+    monkeypatch.setattr("ulysses_mm.tools.verify.format_report", lambda *a: "")
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model:\n  num_attention_heads: 8\n  hidden_size: 64\n")
     assert main(["verify", "--config", str(cfg), "parallel.sp=4", "--seq-len", "64"]) == 0

@@ -27,12 +27,12 @@ from media_factory import (
 )
 
 from ulysses_mm.cli import main
-from ulysses_mm.modalities.base import DecodeError, TokenizerSpec, build_token_space
-from ulysses_mm.modalities.frames import sample_frames
-from ulysses_mm.modalities.kmeans import Codebook
-from ulysses_mm.modalities.registry import load_tokenizer
-from ulysses_mm.modalities.video import VqVideoTokenizer, patchify, psnr, unpatchify
-from ulysses_mm.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
+from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec, build_token_space
+from ulysses_mm.tokenize.kmeans import Codebook
+from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.video.frames import sample_frames
+from ulysses_mm.tokenize.video.vq import VqVideoTokenizer, patchify, psnr, unpatchify
 
 try:
     import decord  # noqa: F401  (x86-64 wheels only; PyAV decodes elsewhere)
@@ -491,7 +491,7 @@ def _panning(t: int, size: int = 64, step: tuple[int, int] = (2, -3)) -> np.ndar
 
 
 def _with_motion(gsvq: Path, motion: int, local: int) -> Any:
-    from ulysses_mm.modalities.gainshape import MotionLayout, load_model
+    from ulysses_mm.tokenize.video.gainshape import MotionLayout, load_model
 
     spec = TokenizerSpec.load(gsvq)
     layout = MotionLayout(load_model(spec, 16).per_mode, motion, local)
@@ -502,7 +502,7 @@ def _with_motion(gsvq: Path, motion: int, local: int) -> Any:
 def test_global_motion_finds_a_known_pan() -> None:
     import torch
 
-    from ulysses_mm.modalities.gainshape import _luma, global_motion
+    from ulysses_mm.tokenize.video.gainshape import _luma, global_motion
 
     frames = torch.from_numpy(_panning(2, 64, (3, -5))).to(torch.float32)
     assert global_motion(_luma(frames[0]), _luma(frames[1]), 6) == (3, -5)
@@ -512,7 +512,7 @@ def test_global_motion_finds_a_known_pan() -> None:
 def test_gsvq_motion_closed_loop_and_its_ids(gsvq: Path) -> None:
     """Motion-compensated ids: one motion id per frame after the first, at position t mod N,
     and the decoder tracks the encoder exactly."""
-    from ulysses_mm.modalities.gainshape import MotionLayout
+    from ulysses_mm.tokenize.video.gainshape import MotionLayout
 
     frames = _panning(10)
     moving = _with_motion(gsvq, 4, 1)
@@ -600,7 +600,7 @@ def test_gsvq_motion_fast_paths_match_the_straightforward_computation(gsvq: Path
     batched refinements, strided views) give what a per-candidate / per-patch loop gives."""
     import torch
 
-    from ulysses_mm.modalities.gainshape import _luma, global_motion
+    from ulysses_mm.tokenize.video.gainshape import _luma, global_motion
 
     tok = _with_motion(gsvq, 4, 2)
     coder, model, lay = tok.coder(), tok.model, tok.layout

@@ -6,12 +6,18 @@ import numpy as np
 import pytest
 from media_factory import TEST_DATA, TOKENIZERS, smooth_frames, tone, write_video
 
-from ulysses_mm.modalities.base import TokenizerSpec, build_token_space
-from ulysses_mm.modalities.frames import sample_frames
-from ulysses_mm.modalities.h264 import FRAME_END, VOCAB, H264VideoTokenizer, ids_packet, packet_ids
-from ulysses_mm.modalities.registry import load_tokenizer
-from ulysses_mm.modalities.video import psnr
-from ulysses_mm.tokenspace import DOC_END, DOC_START, EOF
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF
+from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
+from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.video.frames import sample_frames
+from ulysses_mm.tokenize.video.h264 import (
+    FRAME_END,
+    VOCAB,
+    H264VideoTokenizer,
+    ids_packet,
+    packet_ids,
+)
+from ulysses_mm.tokenize.video.vq import psnr
 
 
 def _spec(**params) -> TokenizerSpec:

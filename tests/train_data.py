@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 from conftest import REPO
 
-from ulysses_mm.data.manifest import Manifest
-from ulysses_mm.data.prepare import load_pipeline_config, prepare
+from ulysses_mm.shards.manifest import Manifest
+from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
 MOTIF = "ACGTTGCAAGTC"
 

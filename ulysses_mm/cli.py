@@ -11,8 +11,8 @@ import re
 import sys
 from collections.abc import Sequence
 
-from ulysses_mm.config import ConfigError, RunConfig, describe, load_config
-from ulysses_mm.errors import WorkerError
+from ulysses_mm.config import RunConfig, describe, load_config
+from ulysses_mm.core.errors import UserError
 
 
 def _overrides_help() -> str:
@@ -20,7 +20,7 @@ def _overrides_help() -> str:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from ulysses_mm.verify import VerifyOptions, run_verify
+    from ulysses_mm.tools.verify import VerifyOptions, run_verify
 
     shortcuts = [
         f"parallel.{k}={v}" for k in ("sp", "dp", "ring") if (v := getattr(args, k)) is not None
@@ -116,7 +116,7 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from ulysses_mm.demo import run_demo
+    from ulysses_mm.tools.demo import run_demo
 
     return run_demo(args.out, args.steps)
 
@@ -194,7 +194,7 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from ulysses_mm.train.report import plot
+    from ulysses_mm.tools.report import plot
 
     print(f"wrote {plot(args.run_dir, args.png)}")
     return 0
@@ -208,7 +208,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from ulysses_mm.data.prepare import PrepareError, load_pipeline_config, prepare
+    from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
     cfg = load_pipeline_config(args.pipeline, args.overrides)
     if args.print_config:
@@ -218,11 +218,7 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
         return 0
-    try:
-        prepare(cfg)
-    except PrepareError as e:
-        print(f"ulysses-mm prepare: {e}", file=sys.stderr)
-        return 1
+    prepare(cfg)
     return 0
 
 
@@ -256,17 +252,13 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import yaml
 
-    from ulysses_mm.data.inspect import run_inspect
+    from ulysses_mm.shards.inspect import run_inspect
 
     options = yaml.safe_load(args.storage_options) if args.storage_options else {}
     if not isinstance(options, dict):
         print("ulysses-mm inspect: --storage-options must be a mapping", file=sys.stderr)
         return 2
-    try:
-        return run_inspect(args.target, sample=args.sample, png=args.png, storage_options=options)
-    except (OSError, IndexError, KeyError) as e:
-        print(f"ulysses-mm inspect: {e}", file=sys.stderr)
-        return 1
+    return run_inspect(args.target, sample=args.sample, png=args.png, storage_options=options)
 
 
 def _add_inspect(sub: argparse._SubParsersAction) -> None:
@@ -303,12 +295,12 @@ def _add_inspect(sub: argparse._SubParsersAction) -> None:
 
 def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     def run_fit(args: argparse.Namespace) -> int:
-        from ulysses_mm.modalities.fit import cli_fit
+        from ulysses_mm.tokenize.fit import cli_fit
 
         return cli_fit(args)
 
     def run_eval(args: argparse.Namespace) -> int:
-        from ulysses_mm.modalities.evaluate import cli_eval
+        from ulysses_mm.tokenize.evaluate import cli_eval
 
         return cli_eval(args)
 
@@ -412,7 +404,7 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
-    from ulysses_mm.estimate import run_cli
+    from ulysses_mm.tools.estimate import run_cli
 
     return run_cli(args)
 
@@ -489,7 +481,7 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         choices=["cuda", "cpu"],
         default="cuda",
         help="cuda (default), or cpu: the tensor memory of CPU processes (gloo), as "
-        "ulysses_mm.measure measures it",
+        "ulysses_mm.tools.measure measures it",
     )
     p.add_argument("--phases", action="store_true", help="also list every phase's figure")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
@@ -561,15 +553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args))
-    except ConfigError as e:
-        print(f"ulysses-mm {args.command}: config error: {e}", file=sys.stderr)
-        return 2
-    except (ValueError, FileNotFoundError) as e:
-        print(f"ulysses-mm {args.command}: {e}", file=sys.stderr)
-        return 2
-    except WorkerError as e:  # one line naming the rank; its traceback is in a log file
-        print(f"ulysses-mm {args.command}: {e}", file=sys.stderr)
-        return 1
+    except UserError as e:  # what the user can fix: one line; anything else keeps its traceback
+        print(f"ulysses-mm {args.command}: {e.prefix}{e}", file=sys.stderr)
+        return e.exit_code
 
 
 if __name__ == "__main__":

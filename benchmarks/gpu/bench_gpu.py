@@ -114,8 +114,8 @@ def sweep_worker(
     import torch.distributed as dist
 
     from ulysses_mm.config import RunConfig, from_dict
-    from ulysses_mm.measure import StepRunner
-    from ulysses_mm.runtime import open_world
+    from ulysses_mm.parallel.mesh import open_world
+    from ulysses_mm.tools.measure import StepRunner
     from ulysses_mm.train.metrics import peak_tflops
 
     cfg = from_dict(RunConfig, cfg_dict)
@@ -187,7 +187,7 @@ def _pow2_lengths(lo: int, hi: int, granule: int) -> list[int]:
 
 def make_plan(args: argparse.Namespace, n_gpus: int, gpu_mem_gib: float | None) -> dict:
     from ulysses_mm.config import RunConfig, load_config
-    from ulysses_mm.estimate import max_seq_len
+    from ulysses_mm.tools.estimate import max_seq_len
 
     base = load_config(RunConfig, args.config, args.overrides)
     heads = base.model.num_attention_heads
@@ -229,7 +229,7 @@ def make_plan(args: argparse.Namespace, n_gpus: int, gpu_mem_gib: float | None) 
 
 
 def _estimates(cfg: Any, n: int, sp: int, device: str, gpu_mem_gib: float | None) -> dict:
-    from ulysses_mm.estimate import estimate
+    from ulysses_mm.tools.estimate import estimate
 
     e = estimate(cfg, n, gpus=sp, sp=sp, device=device, gpu_mem_gib=gpu_mem_gib)
     return {"est_peak": e.peak, "est_total": e.total, "est_fits": e.fits}

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ulysses_mm.data.format import IGNORE
-from ulysses_mm.model.offload import tiles
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.core.format import IGNORE
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.model.tiling import tiles
 
 
 class ModalityHeads(nn.Module):

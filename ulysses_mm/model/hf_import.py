@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from ulysses_mm.config import ModelConfig
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.core.errors import DataError
+from ulysses_mm.core.tokenspace import TokenSpace
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 # ModelConfig fields an init_from checkpoint fixes, in the order they are compared
@@ -41,7 +42,7 @@ ARCH_FIELDS = (
 )
 
 
-class InitFromError(ValueError):
+class InitFromError(DataError):
     """A checkpoint that cannot start this run; ``str(e)`` is one line naming the directory."""
 
 

@@ -21,10 +21,11 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ulysses_mm.config import ModelConfig
+from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.heads import ModalityHeads
-from ulysses_mm.model.offload import offloaded_layers, tile_map
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.model.offload import offloaded_layers
+from ulysses_mm.model.tiling import tile_map
 
 
 class RMSNorm(nn.Module):

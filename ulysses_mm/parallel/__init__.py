@@ -4,7 +4,8 @@ imports from here; :func:`apply_ulysses` is applied to a built model."""
 from ulysses_mm.parallel.comm import CommStats, Workspace
 from ulysses_mm.parallel.loss import LossReport, global_loss, loss_weights
 from ulysses_mm.parallel.mesh import Mesh, init_distributed
-from ulysses_mm.parallel.ring import RingAttention, unmasked_pairs, zigzag_order
+from ulysses_mm.parallel.ring import RingAttention
+from ulysses_mm.parallel.slice import sp_slice, unmasked_pairs, zigzag_order
 from ulysses_mm.parallel.ulysses import UlyssesAttention, apply_ulysses
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "global_loss",
     "init_distributed",
     "loss_weights",
+    "sp_slice",
     "unmasked_pairs",
     "zigzag_order",
 ]

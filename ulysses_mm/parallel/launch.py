@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ulysses_mm.errors import WorkerError
+from ulysses_mm.core.errors import WorkerError
 from ulysses_mm.parallel.mesh import in_launched_world
 
 

@@ -1,4 +1,5 @@
-"""The process layout: one explicit value with named axes ``dp`` and ``sp``.
+"""The process layout: one explicit value with named axes ``dp`` and ``sp``, and the
+:class:`World` (the mesh, the device, the backend) that :func:`open_world` joins.
 
 world = dp × sp with sp innermost: global rank = dp_rank · sp + sp_rank, so the ranks of an
 SP group are consecutive (on GPUs they share a node and the all-to-all stays on NVLink).
@@ -12,14 +13,18 @@ of R ranks at stride U. At R = 1 the Ulysses group is the SP group and there is 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from ulysses_mm.layout import check_layout
+from ulysses_mm.core.layout import check_layout
+
+if TYPE_CHECKING:
+    from ulysses_mm.config import RunConfig
 
 
 @dataclass(frozen=True)
@@ -199,3 +204,60 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
 
 def in_launched_world() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the run: the mesh, its device and the backend."""
+
+    mesh: Mesh
+    device: torch.device
+    backend: str  # the torch.distributed backend ("none" for a lone process)
+
+
+def _single_process_env() -> None:
+    """DeepSpeed needs a process group even for one process; describe a one-rank world on
+    a free loopback port (it would otherwise go looking for MPI)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+
+
+def _group_env() -> None:
+    """A process group made by hand (tests' spawner) describes itself to DeepSpeed, which
+    reads RANK, LOCAL_RANK and WORLD_SIZE, as a launcher would have set them."""
+    rank = str(dist.get_rank())
+    os.environ.setdefault("RANK", rank)
+    os.environ.setdefault("LOCAL_RANK", rank)
+    os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
+
+
+def open_world(cfg: RunConfig, engine: bool = True, device: str | None = None) -> World:
+    """Join the launched world (or the process group already made), build the mesh of
+    ``parallel.sp`` × ``parallel.dp`` and pick the device: this rank's GPU under NCCL,
+    else the CPU (``device`` overrides). ``engine``: also initialise DeepSpeed's
+    communication (a lone process then gets a one-rank group, which DeepSpeed needs)."""
+    backend = default_backend(cfg.parallel.backend)
+    if dist.is_initialized():
+        backend = str(dist.get_backend())
+        _group_env()
+    elif in_launched_world():
+        init_distributed(backend, cfg.parallel.timeout_s)
+    elif engine:
+        _single_process_env()
+        init_distributed(backend, cfg.parallel.timeout_s)
+    if engine:
+        import deepspeed
+
+        deepspeed.init_distributed(backend, verbose=False)
+    mesh = Mesh.build(cfg.parallel.sp, cfg.parallel.dp, cfg.parallel.ring)
+    if device is None:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        device = f"cuda:{local}" if backend == "nccl" else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return World(mesh, dev, backend if dist.is_initialized() else "none")

@@ -1,15 +1,8 @@
 """Ring attention over packed documents, the R axis of hybrid Ulysses × ring.
 
-Layout (document zigzag, for causal load balance): every document of a packed sample is
-cut into 2R consecutive slots (sizes differing by at most one; the remainders of
-successive documents go round the slots, so each slot of the sample holds exactly N/2R
-tokens); ring rank j holds slots j and 2R−1−j of every document, in global order
-(:func:`ring_order`). With one document this is the classic zigzag of chunks j and
-2R−1−j; with packed documents each rank still does its 1/R of every document's causal
-work. Inside a Ulysses group of U ranks the N/R tokens of its ring rank are split
-contiguously: SP rank ``j·U + u`` holds ``ring_order(...)[:, (j·U+u)·N/sp : ...]`` (see
-:func:`ulysses_mm.data.batch.sp_slice`); after the Ulysses all-to-all, ring rank j sees
-its N/R tokens on H/U heads. At R = 1 the order is the identity.
+Layout: every rank keeps its tokens in the document zigzag of
+:func:`ulysses_mm.parallel.slice.ring_order` (causal load balance); after the Ulysses
+all-to-all, ring rank j sees its N/R tokens on H/U heads.
 
 Forward: each ring rank computes attention of its queries against its own K/V block, then
 R−1 times receives the previous rank's block (the next one already in flight while the
@@ -46,80 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ulysses_mm.model.attention import FLASH_MAX_DOCS, DocumentMask, resolve_kernel
-
-
-def _doc_spans(run_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(per token of ``run_ids`` [b, N]: its document's index over the flattened batch and
-    its document's global start in its row, both [b, N]; each document's length [docs])."""
-    b, n = run_ids.shape
-    flat = (run_ids.long() + torch.arange(b, device=run_ids.device)[:, None] * (n + 1)).flatten()
-    _, inverse, lengths = torch.unique_consecutive(flat, return_inverse=True, return_counts=True)
-    starts = torch.cumsum(lengths, 0) - lengths  # flat start of each document
-    row_start = (torch.arange(b, device=run_ids.device) * n)[:, None]
-    doc = inverse.view(b, n)
-    return doc, starts[doc] - row_start, lengths
-
-
-def ring_order(run_ids: Tensor, ring: int) -> Tensor:
-    """[b, N] permutation of each row whose consecutive N/R pieces are the ring ranks'
-    tokens (document zigzag, see the module docstring); needs N % 2R == 0."""
-    b, n = run_ids.shape
-    if ring == 1:
-        return torch.arange(n, device=run_ids.device).expand(b, n).clone()
-    return _document_zigzag(_doc_spans(run_ids), ring)
-
-
-def _document_zigzag(spans: tuple[Tensor, Tensor, Tensor], ring: int) -> Tensor:
-    """:func:`ring_order` (R > 1) from :func:`_doc_spans`' output."""
-    doc, start, d_len = spans
-    b, n = doc.shape
-    pos = torch.arange(n, device=doc.device).expand(b, n)
-    s = 2 * ring
-    if n % s:
-        raise ValueError(f"ring={ring} needs a sequence divisible by {s}, got {n}")
-    # per document: base slot size and the remainder's first slot (remainders go round)
-    rem = d_len % s
-    c = (torch.cumsum(rem, 0) - rem) % s
-    base = d_len // s
-    offset = pos - start
-    slot = torch.zeros_like(offset)
-    for k in range(1, s):
-        # slot boundary k: k·base + how many of the rem extra tokens fall in slots < k
-        wrap = torch.clamp(torch.clamp(c + rem - s, max=k), min=0)
-        extra = torch.clamp(torch.clamp(c + rem, max=k) - c, min=0)
-        bound = k * base + extra + wrap
-        slot += offset >= bound[doc]
-    group = torch.minimum(slot, s - 1 - slot)
-    return torch.argsort(group * n + pos, dim=1)
-
-
-def zigzag_order(seq_len: int, ring: int) -> Tensor:
-    """:func:`ring_order` of one document filling the sequence: ring rank j's tokens are
-    chunks j and 2R−1−j of 2R."""
-    return ring_order(torch.zeros(1, seq_len, dtype=torch.long), ring)[0]
-
-
-def _allowed(q_idx: Tensor, q_run: Tensor, k_idx: Tensor, k_run: Tensor) -> Tensor:
-    """[b, nq, nk] boolean: same document and key not in the future (idx, run: [b, n])."""
-    causal = k_idx[:, None, :] <= q_idx[:, :, None]
-    return causal & (q_run[:, :, None] == k_run[:, None, :])
-
-
-def unmasked_pairs(doc_ids: Tensor, ring: int, contiguous: bool = False) -> list[int]:
-    """Per ring rank, the query-key pairs its attention computes (causal, document-masked)
-    over ``doc_ids`` [b, N]: the work each rank of the ring does. ``contiguous`` counts
-    the plain N/R split instead of the ring layout (to show the imbalance it removes)."""
-    runs = DocumentMask(doc_ids).run_ids
-    b, n = runs.shape
-    order = (
-        torch.arange(n, device=runs.device).expand(b, n) if contiguous else ring_order(runs, ring)
-    )
-    every = torch.arange(n, device=runs.device).expand(b, n)
-    counts = []
-    for j in range(ring):
-        idx = order[:, j * n // ring : (j + 1) * n // ring]
-        counts.append(int(_allowed(idx, runs.gather(1, idx), every, runs).sum()))
-    return counts
+from ulysses_mm.parallel.slice import doc_spans, document_zigzag, ring_order
 
 
 @dataclass
@@ -274,9 +194,9 @@ class RingPlan:
         if key not in mask._cache:
             runs = mask.run_ids
             n = mask.seq_len // ring
-            spans = _doc_spans(runs)
+            spans = doc_spans(runs)
             start = spans[1]
-            order = _document_zigzag(spans, ring) if ring > 1 else ring_order(runs, 1)
+            order = document_zigzag(spans, ring) if ring > 1 else ring_order(runs, 1)
             idx = [order[:, j * n : (j + 1) * n].contiguous() for j in range(ring)]
             mask._cache[key] = cls(idx, [start.gather(1, i) for i in idx])
         plan: RingPlan = mask._cache[key]

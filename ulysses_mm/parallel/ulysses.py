@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ulysses_mm.layout import check_layout, expanded_kv_heads, valid_sp_sizes
+from ulysses_mm.core.layout import check_layout, expanded_kv_heads, valid_sp_sizes
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.llama import Attention, DecoderLayer, MultimodalLM
 from ulysses_mm.parallel.comm import CommStats, Exchange, Workspace, gather_heads, scatter_heads

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ulysses_mm.storage import atomic_write_local
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.core.storage import atomic_write_local
+from ulysses_mm.core.tokenspace import TokenSpace
 
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ulysses_mm.config import ModelConfig, RunConfig, from_dict, read_yaml
-from ulysses_mm.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
 from ulysses_mm.train.checkpoint import CONFIG_FILE, MODEL_FILE, SPACE_FILE, read_checkpoint_dir
 
 

@@ -21,18 +21,17 @@ import torch
 import torch.distributed as dist
 
 from ulysses_mm.config import RunConfig, from_dict, to_dict
-from ulysses_mm.data.batch import Batch, make_batch
-from ulysses_mm.data.cache import NodeCache
-from ulysses_mm.data.manifest import Manifest
-from ulysses_mm.data.mixing import modality_pools
-from ulysses_mm.data.stream import ShardStream
-from ulysses_mm.layout import check_layout
+from ulysses_mm.core.layout import check_layout
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.loader.batch import Batch, make_batch
+from ulysses_mm.loader.mixing import modality_pools
+from ulysses_mm.loader.node_cache import NodeCache
+from ulysses_mm.loader.stream import ShardStream
 from ulysses_mm.model.attention import check_kernel_config
 from ulysses_mm.model.hf_import import check_init_from
 from ulysses_mm.parallel import Mesh
-from ulysses_mm.parallel.mesh import in_launched_world
-from ulysses_mm.runtime import build_runtime, loss_of, open_world, train_step
-from ulysses_mm.tokenspace import TokenSpace
+from ulysses_mm.parallel.mesh import in_launched_world, open_world
+from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.train import checkpoint
 from ulysses_mm.train.engine import ds_config
 from ulysses_mm.train.metrics import (
@@ -42,6 +41,7 @@ from ulysses_mm.train.metrics import (
     peak_tflops,
     train_flops,
 )
+from ulysses_mm.train.step import build_setup, forward_loss, train_step
 
 LN2 = math.log(2.0)
 
@@ -213,7 +213,7 @@ class Trainer:
         )
         d = cfg.data
         self.cache = NodeCache(d.cache_dir, d.cache_bytes) if d.cache_dir else None
-        self.rt = build_runtime(cfg, self.space, self.world)
+        self.rt = build_setup(cfg, self.space, self.world)
         self.engine, self.optimizer, self.model = self.rt.engine, self.rt.optimizer, self.rt.model
         self.weights = self.rt.weights
         self.stream = self._stream(plan.stream_sources, cfg.data.seed, cfg.data.shuffle)
@@ -316,8 +316,8 @@ class Trainer:
         counts = {m: 0 for m in self.space.modalities}
         self.engine.eval()
         for _ in range(batches):
-            local = self.rt.local(self._batch(stream.next_batch()))
-            _, report = loss_of(self.engine, local, self.weights, self.mesh)
+            local = self.rt.slice_of(self._batch(stream.next_batch()))
+            _, report = forward_loss(self.engine, local, self.weights, self.mesh)
             for m, v in report.per_modality.items():
                 sums[m] += v * report.counts[m]
                 counts[m] += report.counts[m]

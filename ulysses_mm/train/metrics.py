@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from ulysses_mm.config import RunConfig
+from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.model import MultimodalLM
-from ulysses_mm.storage import atomic_write_local
 
 # Dense (no sparsity) peak TFLOP/s of known GPUs, by a pattern of the name
 # torch.cuda.get_device_name gives: (bf16/fp16 tensor cores, fp32). The first match wins,

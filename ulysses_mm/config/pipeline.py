@@ -1,0 +1,93 @@
+"""The pipeline schema (``pipelines/*.yaml``: raw files to shards, ``ulysses-mm prepare``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ulysses_mm.config.parse import ConfigError
+from ulysses_mm.config.parse import option as _help
+
+
+@dataclass
+class PackConfig:
+    """How token documents become fixed-length samples (ulysses_mm.shards.pack)."""
+
+    seq_len: int = _help(
+        "Tokens per packed sample N; long documents continue into the next sample.", 1 << 20
+    )
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1:
+            raise ConfigError(f"pack.seq_len must be >= 1, got {self.seq_len}")
+
+
+@dataclass
+class ShardConfig:
+    """WebDataset shard rollover (ulysses_mm.shards.writer)."""
+
+    max_bytes: int = _help(
+        "Start a new shard when the next sample would take the tar file past this size "
+        "(a single larger sample still gets a shard of its own).",
+        256 << 20,
+    )
+    max_samples: int = _help("Also start a new shard after this many samples (0 = no limit).", 0)
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 1:
+            raise ConfigError(f"shards.max_bytes must be >= 1, got {self.max_bytes}")
+        if self.max_samples < 0:
+            raise ConfigError(f"shards.max_samples must be >= 0, got {self.max_samples}")
+
+
+@dataclass
+class PipelineConfig:
+    """Raw files to shards (``pipelines/*.yaml``, run by ``ulysses-mm prepare``).
+
+    Relative paths (sources, tokenizers, output, staging) written in a pipeline file
+    resolve against that file's directory; relative paths given as command-line
+    overrides resolve against the current directory."""
+
+    name: str = _help("Dataset name, recorded in the manifest.", "")
+    sources: list[str] = _help(
+        "Input files: paths, globs (** allowed) or fsspec URLs/globs (s3://b/x/*.fa.gz).",
+        factory=list,
+    )
+    tokenizers: list[str] = _help(
+        "Tokenizer spec files (tokenizers/*.json), one per modality; their order is the "
+        "token space's modality order.",
+        factory=list,
+    )
+    suffixes: dict[str, list[str]] = _help(
+        "Extra file suffixes per modality (e.g. {dna: [.seq]}), tried before the built-in "
+        "table when routing an input to a tokenizer.",
+        factory=dict,
+    )
+    tokenizer_kinds: dict[str, str] = _help(
+        "Extra tokenizer kinds, kind -> 'module:Class', registered before the specs load "
+        "(for tokenizers that live outside ulysses_mm).",
+        factory=dict,
+    )
+    pack: PackConfig = _help("Packing.", factory=PackConfig)
+    shards: ShardConfig = _help("Shard rollover.", factory=ShardConfig)
+    output: str = _help(
+        "Dataset directory or fsspec URL (s3://bucket/prefix, memory://x): shards and "
+        "manifest.json go there.",
+        "",
+    )
+    storage_options: dict[str, Any] = _help(
+        "fsspec storage options for remote sources and output (never recorded).", factory=dict
+    )
+    staging: str = _help(
+        "Local staging directory (per-input token cache, shards before upload); '' = "
+        "OUTPUT.staging beside a local output, or a directory in the system temp dir named "
+        "after a remote output's URL.",
+        "",
+    )
+    keep_staging: bool = _help("Keep the staging directory after a successful run.", False)
+    workers: int = _help("Tokenizer worker processes (0 = one per CPU core).", 0)
+    progress: bool = _help("Show a progress bar (tqdm) on stderr.", True)
+
+    def __post_init__(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"workers must be >= 0, got {self.workers}")

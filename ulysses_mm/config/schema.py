@@ -1,0 +1,303 @@
+"""The run schema (``configs/*.yaml``: a training or verification run), one dataclass per
+section; each checks its own values in ``__post_init__``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ulysses_mm.config.parse import ConfigError
+from ulysses_mm.config.parse import option as _help
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder. The architecture fields map one-to-one onto
+    ``transformers.LlamaConfig`` (see :meth:`to_llama_config_kwargs`); ``qk_norm`` makes it
+    a Qwen3, ``attention_bias`` a Qwen2."""
+
+    hidden_size: int = _help("Model width D (LlamaConfig.hidden_size).", 64)
+    intermediate_size: int = _help("SwiGLU inner width (LlamaConfig.intermediate_size).", 172)
+    num_hidden_layers: int = _help("Decoder layers.", 2)
+    num_attention_heads: int = _help("Query heads H.", 4)
+    num_key_value_heads: int = _help("Key/value heads (GQA/MQA when < num_attention_heads).", 4)
+    head_dim: int | None = _help(
+        "Per-head width; defaults to hidden_size / num_attention_heads.", None
+    )
+    rms_norm_eps: float = _help("RMSNorm epsilon.", 1e-5)
+    rope_theta: float = _help("RoPE base frequency.", 10000.0)
+    max_position_embeddings: int = _help(
+        "Longest position id the model is meant for (positions restart per document).", 1 << 20
+    )
+    initializer_range: float = _help(
+        "Std of the normal init of linear and embedding weights.", 0.02
+    )
+    modalities: dict[str, int] = _help(
+        "Vocabulary size per modality, in token-space order. Empty: take it from the data "
+        "manifest at training time.",
+        factory=dict,
+    )
+    loss_weights: dict[str, float] = _help(
+        "Per-modality loss weight (missing modalities weigh 1.0). The total loss is the "
+        "weighted mean of the per-modality token-mean losses present in the global batch.",
+        factory=dict,
+    )
+    loss_tile_tokens: int = _help(
+        "Tokens per loss tile: [tile, vocab] logits are the most ever materialised.", 8192
+    )
+    mlp_tile_tokens: int = _help("Tokens per MLP tile (0 = no MLP tiling).", 0)
+    activation_checkpointing: bool = _help("Recompute each decoder layer in backward.", False)
+    qk_norm: bool = _help(
+        "RMSNorm of each query and key head before RoPE (Qwen3); export writes a Qwen3 model.",
+        False,
+    )
+    attention_bias: bool = _help(
+        "Biases on the q/k/v projections (Qwen2); export writes a Qwen2 model.", False
+    )
+    init_from: str = _help(
+        "A transformers Llama/Qwen2/Qwen3 checkpoint directory (safetensors) to start from: "
+        "its backbone loads as is, its embedding and LM-head rows go to the range of "
+        "model.text_modality ('' = random init). `ulysses-mm config --from-hf DIR` prints "
+        "the matching model section.",
+        "",
+    )
+    text_modality: str = _help(
+        "The modality whose id range takes the init_from checkpoint's vocabulary.", "text"
+    )
+    offload_checkpoints: bool = _help(
+        "Keep each checkpointed layer input in (pinned) host memory between forward and its "
+        "recompute (needs activation_checkpointing).",
+        False,
+    )
+    layer_tile_tokens: int = _help(
+        "Tokens per tile of everything token-wise in a decoder layer (norms, projections, "
+        "MLP, residual adds) and of the final norm, each tile recomputed in backward "
+        "(0 = no layer tiling).",
+        0,
+    )
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"model.hidden_size ({self.hidden_size}) is not divisible by "
+                    f"model.num_attention_heads ({self.num_attention_heads}); set model.head_dim"
+                )
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"model.num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"model.num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim ({self.head_dim}) must be even for RoPE")
+        for name, size in self.modalities.items():
+            if size < 1:
+                raise ConfigError(f"model.modalities.{name} must be >= 1, got {size}")
+        if self.loss_tile_tokens < 1:
+            raise ConfigError("model.loss_tile_tokens must be >= 1")
+        if self.mlp_tile_tokens < 0:
+            raise ConfigError("model.mlp_tile_tokens must be >= 0")
+        if self.layer_tile_tokens < 0:
+            raise ConfigError("model.layer_tile_tokens must be >= 0")
+        if self.offload_checkpoints and not self.activation_checkpointing:
+            raise ConfigError(
+                "model.offload_checkpoints needs model.activation_checkpointing=true "
+                "(it moves the checkpointed layer inputs to the host)"
+            )
+
+    def to_llama_config_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the equivalent ``transformers.LlamaConfig`` (backbone only)."""
+        return dict(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta,
+            max_position_embeddings=self.max_position_embeddings,
+            initializer_range=self.initializer_range,
+            hidden_act="silu",
+            attention_bias=False,
+            mlp_bias=False,
+            tie_word_embeddings=False,
+        )
+
+
+AttentionKernel = Literal["auto", "flash_varlen", "sdpa_varlen", "sdpa_dense", "flex"]
+
+
+@dataclass
+class ParallelConfig:
+    """How processes are laid out: world = dp × sp, sp innermost (ranks of one SP group
+    are consecutive, so on GPUs they share a node)."""
+
+    sp: int = _help("Sequence-parallel size P (Ulysses all-to-all group).", 1)
+    dp: int = _help("Data-parallel size D; 0 = world_size / sp.", 0)
+    ring: int = _help(
+        "Ring size R inside each SP group (hybrid Ulysses × ring): sp = U × R, Ulysses over "
+        "U = sp / R consecutive ranks, ring attention across the R groups; U must divide the "
+        "heads and 2·sp the sequence. 1 = pure Ulysses; R = sp = pure ring.",
+        1,
+    )
+    backend: Literal["auto", "gloo", "nccl"] = _help(
+        "torch.distributed backend; auto = nccl when every local rank has its own GPU, else gloo.",
+        "auto",
+    )
+    attention: AttentionKernel = _help(
+        "Local attention kernel run on H/P heads: auto = flash_varlen on a GPU in bf16/fp16 "
+        "when flash-attn loads, else sdpa_varlen; flash_varlen in fp32 is refused.",
+        "auto",
+    )
+    timeout_s: int = _help("Collective timeout in seconds (a hang becomes an error).", 600)
+
+    def __post_init__(self) -> None:
+        if self.sp < 1:
+            raise ConfigError(f"parallel.sp must be >= 1, got {self.sp}")
+        if self.dp < 0:
+            raise ConfigError(f"parallel.dp must be >= 0, got {self.dp}")
+        if self.ring < 1 or self.sp % self.ring:
+            raise ConfigError(
+                f"parallel.ring must be >= 1 and divide parallel.sp={self.sp}, got {self.ring}"
+            )
+
+
+@dataclass
+class TrainSource:
+    """One manifest of a mix given as a mapping: ``{weight: 1.0, modalities: {video: 0.5,
+    audio: 0.3, dna: 0.2}}``."""
+
+    weight: float = _help("The manifest's share of the samples (against the others').", 1.0)
+    modalities: dict[str, float] = _help(
+        "Weights of the modalities inside the manifest: each gets its weight's share of the "
+        "manifest's tokens (the samples a modality not named here dominates are left out; "
+        "{} = the manifest as it comes).",
+        factory=dict,
+    )
+
+
+@dataclass
+class DataConfig:
+    """Where training samples come from."""
+
+    train: str | dict[str, float | TrainSource] = _help(
+        "Manifest URL or path of the training shards (file, http(s), s3, gs), or several "
+        "as {manifest: weight}: each then gives its weight's share of the samples; "
+        "{manifest: {weight: w, modalities: {video: 0.5, audio: 0.5}}} also weights the "
+        "modalities inside a manifest by their share of its tokens.",
+        "",
+    )
+    eval: str = _help("Manifest URL or path of held-out shards ('' = no evaluation).", "")
+    seq_len: int = _help("Tokens per sample N; 0 = the manifest's seq_len.", 0)
+    micro_batch_size: int = _help("Samples per DP rank per micro-step.", 1)
+    seed: int = _help("Seed of the sample order (a function of seed, epoch, manifest).", 0)
+    shuffle: bool = _help("Shuffle shards and samples each epoch.", True)
+    shuffle_buffer: int = _help(
+        "Shuffle buffer: each sample moves by fewer than this many positions, which blends "
+        "the seams between shards (capped at half the smallest shard; 0 = off).",
+        16,
+    )
+    retries: int = _help("Attempts to open a shard URL before giving up.", 5)
+    retry_backoff_s: float = _help("First retry delay; doubled each attempt.", 0.5)
+    connect_timeout_s: float = _help("Seconds to wait for a storage server to connect.", 10.0)
+    read_timeout_s: float = _help(
+        "Seconds of silence from a storage server before a read is retried.", 60.0
+    )
+    prefetch_bytes: int = _help(
+        "Bytes of upcoming shards fetched on a background thread (0 = fetch in the step).",
+        1 << 30,
+    )
+    cache_dir: str = _help(
+        "Node-local directory the ranks of a node share, so each shard is downloaded once "
+        "per node ('' = no cache).",
+        "",
+    )
+    cache_bytes: int = _help(
+        "Most bytes cache_dir holds; least recently used shards are removed.", 64 << 30
+    )
+    storage_options: dict[str, Any] = _help(
+        "fsspec storage options (for example endpoint_url for an S3-API server).", factory=dict
+    )
+
+
+@dataclass
+class OptimizerConfig:
+    type: Literal["AdamW", "Adam", "SGD"] = _help("DeepSpeed optimizer type.", "AdamW")
+    lr: float = _help("Peak learning rate.", 3e-4)
+    betas: list[float] = _help("Adam betas.", factory=lambda: [0.9, 0.95])
+    eps: float = _help("Adam epsilon.", 1e-8)
+    weight_decay: float = _help("Decoupled weight decay.", 0.1)
+    torch_adam: bool = _help(
+        "Use torch's Adam inside DeepSpeed (no JIT-compiled C++/CUDA op).", True
+    )
+
+
+@dataclass
+class SchedulerConfig:
+    type: Literal["WarmupCosineLR", "WarmupLR", "none"] = _help(
+        "LR schedule: linear warm-up to the peak, then a cosine to min_lr_ratio "
+        "(WarmupCosineLR) or flat (WarmupLR); none = the optimizer's lr throughout.",
+        "WarmupCosineLR",
+    )
+    warmup_steps: int = _help(
+        "Linear warm-up steps W: step k <= W runs at lr·k/W, step W at the peak (0 = from step 1).",
+        10,
+    )
+    min_lr_ratio: float = _help("Final LR as a fraction of the peak (cosine).", 0.1)
+
+
+@dataclass
+class DeepSpeedConfig:
+    """The DeepSpeed engine. ``extra`` is merged last into the generated ds_config for
+    options this schema does not name."""
+
+    zero_stage: Literal[0, 1, 2, 3] = _help("ZeRO stage.", 0)
+    precision: Literal["fp32", "bf16", "fp16"] = _help("Training precision.", "fp32")
+    gradient_accumulation_steps: int = _help("Micro-steps per optimizer step.", 1)
+    gradient_clipping: float = _help("Clip the global grad norm to this (0 = off).", 1.0)
+    offload_optimizer: Literal["none", "cpu"] = _help("ZeRO optimizer-state offload.", "none")
+    offload_param: Literal["none", "cpu"] = _help("ZeRO-3 parameter offload.", "none")
+    optimizer: OptimizerConfig = _help("Optimizer.", factory=OptimizerConfig)
+    scheduler: SchedulerConfig = _help("LR schedule.", factory=SchedulerConfig)
+    extra: dict[str, Any] = _help("Raw ds_config entries merged last.", factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _help("Optimizer steps to run.", 100)
+    seed: int = _help("Seed of model initialisation.", 0)
+    out_dir: str = _help("Run directory: metrics, checkpoints, plots.", "runs/debug")
+    log_every: int = _help("Log metrics every K steps.", 1)
+    eval_every: int = _help("Evaluate every K steps (0 = never).", 0)
+    eval_batches: int = _help("Micro-batches per evaluation.", 4)
+    checkpoint_every: int = _help("Save a checkpoint every K steps (0 = only at the end).", 0)
+    keep_checkpoints: int = _help("Checkpoints kept on disk (oldest removed first; 0 = all).", 3)
+    peak_tflops: float = _help(
+        "Peak device TFLOP/s for the MFU estimate (0 = the figure of a known GPU at "
+        "deepspeed.precision; no MFU is logged on other devices).",
+        0.0,
+    )
+
+
+@dataclass
+class LoggingConfig:
+    wandb: Literal["auto", "online", "offline", "disabled"] = _help(
+        "W&B mode; auto = online when an API key is set, else offline.", "auto"
+    )
+    project: str = _help("W&B project.", "ulysses-mm")
+    run_name: str = _help("W&B run name ('' = generated).", "")
+    jsonl: bool = _help("Also append every logged step to RUN_DIR/metrics.jsonl.", True)
+
+
+@dataclass
+class RunConfig:
+    """A training or verification run (``configs/*.yaml``)."""
+
+    model: ModelConfig = _help("Backbone and heads.", factory=ModelConfig)
+    parallel: ParallelConfig = _help("Process layout.", factory=ParallelConfig)
+    data: DataConfig = _help("Training data.", factory=DataConfig)
+    deepspeed: DeepSpeedConfig = _help("DeepSpeed engine.", factory=DeepSpeedConfig)
+    train: TrainConfig = _help("Loop, checkpoints, evaluation.", factory=TrainConfig)
+    logging: LoggingConfig = _help("Metrics sinks.", factory=LoggingConfig)

@@ -1,0 +1,121 @@
+"""Which process layouts work: the one check of (sequence length, heads, kv heads, sp, dp,
+world) that every caller uses — the parent before it starts processes, the mesh, Ulysses
+attention, the loader's slice and the estimate — so that a refused layout reads the same
+everywhere and lists the sp sizes that would work.
+
+Ulysses needs sp to divide the query heads (each rank runs attention on hq/sp of them) and
+the sequence (each rank holds N/sp tokens); the world is dp × sp. Key/value heads never
+limit sp: with fewer than sp (or a count sp does not divide) they are replicated to
+lcm(hk, sp), which divides hq whenever sp and hk both do (see :mod:`ulysses_mm.parallel.ulysses`).
+
+Hybrid Ulysses × ring (``ring`` = R > 1, :mod:`ulysses_mm.parallel.ring`): sp = U × R with
+U = sp / R Ulysses ranks; only U must divide the heads, and the sequence is cut into 2·sp
+pieces (2R zigzag chunks, each split over U), so sp is no longer bounded by the heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ulysses_mm.core.errors import UserError
+
+
+class LayoutError(UserError, ValueError):
+    """A process layout that cannot run; the message says what would."""
+
+
+def valid_sp_sizes(
+    num_heads: int | None = None,
+    seq_len: int | None = None,
+    world: int | None = None,
+    limit: int = 1024,
+    ring: int = 1,
+) -> list[int]:
+    """The sp sizes that divide every constraint given (heads, sequence, world); with a
+    ring R > 1, the sp = U × R (U divides the heads, 2·sp divides the sequence)."""
+    if ring > 1:
+        bounds = [n for n in (seq_len, world) if n is not None] + [limit]
+        return [
+            p
+            for p in range(ring, max(1, min(bounds)) + 1, ring)
+            if (num_heads is None or num_heads % (p // ring) == 0)
+            and (seq_len is None or seq_len % (2 * p) == 0)
+            and (world is None or world % p == 0)
+        ]
+    bounds = [n for n in (num_heads, seq_len, world) if n is not None] + [limit]
+    return [
+        p
+        for p in range(1, max(1, min(bounds)) + 1)
+        if all(n is None or n % p == 0 for n in (num_heads, seq_len, world))
+    ]
+
+
+def expanded_kv_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
+    """kv heads after replication so that they split evenly over ``sp`` ranks."""
+    e = math.lcm(num_kv_heads, sp)
+    assert num_heads % e == 0, (num_heads, num_kv_heads, sp)
+    return e
+
+
+def check_layout(
+    sp: int,
+    *,
+    dp: int = 0,
+    world: int | None = None,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    seq_len: int | None = None,
+    ring: int = 1,
+) -> int:
+    """Refuse a layout that cannot run, in one line; return dp (0 = world / sp resolved
+    when the world is known). Only the facts given are checked. ``ring`` = R: sp = U × R,
+    U = sp / R must divide the heads and, when R > 1, 2·sp the sequence."""
+    if sp < 1:
+        raise LayoutError(f"sp must be >= 1, got {sp}")
+    if ring < 1:
+        raise LayoutError(f"ring must be >= 1, got {ring}")
+    if dp < 0:
+        raise LayoutError(f"dp must be >= 0, got {dp}")
+    if sp % ring:
+        raise LayoutError(
+            f"ring={ring} does not divide sp={sp}; sp = ulysses × ring, sp sizes that work: "
+            f"{valid_sp_sizes(num_heads, seq_len, world, ring=ring)}"
+        )
+    if num_heads is not None and num_kv_heads is not None and num_heads % num_kv_heads:
+        raise LayoutError(
+            f"the {num_heads} query heads are not a multiple of the {num_kv_heads} key/value heads"
+        )
+    u = sp // ring
+    what = []
+    if ring == 1:
+        if num_heads is not None and num_heads % sp:
+            what.append(f"the {num_heads} query heads")
+        if seq_len is not None and (seq_len < sp or seq_len % sp):
+            what.append(f"the sequence of {seq_len} tokens")
+        if world is not None and world % sp:
+            what.append(f"the world of {world} processes")
+        if what:
+            raise LayoutError(
+                f"sp={sp} does not divide {' and '.join(what)}; sp sizes that do: "
+                f"{valid_sp_sizes(num_heads, seq_len, world)}"
+            )
+    else:
+        if num_heads is not None and num_heads % u:
+            what.append(f"ulysses={u} (sp / ring) does not divide the {num_heads} query heads")
+        if seq_len is not None and seq_len % (2 * sp):
+            what.append(
+                f"2·sp={2 * sp} (2·ring zigzag chunks over ulysses={u}) does not divide the "
+                f"sequence of {seq_len} tokens"
+            )
+        if world is not None and world % sp:
+            what.append(f"sp={sp} does not divide the world of {world} processes")
+        if what:
+            raise LayoutError(
+                f"sp={sp} with ring={ring}: {' and '.join(what)}; sp sizes that work with "
+                f"ring={ring}: {valid_sp_sizes(num_heads, seq_len, world, ring=ring)}"
+            )
+    if world is not None:
+        dp = dp or world // sp
+        if dp * sp != world:
+            raise LayoutError(f"dp={dp} × sp={sp} = {dp * sp} but the world has {world} processes")
+    return dp

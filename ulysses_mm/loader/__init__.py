@@ -1,0 +1,1 @@
+"""Shards → batches for training: order, mixing, fetch ahead, node cache, stream, batch."""

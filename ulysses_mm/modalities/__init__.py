@@ -1,1 +1,0 @@
-"""Modality decoders and tokenizers (DNA, audio, video)."""

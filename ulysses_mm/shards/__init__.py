@@ -1,0 +1,1 @@
+"""Token documents → packed samples → WebDataset shards + manifest. Never imports torch."""

@@ -1,0 +1,101 @@
+"""The dataset side of ``prepare``: inputs' documents, taken in input order, packed into
+samples and written into shards, and every input recorded for the manifest.
+
+Workers finish in any order; :class:`InOrder` hands their results on in input order and
+:class:`Assembler` packs them in that order, so packing, document ids, shard boundaries and
+bytes are a function of the inputs and the config alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Generic, TypeVar
+
+import numpy as np
+
+from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY, PackedSample
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.shards.manifest import InputEntry
+from ulysses_mm.shards.pack import DocumentBlock, Packer
+from ulysses_mm.shards.prepare.route import Result, read_documents
+from ulysses_mm.shards.writer import ShardRecord, ShardWriter
+
+T = TypeVar("T")
+
+
+class InOrder(Generic[T]):
+    """Items by consecutive index 0, 1, 2, …, whatever order they are put in."""
+
+    def __init__(self) -> None:
+        self.next = 0
+        self._waiting: dict[int, T] = {}
+
+    def put(self, index: int, item: T) -> Iterator[T]:
+        """Take ``item``; yield every item now ready, in index order."""
+        self._waiting[index] = item
+        while self.next in self._waiting:
+            yield self._waiting.pop(self.next)
+            self.next += 1
+
+    def put_all(self, items: Iterable[tuple[int, T]]) -> Iterator[T]:
+        for index, item in items:
+            yield from self.put(index, item)
+
+
+class Assembler:
+    """Packs each ok input's documents and writes the samples; records every input."""
+
+    def __init__(self, space: TokenSpace, seq_len: int, writer: ShardWriter) -> None:
+        self.packer = Packer(seq_len, space.dtype())
+        self.writer = writer
+        self.entries: list[InputEntry] = []
+        self.tokens = 0  # real tokens of the ok inputs so far
+        self.counts = np.zeros(len(space.modalities), dtype=np.int64)  # per modality
+        self.modalities = space.modalities
+        # the token stream as runs of one modality: [modality index, tokens]
+        self._runs: list[list[int]] = []
+
+    @property
+    def any_ok(self) -> bool:
+        return any(e.status == "ok" for e in self.entries)
+
+    def add(self, result: Result) -> None:
+        """The next input in input order."""
+        o = result.outcome
+        if not o.ok:
+            self.entries.append(InputEntry(o.source, "skipped", reason=o.reason))
+            return
+        block = DocumentBlock(*read_documents(result.cache, o.documents, o.source))
+        self.entries.append(
+            InputEntry(
+                o.source,
+                "ok",
+                modality=o.modality,
+                documents=o.documents,
+                tokens=o.tokens,
+                first_doc_id=self.packer.next_doc,
+            )
+        )
+        self._write(self.packer.add(block))
+        self.tokens += o.tokens
+
+    @property
+    def modality_runs(self) -> list[tuple[str, int]]:
+        """The packed token stream as ``(modality, tokens)`` runs (for the manifest)."""
+        return [(self.modalities[m], t) for m, t in self._runs]
+
+    def finish(self) -> list[ShardRecord]:
+        """The padded last sample written, the last shard closed: every shard's record."""
+        self._write(self.packer.finish())
+        return self.writer.close()
+
+    def _write(self, samples: Iterator[PackedSample]) -> None:
+        for sample in samples:
+            seg = sample.segments
+            np.add.at(self.counts, seg[:, SEG_MODALITY], seg[:, SEG_LENGTH])
+            for m, n in zip(seg[:, SEG_MODALITY].tolist(), seg[:, SEG_LENGTH].tolist()):
+                if self._runs and self._runs[-1][0] == m:
+                    self._runs[-1][1] += n
+                else:
+                    self._runs.append([m, n])
+            self.writer.write(sample)

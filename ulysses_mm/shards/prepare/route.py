@@ -1,0 +1,259 @@
+"""What ``prepare`` does with each input: which tokenizer reads it, and what became of it.
+
+An input is routed by its file name to one of the pipeline's tokenizers (:func:`route`),
+then tokenized into a cache entry in the staging directory, named by a hash of (input
+path, size, mtime or ETag, tokenizer spec and artifact hashes, token space)::
+
+    STAGING/cache/KEY.npz    the documents: tokens (concatenated), lengths, modalities
+    STAGING/cache/KEY.json   the input's :class:`Outcome`, written after the .npz: the
+                             entry's commit mark
+
+A rerun finds committed entries and does not tokenize those inputs again
+(:func:`plan_inputs`). Every value here is numpy or plain Python: spawned workers import
+this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ulysses_mm.config import PipelineConfig
+from ulysses_mm.core import storage
+from ulysses_mm.core.errors import UserError
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.tokenize import registry
+from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
+
+CACHE_VERSION = 1
+
+
+class PrepareError(UserError, RuntimeError):
+    """The run cannot produce a dataset (every input failed, no inputs, bad spec ...)."""
+
+    exit_code = 1
+
+
+# ------------------------------------------------------------------------ routing
+
+
+def route(source: str, kinds: Mapping[str, str], extra: Mapping[str, Sequence[str]]) -> str | None:
+    """The modality whose tokenizer reads ``source``, by file name (None: unsupported).
+
+    ``kinds`` maps each of the pipeline's modalities to its tokenizer kind. Tried in
+    order, the first table listing an ending of the name for one of those modalities
+    wins: the pipeline's own ``extra`` (modality -> suffixes), then the suffixes each kind
+    is registered with, then the kinds' fallback suffixes (so a video container goes to
+    the video tokenizer when there is one, else to the audio tokenizer, for its sound
+    track)."""
+    name = source.rstrip("/").rsplit("/", 1)[-1].lower()
+    registered = {m: registry.kind(k) for m, k in kinds.items()}
+    tables: list[Mapping[str, Sequence[str]]] = [
+        extra,
+        {m: k.suffixes for m, k in registered.items()},
+        {m: k.fallback_suffixes for m, k in registered.items()},
+    ]
+    for table in tables:
+        for modality, suffixes in table.items():
+            if modality in kinds and any(name.endswith(s.lower()) for s in suffixes):
+                return modality
+    return None
+
+
+def load_specs(cfg: PipelineConfig) -> tuple[list[TokenizerSpec], TokenSpace]:
+    """The pipeline's tokenizer specs (each checked to load) and their token space."""
+    if not cfg.output:
+        raise PrepareError("no output: set output=DIR_OR_URL")
+    if not cfg.sources:
+        raise PrepareError("no sources: set sources=[PATH_OR_GLOB, ...]")
+    if not cfg.tokenizers:
+        raise PrepareError("no tokenizers: set tokenizers=[tokenizers/NAME.json, ...]")
+    for kind, target in cfg.tokenizer_kinds.items():
+        registry.register_kind(kind, target)
+    specs = []
+    for p in cfg.tokenizers:
+        try:
+            spec = TokenizerSpec.load(p)
+        except (OSError, ValueError) as e:
+            raise PrepareError(f"tokenizer spec {p}: {e}") from e
+        if spec.kind not in registry.kinds():
+            raise PrepareError(
+                f"tokenizer spec {p}: unknown kind {spec.kind!r}; known: {registry.kinds()}"
+            )
+        try:  # fail here, once, rather than once per input in the workers
+            registry.load_tokenizer(spec)
+        except Exception as e:
+            raise PrepareError(f"tokenizer spec {p}: cannot load: {type(e).__name__}: {e}") from e
+        specs.append(spec)
+    try:
+        space = build_token_space(specs)
+    except ValueError as e:
+        raise PrepareError(str(e)) from e
+    unknown = set(cfg.suffixes) - set(space.modalities)
+    if unknown:
+        raise PrepareError(
+            f"suffixes names modalities {sorted(unknown)} without a tokenizer "
+            f"(have {list(space.modalities)})"
+        )
+    return specs, space
+
+
+# ------------------------------------------------------------------------ outcomes
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one input: tokenized (``status == "ok"``) or skipped with a reason."""
+
+    source: str
+    status: str  # "ok" | "skipped"
+    modality: str = ""
+    reason: str = ""  # one line, for a skipped input
+    documents: int = 0
+    tokens: int = 0
+    cacheable: bool = True  # False: perhaps transient (network, memory); the next run retries
+    crashed: bool = False  # its worker process died
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def to_json(self) -> bytes:
+        return json.dumps(asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: str | bytes) -> Outcome:
+        raw = json.loads(data)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def skipped(source: str, reason: str, **kw: Any) -> Outcome:
+    return Outcome(source, "skipped", reason=reason, **kw)
+
+
+@dataclass(frozen=True)
+class Task:
+    """One input for a worker to tokenize into its cache entry."""
+
+    index: int  # position in the sorted input list
+    source: str
+    modality: str
+    cache: str  # cache entry stem: STEM.npz (documents) and STEM.json (outcome)
+    fetch_dir: str  # where a remote input is copied for decoding
+
+
+@dataclass(frozen=True)
+class Result:
+    """An input's outcome and the cache entry holding its documents (when ok)."""
+
+    outcome: Outcome
+    cache: str = ""
+    cached: bool = False  # found in the staging cache, not tokenized by this run
+
+
+@dataclass
+class Plan:
+    """Every input either known already (unsupported, unreadable, cached) or a task."""
+
+    known: dict[int, Result]  # by input index
+    tasks: list[Task]
+
+    @property
+    def reused(self) -> int:
+        return sum(1 for r in self.known.values() if r.cached)
+
+
+# ------------------------------------------------------------------- the staging cache
+
+
+def staging_dir(cfg: PipelineConfig) -> Path:
+    if cfg.staging:
+        return Path(cfg.staging)
+    if storage.is_local(cfg.output):
+        return Path(str(storage.local_path(cfg.output)).rstrip("/") + ".staging")
+    digest = hashlib.sha256(cfg.output.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"ulysses-mm-staging-{digest}"
+
+
+def cache_key(
+    source: str, modality: str, spec: TokenizerSpec, space: TokenSpace, so: Mapping[str, Any]
+) -> str:
+    ident = {
+        "v": CACHE_VERSION,
+        "source": source,
+        "input": storage.input_identity(source, so),
+        "modality": modality,
+        "spec": [spec.sha256, spec.artifact_sha256],
+        "space": space.to_dict(),
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:40]
+
+
+def write_documents(stem: str, tokens: np.ndarray, lengths: np.ndarray, mods: np.ndarray) -> None:
+    """The entry's documents, atomically (before its outcome commits it)."""
+    with storage.atomic_local_file(Path(stem + ".npz")) as f:
+        np.savez(f, tokens=tokens, lengths=lengths, modalities=mods)  # type: ignore[arg-type]
+
+
+def commit(stem: str, outcome: Outcome) -> None:
+    storage.atomic_write_local(Path(stem + ".json"), outcome.to_json())
+
+
+def read_documents(stem: str, n_docs: int, where: str) -> tuple[np.ndarray, ...]:
+    """(tokens, lengths, modalities) of a committed ok entry, checked against its outcome."""
+    with np.load(stem + ".npz", allow_pickle=False) as z:
+        arrays = z["tokens"], z["lengths"], z["modalities"]
+    if len(arrays[1]) != n_docs:
+        raise PrepareError(
+            f"cache entry of {where} holds {len(arrays[1])} documents, expected {n_docs}"
+        )
+    return arrays
+
+
+def plan_inputs(
+    cfg: PipelineConfig,
+    files: list[str],
+    specs: list[TokenizerSpec],
+    space: TokenSpace,
+    staging: Path,
+) -> Plan:
+    """Route every input; what is known already (unsupported, unreadable, or committed in
+    the cache), and a task for each of the rest."""
+    by_modality = {s.modality: s for s in specs}
+    kinds = {s.modality: s.kind for s in specs}
+    cache_dir = staging / "cache"
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    storage.remove_stale_temps(str(cache_dir))
+    plan = Plan({}, [])
+    for i, source in enumerate(files):
+        modality = route(source, kinds, cfg.suffixes)
+        if modality is None:
+            suffix = Path(source.rsplit("/", 1)[-1]).suffix or "(none)"
+            reason = (
+                f"unsupported file type {suffix}: no tokenizer for it in this pipeline "
+                f"(modalities {list(by_modality)})"
+            )
+            plan.known[i] = Result(skipped(source, reason))
+            continue
+        try:
+            key = cache_key(source, modality, by_modality[modality], space, cfg.storage_options)
+        except OSError as e:
+            plan.known[i] = Result(skipped(source, f"cannot stat: {e}"))
+            continue
+        stem = str(cache_dir / key)
+        if os.path.exists(stem + ".json"):
+            done = Outcome.from_json(Path(stem + ".json").read_bytes())
+            if not done.ok or os.path.exists(stem + ".npz"):
+                plan.known[i] = Result(done, stem, cached=True)
+                continue
+        plan.tasks.append(Task(i, source, modality, stem, str(staging / "fetch" / key)))
+    return plan

@@ -1,0 +1,1 @@
+"""Raw media → token documents: decoders and tokenizers per modality, fitted from specs."""

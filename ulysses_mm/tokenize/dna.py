@@ -1,0 +1,288 @@
+"""DNA: one token per base, from FASTA, FASTQ (wrapped records too) and GenBank, plain or gzip.
+
+Records are read with Biopython (``SimpleFastaParser``, ``FastqGeneralIterator``,
+``SeqIO.parse(…, "genbank")``); each record becomes one :class:`TokenDocument` keyed
+``f"{source}#{record id}"`` (the id is the header's first word; a repeated id gets ``~1``,
+``~2``…, an empty one ``record{index}``). The format is sniffed from the content (``>``,
+``@``, ``LOCUS``) and gzip from its magic bytes, never from the file name; the optional
+param ``format`` makes the sniffed format mandatory. Bases become ids through a 256-entry byte table applied
+with ``bytes.translate`` (C speed, no per-base Python), so throughput is bounded by
+gzip and the parser, not by tokenisation.
+
+Policies (spec ``params``), chosen explicitly so nothing is silently dropped:
+
+``case``     ``"keep"``: lowercase (soft-masked) bases are their own tokens a c g t n…;
+             ``"fold"``: lowercase is read as uppercase.
+``iupac``    ``"keep"``: the ambiguity codes R Y S W K M B D H V are their own tokens;
+             ``"to_n"``: each becomes N (n when lowercase and case is kept): an ambiguous
+             base is an unknown base.
+``invalid``  any other character (U, gaps ``-``/``.``, ``*``, digits, bytes > 127):
+             ``"error"``: DecodeError naming the record, the offset and the character;
+             ``"to_n"``: it becomes N.
+
+Vocabulary (local ids; ``vocab_size`` in the spec must equal its length)::
+
+    A C G T N [R Y S W K M B D H V]  [a c g t n [r y s w k m b d h v]]
+    0 1 2 3 4  5 ...               (iupac keep)   (case keep: the same letters, lowercase)
+
+so A C G T N are ids 0-4 under every policy. Decoding gives back exactly the input
+sequence under the policy: ``decode(encode(s)) == policy(s)``. GenBank ORIGIN blocks are
+case-insensitive by convention and Biopython reads them uppercase.
+
+``annotations`` (null, or ``{"spec": "<text spec>.json", "place": "document"|"prefix"}``):
+each record's header (FASTA/FASTQ: the whole title line; GenBank: id, description and
+the feature table, one feature a line) is also tokenized with that text tokenizer, as
+a text document just before the sequence's (``document``), or as a ``<|text|>`` run at
+the start of the sequence's own document, so the bases can attend to it (``prefix``).
+The text modality must then be in the token space too (a companion spec).
+"""
+
+from __future__ import annotations
+
+import gzip
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.tokenize.base import (
+    DecodeError,
+    DocumentFramer,
+    ParamSchema,
+    TokenDocument,
+    Tokenizer,
+    TokenizerSpec,
+    check_choice,
+    local_ids,
+    spec_params,
+)
+
+BASES = "ACGTN"
+AMBIGUITY = "RYSWKMBDHV"  # IUPAC nucleotide ambiguity codes besides N
+_INVALID = 255  # byte-table sentinel for a character the policy rejects
+
+_SCHEMA: ParamSchema = {
+    "case": ((str,), "keep"),
+    "iupac": ((str,), "to_n"),
+    "invalid": ((str,), "error"),
+    "format": ((str, type(None)), None),  # null: from the file name, else sniffed
+    "annotations": ((dict, type(None)), None),  # null, or {"spec": ..., "place": ...}
+}
+
+
+def alphabet(case: str, iupac: str) -> str:
+    """The letters of the local ids, in id order, for a policy."""
+    upper = BASES + (AMBIGUITY if iupac == "keep" else "")
+    return upper + (upper.lower() if case == "keep" else "")
+
+
+def translation_table(case: str, iupac: str, invalid: str) -> bytes:
+    """byte -> local id (``_INVALID`` where the policy rejects the byte), for bytes.translate."""
+    letters = alphabet(case, iupac)
+    table = bytearray([_INVALID] * 256)
+    if invalid == "to_n":
+        table = bytearray([letters.index("N")] * 256)
+    for ch in BASES + AMBIGUITY:
+        for c in (ch, ch.lower()):
+            target = c if case == "keep" else c.upper()
+            if target.upper() in AMBIGUITY and iupac == "to_n":
+                target = "n" if target.islower() else "N"
+            table[ord(c)] = letters.index(target)
+    return bytes(table)
+
+
+def sniff_format(path: str, head: str) -> str:
+    """fasta / fastq / genbank from the first non-blank line (the content decides, not the name)."""
+    first = next((ln for ln in head.splitlines() if ln.strip()), "")
+    if first.startswith(">"):
+        return "fasta"
+    if first.startswith("@"):
+        return "fastq"
+    if first.startswith("LOCUS"):
+        return "genbank"
+    what = "binary data" if "\x00" in head else f"text starting {first[:40]!r}"
+    raise DecodeError(f"{path}: not FASTA ('>'), FASTQ ('@') or GenBank ('LOCUS'): {what}")
+
+
+def open_text(path: str) -> IO[str]:
+    """Plain or gzip (by magic bytes, not by name), as latin-1 text: every byte is one
+    character, so a stray byte reaches the base table and is reported, not mis-decoded."""
+    with open(path, "rb") as f:
+        magic = f.read(2)
+    if magic == b"\x1f\x8b":
+        return gzip.open(path, "rt", encoding="latin-1", newline=None)
+    return open(path, encoding="latin-1", newline=None)
+
+
+def iter_records(path: str, fmt: str | None = None) -> Iterator[tuple[str, str]]:
+    """(record id, sequence) for every record of a FASTA/FASTQ/GenBank file (plain or gz).
+
+    The format is sniffed from the content; ``fmt`` (the spec's ``format``) must agree.
+    Parser and gzip failures become DecodeError with the parser's own reason."""
+    for rec_id, seq, _ in iter_annotated_records(path, fmt):
+        yield rec_id, seq
+
+
+def iter_annotated_records(path: str, fmt: str | None = None) -> Iterator[tuple[str, str, str]]:
+    """(record id, sequence, header text) for every record: see :func:`iter_records`."""
+    try:
+        with open_text(path) as handle:
+            head = handle.read(4096)
+            if not head.strip():
+                raise DecodeError(f"{path}: empty file (no sequence records)")
+            sniffed = sniff_format(path, head)
+            if fmt is not None and fmt != sniffed:
+                raise DecodeError(f"{path}: the spec says {fmt}, the file looks like {sniffed}")
+            fmt = sniffed
+            handle.seek(0)
+            yield from _parse(path, handle, fmt)
+    except (ValueError, EOFError, OSError, UnicodeError, AssertionError, zlib.error) as e:
+        # Biopython parse errors are ValueError/AssertionError; gzip gives EOFError
+        # (truncated) or BadGzipFile / zlib.error (OSError-like) for corrupt data.
+        text = str(e).strip()
+        reason = text.splitlines()[0] if text else type(e).__name__
+        raise DecodeError(f"{path}: cannot read as {fmt or 'a sequence file'}: {reason}") from None
+
+
+def genbank_text(rec: Any) -> str:
+    """A GenBank record's annotation as text: id and description, then one line per feature
+    (type, 1-based location, qualifiers)."""
+    lines = [f"{rec.id} {rec.description}".strip()]
+    for f in rec.features:
+        quals = " ".join(f"/{k}={v}" for k, vals in f.qualifiers.items() for v in vals)
+        lines.append(f"{f.type} {f.location} {quals}".rstrip())
+    return "\n".join(lines)
+
+
+def _parse(path: str, handle: IO[str], fmt: str) -> Iterator[tuple[str, str, str]]:
+    from Bio import SeqIO
+    from Bio.Seq import UndefinedSequenceError
+    from Bio.SeqIO.FastaIO import SimpleFastaParser
+    from Bio.SeqIO.QualityIO import FastqGeneralIterator
+
+    if fmt == "fasta":
+        for title, seq in SimpleFastaParser(handle):
+            yield title.split(None, 1)[0] if title.strip() else "", seq, title
+    elif fmt == "fastq":
+        for title, seq, _qual in FastqGeneralIterator(handle):
+            yield title.split(None, 1)[0] if title.strip() else "", seq, title
+    else:
+        for rec in SeqIO.parse(handle, "genbank"):
+            try:
+                seq = str(rec.seq)
+            except UndefinedSequenceError:
+                raise DecodeError(
+                    f"{path}#{rec.id}: GenBank record has no sequence data (empty or absent "
+                    "ORIGIN, e.g. a CONTIG-only record)"
+                ) from None
+            yield rec.id, seq, genbank_text(rec)
+
+
+class DnaTokenizer(Tokenizer):
+    """kind ``dna-base``: one token per base under the spec's case/IUPAC/invalid policy."""
+
+    def __init__(self, spec: TokenizerSpec) -> None:
+        super().__init__(spec)
+        p = spec_params(spec, _SCHEMA)
+        check_choice(spec, "case", p["case"], ("keep", "fold"))
+        check_choice(spec, "iupac", p["iupac"], ("keep", "to_n"))
+        check_choice(spec, "invalid", p["invalid"], ("error", "to_n"))
+        if p["format"] is not None:
+            check_choice(spec, "format", p["format"], ("fasta", "fastq", "genbank"))
+        self.params: dict[str, Any] = p
+        self.letters = alphabet(p["case"], p["iupac"])
+        if spec.vocab_size != len(self.letters):
+            raise ValueError(
+                f"{spec.path or spec.name}: vocab_size {spec.vocab_size} does not match the "
+                f"policy case={p['case']} iupac={p['iupac']}, which uses {len(self.letters)} "
+                f"ids ({self.letters})"
+            )
+        self.table = translation_table(p["case"], p["iupac"], p["invalid"])
+        self._letters_u8 = np.frombuffer(self.letters.encode("ascii"), dtype=np.uint8)
+        self.text: Any = None  # the annotations' TextTokenizer
+        self.place = "document"
+        if p["annotations"] is not None:
+            self.text, self.place = self._load_text(p["annotations"])
+
+    def _load_text(self, cfg: dict[str, Any]) -> tuple[Any, str]:
+        from ulysses_mm.tokenize.registry import load_tokenizer
+        from ulysses_mm.tokenize.text import TextTokenizer
+
+        where = self.spec.path or self.spec.name
+        place = cfg.get("place", "document")
+        if not set(cfg) <= {"spec", "place"} or not isinstance(cfg.get("spec"), str):
+            raise ValueError(
+                f"{where}: param 'annotations' must be "
+                '{"spec": "<text spec>.json", "place": "document" or "prefix"}'
+            )
+        check_choice(self.spec, "annotations.place", place, ("document", "prefix"))
+        path = Path(self.spec.path).parent / cfg["spec"] if self.spec.path else Path(cfg["spec"])
+        if not path.is_file():
+            raise ValueError(f"{where}: text spec {cfg['spec']} not found (looked at {path})")
+        text = load_tokenizer(path)
+        if not isinstance(text, TextTokenizer):
+            raise ValueError(f"{where}: {cfg['spec']} is not a text tokenizer spec")
+        return text, place
+
+    def companion_specs(self) -> list[TokenizerSpec]:
+        """The text spec of the annotations: its modality must be in the token space."""
+        return [] if self.text is None else [self.text.spec]
+
+    # ------------------------------------------------------------------ encode
+    def encode_sequence(self, seq: str | bytes, where: str = "sequence") -> np.ndarray:
+        """Bases -> local ids (uint8 [n]); DecodeError for a character the policy rejects."""
+        raw = seq.encode("latin-1") if isinstance(seq, str) else seq
+        ids = raw.translate(self.table)
+        bad = ids.find(_INVALID)
+        if bad >= 0:
+            ch = chr(raw[bad])
+            raise DecodeError(
+                f"{where}: character {ch!r} (byte 0x{raw[bad]:02x}) at base offset {bad} is not "
+                f"a nucleotide or IUPAC code (policy invalid=error)"
+            )
+        return np.frombuffer(ids, dtype=np.uint8)
+
+    def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
+        source = str(path)
+        frame = DocumentFramer(space, self.modality)  # KeyError now if the space lacks dna
+        if not Path(source).is_file():
+            raise DecodeError(f"{source}: no such file")
+        fmt = self.params["format"]
+        text_frame = None if self.text is None else DocumentFramer(space, self.text.modality)
+        seen: dict[str, int] = {}
+        n = 0
+        for rec_id, seq, header in iter_annotated_records(source, fmt):
+            rid = rec_id or f"record{n}"
+            k = seen.get(rid, 0)
+            seen[rid] = k + 1
+            key = f"{source}#{rid}" if k == 0 else f"{source}#{rid}~{k}"
+            ids = self.encode_sequence(seq, where=f"{source}#{rid}")
+            n += 1
+            tokens = frame(ids)
+            if text_frame is not None and header.strip():
+                words = text_frame(self.text.encode_text(header))  # <doc> <|text|> … </doc>
+                if self.place == "document":
+                    yield TokenDocument(source, key + "#header", self.text.modality, words)
+                else:  # <doc> <|text|> … <|dna|> bases </doc>
+                    tokens = np.concatenate([words[:-1], tokens[1:]])
+            yield TokenDocument(source, key, self.modality, tokens)
+        if n == 0:
+            raise DecodeError(f"{source}: no sequence records")
+
+    # ------------------------------------------------------------------ decode
+    def decode_local(self, ids: np.ndarray) -> str:
+        ids = np.asarray(ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(self.letters)):
+            raise ValueError(f"DNA local id out of range 0..{len(self.letters) - 1}")
+        return self._letters_u8[ids].tobytes().decode("ascii")
+
+    def decode(self, tokens: np.ndarray, space: TokenSpace) -> str:
+        """Unified ids (specials dropped) back to the sequence, as a str."""
+        return self.decode_local(local_ids(tokens, space, self.modality))
+
+    def normalise(self, seq: str) -> str:
+        """What ``decode(encode(seq))`` gives under this policy (DecodeError if rejected)."""
+        return self.decode_local(self.encode_sequence(seq))

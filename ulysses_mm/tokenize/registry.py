@@ -1,0 +1,90 @@
+"""From a tokenizer spec to a tokenizer: ``spec.kind`` names the implementation.
+
+Each kind is registered with the files it reads, by file-name ending: this is the one
+suffix table ``prepare`` routes inputs with (see :func:`ulysses_mm.shards.prepare.route.route`).
+Kept here, not in the tokenizer modules, so routing never imports a decoder.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ulysses_mm.tokenize.base import Tokenizer, TokenizerSpec
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A tokenizer implementation and the files it reads."""
+
+    target: str  # "module:Class", imported on first use (video needs decord/PyAV, DNA biopython)
+    # file-name endings it reads (lower case)
+    suffixes: tuple[str, ...] = ()
+    # endings it reads only where no tokenizer of the pipeline claims them in ``suffixes``:
+    # the audio tokenizer reads a video container's sound track when there is no video one
+    fallback_suffixes: tuple[str, ...] = ()
+
+
+_DNA = (".fa", ".fasta", ".fna", ".ffn", ".frn", ".fas", ".fastq", ".fq", ".gb", ".gbk", ".gbff")
+_VIDEO = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
+_AUDIO = (".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".aac")
+
+_KINDS: dict[str, Kind] = {
+    "dna-base": Kind("ulysses_mm.tokenize.dna:DnaTokenizer", _DNA + tuple(s + ".gz" for s in _DNA)),
+    "audio-mulaw": Kind(
+        "ulysses_mm.tokenize.audio:MulawTokenizer",
+        _AUDIO,
+        fallback_suffixes=(".mp4", ".webm", ".mkv", ".mov", ".m4v"),
+    ),
+    "audio-codec": Kind(
+        "ulysses_mm.tokenize.codec:CodecAudioTokenizer",
+        _AUDIO,
+        fallback_suffixes=(".mp4", ".webm", ".mkv", ".mov", ".m4v"),
+    ),
+    "video-vq": Kind("ulysses_mm.tokenize.video.vq:VqVideoTokenizer", _VIDEO),
+    "video-gsvq": Kind("ulysses_mm.tokenize.video.gainshape:GainShapeVideoTokenizer", _VIDEO),
+    "video-h264": Kind("ulysses_mm.tokenize.video.h264:H264VideoTokenizer", _VIDEO),
+    "text": Kind("ulysses_mm.tokenize.text:TextTokenizer", (".txt", ".jsonl")),
+}
+
+
+def register_kind(
+    kind: str,
+    target: str | type[Tokenizer],
+    suffixes: Sequence[str] = (),
+    fallback_suffixes: Sequence[str] = (),
+) -> None:
+    """Make ``kind`` resolvable; ``target`` is a Tokenizer class or "module:Class".
+
+    A kind registered without suffixes gets its inputs only through a pipeline's own
+    ``suffixes`` table."""
+    if not isinstance(target, str):
+        target = f"{target.__module__}:{target.__qualname__}"
+    _KINDS[kind] = Kind(
+        target,
+        tuple(s.lower() for s in suffixes),
+        tuple(s.lower() for s in fallback_suffixes),
+    )
+
+
+def kinds() -> list[str]:
+    return sorted(_KINDS)
+
+
+def kind(name: str) -> Kind:
+    """The registration of kind ``name``; ValueError naming the known kinds if none."""
+    if name not in _KINDS:
+        raise ValueError(f"unknown tokenizer kind {name!r}; known: {kinds()}")
+    return _KINDS[name]
+
+
+def load_tokenizer(spec: TokenizerSpec | str | Path) -> Tokenizer:
+    if not isinstance(spec, TokenizerSpec):
+        spec = TokenizerSpec.load(spec)
+    if spec.kind not in _KINDS:
+        raise ValueError(f"{spec.path}: unknown tokenizer kind {spec.kind!r}; known: {kinds()}")
+    module, _, name = _KINDS[spec.kind].target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    return cls(spec)

@@ -1,0 +1,1 @@
+"""Video tokenizers: frame sampling, the per-patch codebook and the H.264 packet kinds."""

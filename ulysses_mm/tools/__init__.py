@@ -1,0 +1,1 @@
+"""Commands around training: verify, measure, estimate, report, demo."""
