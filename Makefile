@@ -29,6 +29,7 @@ test: venv
 lint: venv
 	$(VENV)/bin/ruff check ulysses_mm tests benchmarks
 	$(VENV)/bin/ruff format --check ulysses_mm tests benchmarks
+	$(PY) -m ulysses_mm.tools.layers
 
 typecheck: venv
 	$(VENV)/bin/mypy

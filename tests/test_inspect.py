@@ -168,7 +168,7 @@ def test_cli_inspect(dataset, tmp_path, capsys):
     png = tmp_path / "cli.png"
     assert main(["inspect", str(out), "--sample", "1", "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert main(["inspect", str(out), "--sample", "99"]) == 1
+    assert main(["inspect", str(out), "--sample", "99"]) == 2  # a user error: one line, exit 2
     assert "sample 99 is not in this dataset" in capsys.readouterr().err
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)

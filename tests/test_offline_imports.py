@@ -1,5 +1,6 @@
-"""Offline and online data are two houses: what writes shards (prepare, packing, shards,
-manifest, inspect) imports neither torch nor the model; both read data/format.py."""
+"""Offline and online data are two houses: what writes shards (core, config, shards:
+prepare, packing, writer, reader, manifest, inspect) imports neither torch nor the model;
+both read core/format.py."""
 
 from __future__ import annotations
 
@@ -10,20 +11,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-OFFLINE = [
-    "ulysses_mm.core.storage",
-    "ulysses_mm.core.format",
-    "ulysses_mm.shards.pack",
-    "ulysses_mm.shards.writer",
-    "ulysses_mm.shards.manifest",
-    "ulysses_mm.shards.prepare.route",
-    "ulysses_mm.shards.prepare.pool",
-    "ulysses_mm.shards.prepare.publish",
-    "ulysses_mm.shards.prepare.assemble",
-    "ulysses_mm.shards.prepare.run",
-    "ulysses_mm.shards.inspect",  # matplotlib is imported only to draw
-    "ulysses_mm.tokenize.registry",
-]
+# Every module of the torch-free layers (found on disk, so a new one is checked too), and
+# the tokenizer registry prepare routes with.
+TORCH_FREE_LAYERS = ("core", "config", "shards")
+OFFLINE = sorted(
+    ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+    for layer in TORCH_FREE_LAYERS
+    for path in (REPO / "ulysses_mm" / layer).rglob("*.py")
+) + ["ulysses_mm.tokenize.registry"]
 
 _PROBE = """
 import importlib, sys
@@ -37,6 +32,7 @@ for name in sys.argv[1:]:
 
 
 def test_offline_data_code_never_imports_torch():
+    assert len(OFFLINE) > 20 and "ulysses_mm.shards.prepare.run" in OFFLINE
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, *OFFLINE],

@@ -23,7 +23,7 @@ from ulysses_mm.core import storage
 from ulysses_mm.shards.manifest import Manifest, read_verified_shard
 from ulysses_mm.shards.prepare.route import route
 from ulysses_mm.shards.prepare.run import PrepareError, load_pipeline_config, prepare
-from ulysses_mm.shards.writer import read_samples
+from ulysses_mm.shards.reader import read_samples
 from ulysses_mm.tokenize import registry
 from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
 
@@ -191,7 +191,7 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 60.0) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("trigger", ["cache", "shard"])
+@pytest.mark.parametrize("trigger", ["staged", "shard"])
 def test_killed_run_restarted_gives_identical_output(reference, tmp_path, trigger):
     """SIGKILL `ulysses-mm prepare` (and its workers) mid-run, run again: same bytes, no
     duplicate or lost document, no partial shard."""
@@ -201,10 +201,10 @@ def test_killed_run_restarted_gives_identical_output(reference, tmp_path, trigge
     # the reference's data, made slow; delay_s changes the spec hash in the manifest, so the
     # manifest is compared with an uninterrupted run of this very pipeline
     path = write_pipeline(tmp_path, str(out), delay_s=0.25, workers=1)
-    staging = tmp_path / "out.staging" / "cache"
+    staging = tmp_path / "out.staging" / "documents"
 
     def fired() -> bool:
-        if trigger == "cache":
+        if trigger == "staged":
             return staging.is_dir() and any(p.suffix == ".json" for p in staging.iterdir())
         return out.is_dir() and any(p.name.startswith("shard-") for p in out.iterdir())
 
@@ -225,7 +225,7 @@ def test_killed_run_restarted_gives_identical_output(reference, tmp_path, trigge
     assert not (out / "manifest.json").exists(), "the run finished before the kill"
 
     result = prepare(load_pipeline_config(path))
-    assert result.reused >= 1  # finished cache entries were kept
+    assert result.reused >= 1  # finished staged entries were kept
     expected = tmp_path / "expected"
     prepare(load_pipeline_config(path, [f"output={expected}", "workers=2"]))
     assert files_of(out) == files_of(expected)

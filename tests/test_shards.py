@@ -30,13 +30,8 @@ from ulysses_mm.shards.manifest import (
     verify_shard_bytes,
 )
 from ulysses_mm.shards.pack import DocumentBlock, pack
-from ulysses_mm.shards.writer import (
-    ShardRecord,
-    ShardWriter,
-    encode_sample,
-    iter_samples,
-    read_samples,
-)
+from ulysses_mm.shards.reader import iter_samples, read_samples
+from ulysses_mm.shards.writer import ShardRecord, ShardWriter, encode_sample
 
 SPACE = TokenSpace.from_vocab({"dna": 16, "audio": 256})
 

@@ -15,7 +15,7 @@ from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
 from ulysses_mm.shards.manifest import Manifest, read_verified_shard
 from ulysses_mm.shards.prepare.route import route
 from ulysses_mm.shards.prepare.run import prepare
-from ulysses_mm.shards.writer import read_samples
+from ulysses_mm.shards.reader import read_samples
 from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec, build_token_space
 from ulysses_mm.tokenize.registry import load_tokenizer
 

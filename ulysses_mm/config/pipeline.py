@@ -79,7 +79,7 @@ class PipelineConfig:
         "fsspec storage options for remote sources and output (never recorded).", factory=dict
     )
     staging: str = _help(
-        "Local staging directory (per-input token cache, shards before upload); '' = "
+        "Local staging directory (each input's tokenized documents, shards before upload); '' = "
         "OUTPUT.staging beside a local output, or a directory in the system temp dir named "
         "after a remote output's URL.",
         "",

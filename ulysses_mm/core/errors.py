@@ -36,6 +36,18 @@ class StorageError(UserError, OSError):
     retries); the message names it."""
 
 
+class NotFoundError(StorageError, FileNotFoundError):
+    """A file or directory the user named (or a run needs) does not exist."""
+
+
+class RangeError(UserError, IndexError):
+    """An index the user gave (a sample, a shard) is out of range."""
+
+
+class UnsupportedError(UserError, RuntimeError):
+    """What was asked for cannot run here (a kernel, a backend, a device, a launcher)."""
+
+
 class WorkerError(UserError, RuntimeError):
     """A rank failed; the message is one line naming the rank, the traceback is in the
     rank's log file."""

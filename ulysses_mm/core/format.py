@@ -74,7 +74,7 @@ def segments_to_ids(segments: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.
     for i, row in enumerate(seg):
         s, n = int(row[SEG_START]), int(row[SEG_LENGTH])
         if s < 0 or n < 0 or s + n > seq_len:
-            raise ValueError(
+            raise ShardFormatError(
                 f"segment {i} {row.tolist()} does not fit a sample of {seq_len} tokens"
             )
         doc[s : s + n] = i

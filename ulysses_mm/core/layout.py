@@ -10,7 +10,7 @@ lcm(hk, sp), which divides hq whenever sp and hk both do (see :mod:`ulysses_mm.p
 
 Hybrid Ulysses × ring (``ring`` = R > 1, :mod:`ulysses_mm.parallel.ring`): sp = U × R with
 U = sp / R Ulysses ranks; only U must divide the heads, and the sequence is cut into 2·sp
-pieces (2R zigzag chunks, each split over U), so sp is no longer bounded by the heads.
+pieces (2R zigzag chunks, each split over U), so sp is not bounded by the heads.
 """
 
 from __future__ import annotations

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from ulysses_mm.core.errors import DataError
+
 BASE_SPECIALS = ("<pad>", "<doc>", "</doc>", "<eof>")
 PAD, DOC_START, DOC_END, EOF = 0, 1, 2, 3
 
@@ -52,13 +54,13 @@ class TokenSpace:
     def from_vocab(cls, vocab: Mapping[str, int]) -> TokenSpace:
         """``{"dna": 16, "audio": 256}`` (ordered) to a token space."""
         if not vocab:
-            raise ValueError("a token space needs at least one modality")
+            raise DataError("a token space needs at least one modality")
         names = list(vocab)
         for name in names:
             if not name.isidentifier():
-                raise ValueError(f"modality name {name!r} must be an identifier")
+                raise DataError(f"modality name {name!r} must be an identifier")
             if vocab[name] < 1:
-                raise ValueError(
+                raise DataError(
                     f"modality {name!r} needs a vocabulary of at least 1, got {vocab[name]}"
                 )
         specials = BASE_SPECIALS + tuple(f"<|{n}|>" for n in names)
@@ -118,12 +120,12 @@ class TokenSpace:
         try:
             vocab = {m["name"]: int(m["size"]) for m in data["modalities"]}
         except (KeyError, TypeError) as e:
-            raise ValueError(f"malformed token space {json.dumps(data)[:200]}: {e}") from e
+            raise DataError(f"malformed token space {json.dumps(data)[:200]}: {e}") from e
         space = cls.from_vocab(vocab)
         if list(data.get("specials", space.specials)) != list(space.specials) or [
             (m["name"], m["start"], m["size"]) for m in data["modalities"]
         ] != [(r.name, r.start, r.size) for r in space.ranges]:
-            raise ValueError(
+            raise DataError(
                 f"token space {json.dumps(data)[:300]} is not the canonical layout of {vocab}"
             )
         return space

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ulysses_mm.core.errors import ConfigError, UnsupportedError
+
 KERNELS = ("flash_varlen", "sdpa_varlen", "sdpa_dense", "flex")
 
 # training precision (deepspeed.precision) -> the dtype attention sees
@@ -238,7 +240,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
     if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
-        raise RuntimeError(
+        raise UnsupportedError(
             "flex attention has no backward on CPU in this torch; use parallel.attention="
             "sdpa_varlen for training on CPU"
         )
@@ -284,7 +286,7 @@ def flash_attn_available() -> bool:
 def _flash_varlen(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
     fn = _flash_varlen_func()
     if fn is None:
-        raise RuntimeError("flash-attn does not load here; use parallel.attention=sdpa_varlen")
+        raise UnsupportedError("flash-attn does not load here; use parallel.attention=sdpa_varlen")
     b, s, h, d = q.shape
     # [b, s, h, d] -> [b*s, h, d]; documents are cu-delimited
     qf, kf, vf = (t.reshape(b * s, t.shape[2], d) for t in (q, k, v))
@@ -327,7 +329,7 @@ def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in PRECISION_DTYPES:
-        raise ValueError(
+        raise ConfigError(
             f"unknown precision {dtype!r}; choose one of {', '.join(PRECISION_DTYPES)}"
         )
     return PRECISION_DTYPES[dtype]
@@ -341,25 +343,25 @@ def choose_kernel(
     None: not known yet), where ``flash`` says whether flash-attn loads and a GPU is present.
 
     ``auto``: flash_varlen on CUDA in fp16/bf16 when flash-attn loads, else sdpa_varlen.
-    An explicit ``flash_varlen`` in fp32 is a config error (ValueError); where flash-attn or
-    a GPU is missing, a RuntimeError."""
+    An explicit ``flash_varlen`` in fp32 is a :class:`ConfigError`; where flash-attn or a
+    GPU is missing, an :class:`UnsupportedError`."""
     dt = _dtype(dtype)
     if requested == "auto":
         low = dt in FLASH_DTYPES
         return "flash_varlen" if device == "cuda" and flash and low else "sdpa_varlen"
     if requested not in KERNELS:
-        raise ValueError(
+        raise ConfigError(
             f"unknown attention kernel {requested!r}; choose one of auto, {', '.join(KERNELS)}"
         )
     if requested == "flash_varlen":
         if dt is not None and dt not in FLASH_DTYPES:
-            raise ValueError(
+            raise ConfigError(
                 "parallel.attention=flash_varlen needs deepspeed.precision bf16 or fp16 "
                 f"(flash-attn has no {str(dt).removeprefix('torch.')} kernel); use auto or "
                 "sdpa_varlen"
             )
         if not flash or device not in (None, "cuda"):
-            raise RuntimeError(
+            raise UnsupportedError(
                 "parallel.attention=flash_varlen needs flash-attn and a CUDA GPU "
                 "(pip install 'ulysses-mm[gpu]'); use auto or sdpa_varlen"
             )

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.format import IGNORE
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.model.tiling import tiles
@@ -69,7 +70,7 @@ class ModalityHeads(nn.Module):
         bad = (flat_mods >= 0) & ~self._in_vocab(flat_labels, flat_mods)
         if bool(bad.any()):
             i = int(torch.nonzero(bad)[0])
-            raise ValueError(
+            raise DataError(
                 f"target token {int(flat_labels[i])} is neither a special nor in the range of "
                 f"modality {self.space.modalities[int(flat_mods[i])]!r}"
             )

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from ulysses_mm.config import ModelConfig
+from ulysses_mm.core.errors import ConfigError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.heads import ModalityHeads
@@ -268,7 +269,7 @@ def build_model(
     """Build the model for ``cfg`` (token space from ``cfg.modalities`` unless given)."""
     if space is None:
         if not cfg.modalities:
-            raise ValueError("model.modalities is empty: give a token space (from a manifest)")
+            raise ConfigError("model.modalities is empty: give a token space (from a manifest)")
         space = TokenSpace.from_vocab(cfg.modalities)
     if seed is not None:
         torch.manual_seed(seed)

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ulysses_mm.core.errors import ConfigError
 from ulysses_mm.parallel.mesh import Mesh
 
 
@@ -32,7 +33,7 @@ class LossReport:
 def loss_weights(modalities: Sequence[str], weights: Mapping[str, float], device=None) -> Tensor:
     unknown = set(weights) - set(modalities)
     if unknown:
-        raise ValueError(
+        raise ConfigError(
             f"loss weights name modalities {sorted(unknown)} not in {list(modalities)}"
         )
     return torch.tensor([float(weights.get(m, 1.0)) for m in modalities], device=device)

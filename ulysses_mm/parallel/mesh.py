@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ulysses_mm.core.errors import ConfigError, UnsupportedError
 from ulysses_mm.core.layout import check_layout
 
 if TYPE_CHECKING:
@@ -145,17 +146,17 @@ def choose_backend(requested: str, device: str, cuda_devices: int, local_world_s
     only then, and never for ``device="cpu"``; anything else is gloo. An explicit choice
     that cannot run is refused here, in one line, instead of failing in set_device."""
     if requested not in ("auto", "gloo", "nccl"):
-        raise ValueError(f"unknown backend {requested!r}; choose auto, gloo or nccl")
+        raise ConfigError(f"unknown backend {requested!r}; choose auto, gloo or nccl")
     if device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"unknown device {device!r}; choose auto, cuda or cpu")
+        raise ConfigError(f"unknown device {device!r}; choose auto, cuda or cpu")
     enough = cuda_devices >= max(1, local_world_size)
     if device == "cuda" and not enough:
-        raise ValueError(
+        raise ConfigError(
             f"{local_world_size} local processes need {local_world_size} GPUs; "
             f"{cuda_devices} visible"
         )
     if requested == "nccl" and (device == "cpu" or not enough):
-        raise ValueError(
+        raise ConfigError(
             f"backend nccl needs a GPU per local process ({local_world_size} processes, "
             f"{cuda_devices} GPUs{', device cpu' if device == 'cpu' else ''}); use gloo or auto"
         )
@@ -187,7 +188,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
         k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
     ]
     if missing:
-        raise RuntimeError(
+        raise UnsupportedError(
             f"not inside a launched world ({', '.join(missing)} unset): start with torchrun, the "
             "DeepSpeed launcher or --nproc"
         )

@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ulysses_mm.core.layout import check_layout, expanded_kv_heads, valid_sp_sizes
+from ulysses_mm.core.layout import LayoutError, check_layout, expanded_kv_heads, valid_sp_sizes
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.llama import Attention, DecoderLayer, MultimodalLM
 from ulysses_mm.parallel.comm import CommStats, Exchange, Workspace, gather_heads, scatter_heads
@@ -73,7 +73,7 @@ class UlyssesAttention(nn.Module):
             )
         if mask.seq_len != n * self.sp * self.ring:
             works = valid_sp_sizes(self.num_heads, mask.seq_len)
-            raise ValueError(
+            raise LayoutError(
                 f"sequence of {mask.seq_len} tokens cannot be split evenly over "
                 f"sp={self.sp * self.ring} "
                 f"(this rank holds {n}); sp sizes that divide both the sequence and the "

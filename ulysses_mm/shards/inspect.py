@@ -25,6 +25,7 @@ from typing import Any, TextIO
 import numpy as np
 
 from ulysses_mm.core import storage
+from ulysses_mm.core.errors import RangeError
 from ulysses_mm.core.format import (
     SEG_LENGTH,
     SEG_MODALITY,
@@ -34,7 +35,7 @@ from ulysses_mm.core.format import (
 )
 from ulysses_mm.core.tokenspace import EOF, TokenSpace, token_modalities
 from ulysses_mm.shards.manifest import MANIFEST_NAME, Manifest, read_verified_shard
-from ulysses_mm.shards.writer import read_samples
+from ulysses_mm.shards.reader import read_samples
 from ulysses_mm.tokenize import registry
 from ulysses_mm.tokenize.base import Tokenizer, TokenizerSpec
 
@@ -86,7 +87,7 @@ def load_sample(
         where = f"{name} #{pos}"
     samples = read_samples(data, where)
     if not 0 <= pos < len(samples):
-        raise IndexError(f"{where}: the shard holds {len(samples)} samples")
+        raise RangeError(f"{where}: the shard holds {len(samples)} samples")
     return samples[pos], where
 
 

@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ulysses_mm.core import storage
-from ulysses_mm.core.errors import DataError, first_line
+from ulysses_mm.core.errors import DataError, RangeError, first_line
 from ulysses_mm.core.tokenspace import TokenSpace
 
 FORMAT = "ulysses-mm-shards"
@@ -146,7 +146,7 @@ class Manifest:
         for i, s in enumerate(self.shards):
             if s.first_sample <= index < s.first_sample + s.samples:
                 return i, index - s.first_sample
-        raise IndexError(f"sample {index} is not in this dataset ({self.num_samples} samples)")
+        raise RangeError(f"sample {index} is not in this dataset ({self.num_samples} samples)")
 
     @property
     def held_modalities(self) -> list[str]:

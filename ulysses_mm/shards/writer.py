@@ -6,7 +6,7 @@ One sample is two tar members under ``__key__ = f"{global_sample_index:09d}"``::
     000000042.tokens.npy     uint8|16|32 [N]   TokenSpace.dtype(), the smallest that holds it
 
 written in the tar layout of webdataset's ``TarWriter`` (so ``tar -tf`` and
-``webdataset.WebDataset`` read it), byte for byte, by the standard library's ``tarfile``
+``webdataset.WebDataset`` read it; :mod:`.reader` reads it back), byte for byte, by the standard library's ``tarfile``
 (webdataset itself imports torch) with every header field fixed (mtime 0, uid/gid 0,
 fixed user names) and the
 arrays serialised by ``numpy.lib.format`` without pickle, so the same samples always give
@@ -15,7 +15,7 @@ before the next sample would take one past ``max_bytes`` (or ``max_samples``).
 
 A shard is written to a temporary name and handed to a ``publish`` callback only when
 complete (the pipeline renames it into place or uploads it), with its size and sha256
-computed while writing. Readers decode ``.npy`` with ``allow_pickle=False``.
+computed while writing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import hashlib
 import io
 import os
 import tarfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -32,12 +32,9 @@ from typing import IO, Any
 import numpy as np
 
 from ulysses_mm.core.format import (
-    NUM_COLUMNS,
     SEGMENTS_KEY,
     TOKENS_KEY,
     PackedSample,
-    ShardFormatError,
-    load_npy,
 )
 from ulysses_mm.core.storage import temp_name
 
@@ -221,59 +218,3 @@ class ShardWriter:
         if self._tmp is not None:
             self._tmp.unlink(missing_ok=True)
         self._tar = self._hw = self._file = self._tmp = None
-
-
-# ------------------------------------------------------------------------ reading
-
-
-def iter_samples(fileobj: IO[bytes], where: str = "shard") -> Iterator[PackedSample]:
-    """Samples of one shard, in order, from a readable binary file object.
-
-    Checks each sample's members and array types; ``where`` names the shard in errors."""
-    try:
-        tar = tarfile.open(fileobj=fileobj, mode="r|")  # noqa: SIM115 (a stream over fileobj)
-    except tarfile.TarError as e:
-        raise ShardFormatError(f"{where}: not a tar file: {e}") from e
-    pending: dict[str, bytes] = {}
-    key: str | None = None
-    try:
-        for member in tar:
-            if not member.isfile():
-                continue
-            k, _, ext = member.name.partition(".")
-            if key is not None and k != key:
-                yield _decode(key, pending, where)
-                pending = {}
-            key = k
-            f = tar.extractfile(member)
-            assert f is not None
-            pending[ext] = f.read()
-    except tarfile.TarError as e:
-        raise ShardFormatError(f"{where}: truncated or corrupt tar: {e}") from e
-    if key is not None:
-        yield _decode(key, pending, where)
-
-
-def _decode(key: str, members: dict[str, bytes], where: str) -> PackedSample:
-    missing = {TOKENS_KEY, SEGMENTS_KEY} - set(members)
-    if missing:
-        raise ShardFormatError(f"{where}: sample {key} lacks {sorted(missing)}")
-    if not key.isdigit():
-        raise ShardFormatError(f"{where}: sample key {key!r} is not a sample index")
-    tokens = load_npy(members[TOKENS_KEY], f"{where}: {key}.{TOKENS_KEY}")
-    segments = load_npy(members[SEGMENTS_KEY], f"{where}: {key}.{SEGMENTS_KEY}")
-    if tokens.ndim != 1 or tokens.dtype.kind != "u":
-        raise ShardFormatError(
-            f"{where}: {key}.{TOKENS_KEY} is {tokens.dtype} {tokens.shape}, expected unsigned [N]"
-        )
-    if segments.dtype != np.int64 or segments.ndim != 2 or segments.shape[1] != NUM_COLUMNS:
-        raise ShardFormatError(
-            f"{where}: {key}.{SEGMENTS_KEY} is {segments.dtype} {segments.shape}, "
-            f"expected int64 [rows, {NUM_COLUMNS}]"
-        )
-    return PackedSample(int(key), tokens, segments)
-
-
-def read_samples(data: bytes, where: str = "shard") -> list[PackedSample]:
-    """Every sample of a shard held in memory."""
-    return list(iter_samples(io.BytesIO(data), where))

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 from ulysses_mm.config import RunConfig, load_config
+from ulysses_mm.core.errors import NotFoundError
 
 REPO = Path(__file__).resolve().parents[1]
 PIPELINE = REPO / "pipelines" / "mixed.yaml"
@@ -31,7 +32,7 @@ def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, npro
 
     for needed in (PIPELINE, CONFIG, REPO / "tests" / "data"):
         if not needed.exists():
-            raise FileNotFoundError(
+            raise NotFoundError(
                 f"the demo runs from a clone of the repository; {needed} is missing"
             )
     out_dir = Path(out).resolve()

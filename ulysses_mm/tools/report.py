@@ -14,13 +14,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ulysses_mm.core.errors import DataError, NotFoundError
+
 SMOOTHING = 0.9  # EMA factor of the smoothed total: about the last 10 steps count
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist (was logging.jsonl off?)")
+        raise NotFoundError(f"{path} does not exist (was logging.jsonl off?)")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -84,7 +86,7 @@ def plot(run_dir: str | Path, png: str | Path) -> Path:
     run_dir = Path(run_dir)
     s = loss_series(read_metrics(run_dir))
     if not s.steps:
-        raise ValueError(f"{run_dir / 'metrics.jsonl'} holds no training steps")
+        raise DataError(f"{run_dir / 'metrics.jsonl'} holds no training steps")
     fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=[3, 1])
     ax.plot(s.steps, s.total, color="black", lw=0.8, alpha=0.25, label="total (raw)")
     ax.plot(

@@ -65,7 +65,7 @@ class Assembler:
         if not o.ok:
             self.entries.append(InputEntry(o.source, "skipped", reason=o.reason))
             return
-        block = DocumentBlock(*read_documents(result.cache, o.documents, o.source))
+        block = DocumentBlock(*read_documents(result.staged, o.documents, o.source))
         self.entries.append(
             InputEntry(
                 o.source,

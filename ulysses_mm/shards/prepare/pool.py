@@ -1,7 +1,7 @@
 """The tokenizing pool of ``prepare``: spawned worker processes, one input per task.
 
 A worker turns an input into token documents with the pipeline's tokenizer for it,
-validates them and writes its cache entry (:mod:`ulysses_mm.shards.prepare.route`); what became of
+validates them and writes its staged entry (:mod:`ulysses_mm.shards.prepare.route`); what became of
 the input travels back as an :class:`~ulysses_mm.shards.prepare.route.Outcome`. An input that
 cannot be decoded is recorded with its one-line reason. A worker process that dies (a
 decoder crash, the OOM killer) costs only the input it was decoding: :func:`run_pool`
@@ -107,7 +107,7 @@ def check_document(tokens: Any, modality: str, space: TokenSpace) -> np.ndarray:
 
 
 def tokenize(task: Task) -> Outcome:
-    """Tokenize one input into its cache entry (in a worker process); its outcome."""
+    """Tokenize one input into its staged entry (in a worker process); its outcome."""
     w = _worker
     assert w is not None, "tokenize runs in a worker process started by run_pool"
     space = w.space
@@ -135,7 +135,7 @@ def tokenize(task: Task) -> Outcome:
             task.source,
             f"unexpected {type(e).__name__}: {one_line(str(e))}",
             modality=task.modality,
-            cacheable=False,  # may be transient (network, memory): retried by the next run
+            reusable=False,  # may be transient (network, memory): retried by the next run
         )
     else:
         tokens = np.concatenate(docs)
@@ -143,7 +143,7 @@ def tokenize(task: Task) -> Outcome:
             task.source, "ok", modality=task.modality, documents=len(docs), tokens=len(tokens)
         )
         write_documents(
-            task.cache,
+            task.staged,
             tokens,
             np.array([len(d) for d in docs], np.int64),
             np.array(mods, np.int64),
@@ -151,8 +151,8 @@ def tokenize(task: Task) -> Outcome:
     finally:
         if fetched is not None:
             fetched.unlink(missing_ok=True)
-    if outcome.cacheable:  # the outcome commits the entry: written after the documents
-        commit(task.cache, outcome)
+    if outcome.reusable:  # the outcome commits the entry: written after the documents
+        commit(task.staged, outcome)
     return outcome
 
 
@@ -186,7 +186,7 @@ def run_pool(
                     task.source,
                     "the worker process died while decoding this file (crash or out of memory)",
                     modality=task.modality,
-                    cacheable=False,
+                    reusable=False,
                     crashed=True,
                 ),
             )

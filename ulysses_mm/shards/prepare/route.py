@@ -1,11 +1,11 @@
 """What ``prepare`` does with each input: which tokenizer reads it, and what became of it.
 
 An input is routed by its file name to one of the pipeline's tokenizers (:func:`route`),
-then tokenized into a cache entry in the staging directory, named by a hash of (input
+then tokenized into a staged entry in the staging directory, named by a hash of (input
 path, size, mtime or ETag, tokenizer spec and artifact hashes, token space)::
 
-    STAGING/cache/KEY.npz    the documents: tokens (concatenated), lengths, modalities
-    STAGING/cache/KEY.json   the input's :class:`Outcome`, written after the .npz: the
+    STAGING/documents/KEY.npz    the documents: tokens (concatenated), lengths, modalities
+    STAGING/documents/KEY.json   the input's :class:`Outcome`, written after the .npz: the
                              entry's commit mark
 
 A rerun finds committed entries and does not tokenize those inputs again
@@ -33,7 +33,7 @@ from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.tokenize import registry
 from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
 
-CACHE_VERSION = 1
+STAGED_VERSION = 1
 
 
 class PrepareError(UserError, RuntimeError):
@@ -119,7 +119,7 @@ class Outcome:
     reason: str = ""  # one line, for a skipped input
     documents: int = 0
     tokens: int = 0
-    cacheable: bool = True  # False: perhaps transient (network, memory); the next run retries
+    reusable: bool = True  # False: perhaps transient (network, memory); the next run retries
     crashed: bool = False  # its worker process died
 
     @property
@@ -142,37 +142,37 @@ def skipped(source: str, reason: str, **kw: Any) -> Outcome:
 
 @dataclass(frozen=True)
 class Task:
-    """One input for a worker to tokenize into its cache entry."""
+    """One input for a worker to tokenize into its staged entry."""
 
     index: int  # position in the sorted input list
     source: str
     modality: str
-    cache: str  # cache entry stem: STEM.npz (documents) and STEM.json (outcome)
+    staged: str  # staged entry stem: STEM.npz (documents) and STEM.json (outcome)
     fetch_dir: str  # where a remote input is copied for decoding
 
 
 @dataclass(frozen=True)
 class Result:
-    """An input's outcome and the cache entry holding its documents (when ok)."""
+    """An input's outcome and the staged entry holding its documents (when ok)."""
 
     outcome: Outcome
-    cache: str = ""
-    cached: bool = False  # found in the staging cache, not tokenized by this run
+    staged: str = ""
+    reused: bool = False  # found in the staging directory, not tokenized by this run
 
 
 @dataclass
 class Plan:
-    """Every input either known already (unsupported, unreadable, cached) or a task."""
+    """Every input either known already (unsupported, unreadable, staged by an earlier run) or a task."""
 
     known: dict[int, Result]  # by input index
     tasks: list[Task]
 
     @property
     def reused(self) -> int:
-        return sum(1 for r in self.known.values() if r.cached)
+        return sum(1 for r in self.known.values() if r.reused)
 
 
-# ------------------------------------------------------------------- the staging cache
+# ------------------------------------------------------------------- the staging directory
 
 
 def staging_dir(cfg: PipelineConfig) -> Path:
@@ -184,11 +184,11 @@ def staging_dir(cfg: PipelineConfig) -> Path:
     return Path(tempfile.gettempdir()) / f"ulysses-mm-staging-{digest}"
 
 
-def cache_key(
+def staged_key(
     source: str, modality: str, spec: TokenizerSpec, space: TokenSpace, so: Mapping[str, Any]
 ) -> str:
     ident = {
-        "v": CACHE_VERSION,
+        "v": STAGED_VERSION,
         "source": source,
         "input": storage.input_identity(source, so),
         "modality": modality,
@@ -214,7 +214,7 @@ def read_documents(stem: str, n_docs: int, where: str) -> tuple[np.ndarray, ...]
         arrays = z["tokens"], z["lengths"], z["modalities"]
     if len(arrays[1]) != n_docs:
         raise PrepareError(
-            f"cache entry of {where} holds {len(arrays[1])} documents, expected {n_docs}"
+            f"staged entry of {where} holds {len(arrays[1])} documents, expected {n_docs}"
         )
     return arrays
 
@@ -226,13 +226,13 @@ def plan_inputs(
     space: TokenSpace,
     staging: Path,
 ) -> Plan:
-    """Route every input; what is known already (unsupported, unreadable, or committed in
-    the cache), and a task for each of the rest."""
+    """Route every input; what is known already (unsupported, unreadable, or staged by an
+    earlier run), and a task for each of the rest."""
     by_modality = {s.modality: s for s in specs}
     kinds = {s.modality: s.kind for s in specs}
-    cache_dir = staging / "cache"
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    storage.remove_stale_temps(str(cache_dir))
+    staged_dir = staging / "documents"
+    staged_dir.mkdir(parents=True, exist_ok=True)
+    storage.remove_stale_temps(str(staged_dir))
     plan = Plan({}, [])
     for i, source in enumerate(files):
         modality = route(source, kinds, cfg.suffixes)
@@ -245,15 +245,15 @@ def plan_inputs(
             plan.known[i] = Result(skipped(source, reason))
             continue
         try:
-            key = cache_key(source, modality, by_modality[modality], space, cfg.storage_options)
+            key = staged_key(source, modality, by_modality[modality], space, cfg.storage_options)
         except OSError as e:
             plan.known[i] = Result(skipped(source, f"cannot stat: {e}"))
             continue
-        stem = str(cache_dir / key)
+        stem = str(staged_dir / key)
         if os.path.exists(stem + ".json"):
             done = Outcome.from_json(Path(stem + ".json").read_bytes())
             if not done.ok or os.path.exists(stem + ".npz"):
-                plan.known[i] = Result(done, stem, cached=True)
+                plan.known[i] = Result(done, stem, reused=True)
                 continue
         plan.tasks.append(Task(i, source, modality, stem, str(staging / "fetch" / key)))
     return plan

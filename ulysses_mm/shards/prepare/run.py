@@ -5,7 +5,7 @@ again ends with exactly the bytes of an uninterrupted run:
 
 1. **Tokenize** (a pool of spawned worker processes, :mod:`ulysses_mm.shards.prepare.pool`).
    Each input is routed by its file name to one of the pipeline's tokenizers and turned
-   into token documents, which are validated and written, atomically, to a cache entry in
+   into token documents, which are validated and written, atomically, to a staged entry in
    the staging directory (:mod:`ulysses_mm.shards.prepare.route`). A rerun finds finished entries
    and does not tokenize those inputs again. An input that cannot be decoded is recorded
    with its one-line reason and skipped.
@@ -120,7 +120,7 @@ def load_pipeline_config(
 class PrepareResult:
     manifest: Manifest
     location: str  # of manifest.json
-    reused: int  # inputs taken from the staging cache
+    reused: int  # inputs taken from the staging directory
     seconds: float
     crashed: list[str] = field(default_factory=list)  # inputs whose worker process died
 
@@ -229,7 +229,7 @@ def _in_input_order(plan: Plan, config: WorkerConfig, workers: int) -> Iterator[
     if plan.tasks:
         n = min(workers or os.cpu_count() or 1, len(plan.tasks))
         for task, outcome in run_pool(plan.tasks, n, config):
-            yield from order.put(task.index, Result(outcome, task.cache))
+            yield from order.put(task.index, Result(outcome, task.staged))
 
 
 def _remove_traces(cfg: PipelineConfig, staging: Path, new_dirs: list[list[str]]) -> None:
@@ -275,7 +275,7 @@ def print_summary(result: PrepareResult, out: TextIO) -> None:
     size = sum(s.bytes for s in m.shards)
     print(
         f"prepared {m.name or 'dataset'}: {len(m.inputs)} inputs ({ok} ok, {len(skipped)} skipped, "
-        f"{result.reused} from cache), {m.num_documents} documents",
+        f"{result.reused} reused from staging), {m.num_documents} documents",
         file=out,
     )
     per_mod = ", ".join(f"{k} {v:,}" for k, v in m.tokens.items())
