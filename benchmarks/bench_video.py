@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.tokenize.evaluate import psnr
 from ulysses_mm.tokenize.kmeans import Codebook
 from ulysses_mm.tokenize.registry import load_tokenizer
 from ulysses_mm.tokenize.video.frames import probe_video
-from ulysses_mm.tokenize.video.vq import VqVideoTokenizer, patchify, psnr
+from ulysses_mm.tokenize.video.vq import VqVideoTokenizer, patchify
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -98,8 +99,6 @@ def main() -> None:
         )
     print(f"all clips: {total_frames / total_cpu:.0f} frames/s per core (goal >= 100)")
 
-    bench_gsvq(clips, args.repeats)
-
     print("\nnearest-codeword search alone at 256x256 (random codebooks, ms per frame):")
     rng = np.random.default_rng(0)
     frames = rng.integers(0, 256, (16, 256, 256, 3), dtype=np.uint8)
@@ -112,28 +111,6 @@ def main() -> None:
             secs, _ = best(lambda x=x, book=book: book.encode(x), 2)
             row.append(f"{secs / len(frames) * 1e3:8.2f}")
         print(f"{patch:5d} " + " ".join(row))
-
-
-def bench_gsvq(clips: list[Path], repeats: int) -> None:
-    """The default spec (predictive gain-shape VQ): speed, and PSNR on clips it was and was
-    not fitted on (its spec lists the sources it was fitted on)."""
-    tok = load_tokenizer(REPO / "tokenizers" / "video-gsvq.json")
-    space = TokenSpace.from_vocab({"video": tok.spec.vocab_size})
-    fitted = set(tok.spec.params["fit"]["sources"])
-    print(
-        f"\nvideo-gsvq ({tok.tokens_per_frame} tokens/frame, vocab {tok.spec.vocab_size}, "
-        f"fitted on {sorted(fitted)} + {tok.spec.params['fit']['synthetic_clips']} synthetic)"
-    )
-    print(f"{'clip':26s} {'frames':>6s} {'fps/core':>8s} {'VQ fps':>7s} {'PSNR':>8s}  fitted on?")
-    for clip in clips:
-        path = str(clip)
-        cpu, docs = best(lambda path=path: list(tok.encode_file(path, space)), repeats)
-        frames = np.concatenate(list(tok.frames(path, probe_video(path))))
-        vq_cpu, _ = best(lambda frames=frames: tok.encode_frames(frames), repeats)
-        db = psnr(tok.decode(docs[0].tokens, space), frames)  # type: ignore[index]
-        n = len(frames)
-        seen = "yes" if clip.name in fitted else "no (held out)"
-        print(f"{clip.name:26s} {n:6d} {n / cpu:8.0f} {n / vq_cpu:7.0f} {db:5.2f} dB  {seen}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ import math
 import re
 import shutil
 from pathlib import Path
-from typing import Any
 
 import av
 import numpy as np
@@ -29,10 +28,11 @@ from media_factory import (
 from ulysses_mm.cli import main
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
 from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec, build_token_space
+from ulysses_mm.tokenize.evaluate import psnr
 from ulysses_mm.tokenize.kmeans import Codebook
 from ulysses_mm.tokenize.registry import load_tokenizer
 from ulysses_mm.tokenize.video.frames import sample_frames
-from ulysses_mm.tokenize.video.vq import VqVideoTokenizer, patchify, psnr, unpatchify
+from ulysses_mm.tokenize.video.vq import VqVideoTokenizer, patchify, unpatchify
 
 try:
     import decord  # noqa: F401  (x86-64 wheels only; PyAV decodes elsewhere)
@@ -214,9 +214,9 @@ def test_fitted_codebook_psnr_on_held_out_clip(fitted: Path, tmp_path: Path) -> 
 
 def test_shipped_codebook_on_the_real_clip() -> None:
     """tokenizers/video-vq.json (256 words, 16x16 patches, fitted on the CC0 toy clips):
-    its fit reports ~26 dB on the training patches; on the WebM copy of the rabbit clip
-    (another encoding of a training clip) we assert > 24 dB and a win over random
-    codebooks (uniform noise ~10 dB; 256 patches sampled from the clip itself)."""
+    on the WebM copy of the rabbit clip (another encoding of a training clip) it must
+    clear a floor and beat random codebooks (uniform noise; 256 patches sampled from the
+    clip itself)."""
     spec = TokenizerSpec.load(TOKENIZERS / "video-vq.json")
     tok = VqVideoTokenizer(dataclasses.replace(spec, params={**spec.params, "max_frames": 24}))
     path = str(TEST_DATA / "rabbit_toy_320x240.webm")
@@ -386,286 +386,3 @@ def test_spec_is_checked(fitted: Path) -> None:
             VqVideoTokenizer(dataclasses.replace(spec, params={**spec.params, **params}))
     with pytest.raises(ValueError, match="codewords, vocab_size is 33"):
         VqVideoTokenizer(dataclasses.replace(spec, vocab_size=33))
-
-
-# --------------------------------------------------------------------------- video-gsvq
-@pytest.fixture(scope="module")
-def gsvq(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny predictive gain-shape model fitted on one synthetic clip + generated ones."""
-    d = tmp_path_factory.mktemp("gsvq")
-    clip = write_video(d / "fit.mp4", smooth_frames(np.random.default_rng(1), 24, 96, 128))
-    args = ["tokenizer", "fit", "video", str(clip), "--kind", "video-gsvq", "--size", "64"]
-    args += ["--dims", "24", "--shapes", "32", "--levels", "6", "--synthetic", "3"]
-    args += ["--iters", "4", "--out", str(d / "gs.json")]
-    assert main(args) == 0
-    return d / "gs.json"
-
-
-def test_gsvq_fit_writes_a_small_spec_that_records_its_fit(gsvq: Path) -> None:
-    spec = json.loads(gsvq.read_text())
-    assert spec["kind"] == "video-gsvq" and spec["vocab_size"] == 1 + 4 * 32 * 6
-    assert spec["artifact"] == "gs.npz"
-    assert spec["params"]["fit"]["sources"] == ["fit.mp4"]
-    assert spec["params"]["fit"]["synthetic_clips"] == 3
-    with np.load(gsvq.with_suffix(".npz"), allow_pickle=False) as z:
-        assert z["basis"].shape == (24, 16 * 16 * 3) and z["shapes"].shape == (32, 24)
-        assert np.allclose(np.linalg.norm(z["shapes"], axis=1), 1.0, atol=1e-4)
-        assert (np.diff(z["gains"]) > 0).all()
-
-
-def test_gsvq_closed_loop_round_trip_and_document(gsvq: Path, tmp_path: Path) -> None:
-    tok = load_tokenizer(gsvq)
-    frames = smooth_frames(np.random.default_rng(7), 12, 64, 64)  # not fitted on
-    enc = tok.encoder()  # type: ignore[attr-defined]
-    ids = np.concatenate([enc(frames[:5]), enc(frames[5:])])  # state kept across batches
-    assert ids.shape == (12, 16) and np.array_equal(ids, tok.encode_frames(frames))  # type: ignore[attr-defined]
-    dec = tok.decode_ids(ids)  # type: ignore[attr-defined]
-    assert dec.shape == frames.shape and dec.dtype == np.uint8
-    # the decoder's frames are exactly those the encoder predicted from (no drift) and each
-    # frame is at least as good as coding it alone (intra) would be
-    assert psnr(frames, dec) > 24.0
-    alone = np.stack([tok.decode_ids(tok.encode_frames(f[None]))[0] for f in frames])  # type: ignore[attr-defined]
-    assert psnr(frames, dec) >= psnr(frames, alone)
-    with pytest.raises(ValueError, match="out of range"):
-        tok.decode_ids(np.full((1, 16), tok.spec.vocab_size))  # type: ignore[attr-defined]
-    clip = write_video(tmp_path / "c.webm", frames, fps=8)
-    space = build_token_space([tok.spec])
-    (doc,) = tok.encode_file(str(clip), space)
-    t = doc.tokens.astype(np.int64)
-    assert t[0] == DOC_START and t[-1] == DOC_END and (t == EOF).sum() == 12
-    assert tok.decode(t, space).shape == (12, 64, 64, 3)
-
-
-def test_gsvq_artifact_is_checked(
-    gsvq: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    spec = json.loads(gsvq.read_text())
-    spec["vocab_size"] = 100
-    spec["artifact"] = str(gsvq.with_suffix(".npz"))
-    (tmp_path / "bad.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match="vocab_size is 100"):
-        load_tokenizer(tmp_path / "bad.json")
-    out = str(tmp_path / "x.json")
-    assert main(["tokenizer", "fit", "video", "x.mp4", "--synthetic", "2", "--out", out]) == 2
-    assert "--synthetic applies to --kind video-gsvq only" in capsys.readouterr().err
-
-
-def test_shipped_gsvq_on_a_clip_it_was_not_fitted_on() -> None:
-    """The gain-shape spec was fitted on the pig clip and synthetic clips; the rabbit clip
-    is held out: measured 26.1 dB on these 24 frames at 256 tokens
-    per frame, its motion-compensated prediction 1.4 dB above the same model's plain layout
-    (24.7 dB)."""
-    spec = TokenizerSpec.load(TOKENIZERS / "video-gsvq.json")
-    assert "rabbit" not in " ".join(spec.params["fit"]["sources"])
-    assert (spec.params["motion"], spec.params["local"], spec.vocab_size) == (12, 2, 120458)
-    assert spec.vocab_size <= 131072
-    tok = load_tokenizer(spec)
-    clip = str(TEST_DATA / "rabbit_toy_320x240.webm")
-    frames = np.concatenate(list(sample_frames(clip, 8.0, 256, 24, "auto")))
-    dec = tok.decode_ids(tok.encode_frames(frames))  # type: ignore[attr-defined]
-    assert tok.tokens_per_frame == 256  # type: ignore[attr-defined]
-    assert psnr(frames, dec) > 25.5
-    plain = _with_motion(TOKENIZERS / "video-gsvq.json", 0, 0)
-    assert psnr(frames, dec) > psnr(frames, plain.decode_ids(plain.encode_frames(frames))) + 1.0
-
-
-# --------------------------------------------------------------------------- video-gsvq motion
-def _panning(t: int, size: int = 64, step: tuple[int, int] = (2, -3)) -> np.ndarray:
-    """A textured scene the camera pans over by ``step`` pixels a frame: [t, size, size, 3]."""
-    big = smooth_frames(np.random.default_rng(3), 1, 2 * size, 2 * size)[0].astype(np.float32)
-    noise = np.random.default_rng(4).uniform(-1, 1, (2 * size, 2 * size)).astype(np.float32)
-    for axis in (0, 1, 0, 1):  # smoothed: a texture a shift shows in, not a periodic one
-        noise = (noise + np.roll(noise, 1, axis) + np.roll(noise, -1, axis)) / 3
-    big += 120 * noise[..., None]
-    big = np.clip(big, 0, 255).astype(np.uint8)
-    oy, ox = size // 2, size // 2
-    return np.stack(
-        [
-            big[
-                oy - k * step[0] : oy - k * step[0] + size,
-                ox - k * step[1] : ox - k * step[1] + size,
-            ]
-            for k in range(t)
-        ]
-    )
-
-
-def _with_motion(gsvq: Path, motion: int, local: int) -> Any:
-    from ulysses_mm.tokenize.video.gainshape import MotionLayout, load_model
-
-    spec = TokenizerSpec.load(gsvq)
-    layout = MotionLayout(load_model(spec, 16).per_mode, motion, local)
-    params = {**spec.params, "motion": motion, "local": local}
-    return load_tokenizer(dataclasses.replace(spec, params=params, vocab_size=layout.vocab_size))
-
-
-def test_global_motion_finds_a_known_pan() -> None:
-    import torch
-
-    from ulysses_mm.tokenize.video.gainshape import _luma, global_motion
-
-    frames = torch.from_numpy(_panning(2, 64, (3, -5))).to(torch.float32)
-    assert global_motion(_luma(frames[0]), _luma(frames[1]), 6) == (3, -5)
-    assert global_motion(_luma(frames[0]), _luma(frames[0]), 6) == (0, 0)
-
-
-def test_gsvq_motion_closed_loop_and_its_ids(gsvq: Path) -> None:
-    """Motion-compensated ids: one motion id per frame after the first, at position t mod N,
-    and the decoder tracks the encoder exactly."""
-    from ulysses_mm.tokenize.video.gainshape import MotionLayout
-
-    frames = _panning(10)
-    moving = _with_motion(gsvq, 4, 1)
-    enc = moving.encoder()
-    ids = np.concatenate([enc(frames[:4]), enc(frames[4:])])  # state kept across batches
-    assert np.array_equal(ids, moving.encode_frames(frames))
-    lay: MotionLayout = moving.layout
-    assert moving.spec.vocab_size == 9 * (1 + lay.per_mode) + lay.per_mode + 81
-    n = ids.shape[1]
-    for t in range(ids.shape[0]):
-        is_motion = ids[t] >= lay.motion_start
-        assert is_motion.sum() == (t > 0) and (t == 0 or is_motion[t % n])
-    # closed loop: the decoder's frames are the encoder's predictions, frame by frame
-    coder = moving.coder()
-    x = torch_patches(frames)
-    encoded = []
-    for i in range(frames.shape[0]):
-        coder.encode(x[i], moving.model.project(x[i]))
-        encoded.append(coder.prev.numpy().astype(np.uint8))
-    dec = moving.decode_ids(ids)
-    assert np.array_equal(dec, unpatchify(np.concatenate(encoded), 64, 16))
-    bad = ids.copy()
-    bad[1, 0] = bad[1, 1]  # frame 1's slot (position 1) holds a motion id; put one elsewhere
-    with pytest.raises(ValueError, match="motion id outside"):
-        moving.decode_ids(bad)
-    bad = ids.copy()
-    bad[1, 1] = 0
-    with pytest.raises(ValueError, match="not a motion id"):
-        moving.decode_ids(bad)
-
-
-def test_shipped_gsvq_model_with_motion_gains_on_a_pan() -> None:
-    """The shipped model with params motion/local on a 256×256 camera pan (the previous
-    frame displaced, then refined per patch) beats its plain layout (measured 0.74 / 0.82 /
-    0.87 dB for motion 8 / + local 1 / + local 2)."""
-    frames = _panning(8, 256, (4, 5))
-    spec = TOKENIZERS / "video-gsvq.json"
-    plain = _with_motion(spec, 0, 0)
-    base = psnr(frames, plain.decode_ids(plain.encode_frames(frames)))
-    for motion, local, bound in ((8, 0, 0.5), (8, 1, 0.6), (8, 2, 0.6)):
-        tok = _with_motion(spec, motion, local)
-        gain = psnr(frames, tok.decode_ids(tok.encode_frames(frames))) - base
-        assert gain > bound, f"motion {motion}, local {local}: {gain:.2f} dB"
-
-
-def torch_patches(frames: np.ndarray) -> Any:
-    import torch
-
-    x = torch.from_numpy(patchify(frames, 16)).to(torch.float32)
-    return x.reshape(frames.shape[0], -1, x.shape[1])
-
-
-def test_gsvq_motion_params_are_checked(gsvq: Path, tmp_path: Path) -> None:
-    spec = json.loads(gsvq.read_text())
-    spec["params"]["motion"] = 4
-    spec["artifact"] = str(gsvq.with_suffix(".npz"))
-    (tmp_path / "m.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match=r"motion 4, local 0\) makes 850 ids, vocab_size is 769"):
-        load_tokenizer(tmp_path / "m.json")
-    spec["params"]["local"] = 9
-    (tmp_path / "m.json").write_text(json.dumps(spec))
-    with pytest.raises(ValueError, match="'local' 0..3"):
-        load_tokenizer(tmp_path / "m.json")
-
-
-def test_gsvq_fit_with_motion(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    clip = write_video(tmp_path / "fit.mp4", _panning(10))
-    args = ["tokenizer", "fit", "video", str(clip), "--kind", "video-gsvq", "--size", "64"]
-    args += ["--dims", "16", "--shapes", "16", "--levels", "4", "--iters", "2"]
-    args += ["--motion", "3", "--local", "1", "--out", str(tmp_path / "m.json")]
-    assert main(args) == 0
-    spec = json.loads((tmp_path / "m.json").read_text())
-    assert (spec["params"]["motion"], spec["params"]["local"]) == (3, 1)
-    assert spec["vocab_size"] == 9 * (1 + 2 * 16 * 4) + 2 * 16 * 4 + 7 * 7
-    tok = load_tokenizer(tmp_path / "m.json")
-    frames = _panning(6)
-    assert tok.decode_ids(tok.encode_frames(frames)).shape == frames.shape  # type: ignore[attr-defined]
-    out = str(tmp_path / "x.json")
-    assert main(["tokenizer", "fit", "video", "x.mp4", "--motion", "2", "--out", out]) == 2
-    assert "--motion and --local apply to --kind video-gsvq only" in capsys.readouterr().err
-
-
-def test_gsvq_motion_fast_paths_match_the_straightforward_computation(gsvq: Path) -> None:
-    """The encoder's vectorised stages (one padded buffer, one step for inter and intra,
-    batched refinements, strided views) give what a per-candidate / per-patch loop gives."""
-    import torch
-
-    from ulysses_mm.tokenize.video.gainshape import _luma, global_motion
-
-    tok = _with_motion(gsvq, 4, 2)
-    coder, model, lay = tok.coder(), tok.model, tok.layout
-    frames = _panning(4, 64, (2, -3))
-    x = torch_patches(frames)
-    pad, size, p, n = lay.motion + lay.local, 64, 16, 4
-    found, chosen = [], set()
-    for i in range(frames.shape[0]):
-        # the padded previous image: F.pad's replicate
-        img = coder._padded()
-        want = torch.nn.functional.pad(
-            torch.from_numpy(unpatchify(coder.prev.numpy(), size, p)[0]).permute(2, 0, 1)[None],
-            (pad,) * 4,
-            mode="replicate",
-        )[0].permute(1, 2, 0)
-        assert torch.equal(img, want)
-        luma, xl = _luma(img), _luma(torch.from_numpy(frames[i]).to(torch.float32))
-        # the global displacement: each candidate's error on its own, the first least
-        a, b, m = luma[pad : pad + size, pad : pad + size], xl, lay.motion
-        g = global_motion(a, b, m)
-        found.append(g)
-        errs = {
-            (dy, dx): float(
-                (
-                    (
-                        a[m - dy : size - m - dy : 3, m - dx : size - m - dx : 3].double()
-                        - b[m : size - m : 3, m : size - m : 3].double()
-                    )
-                    ** 2
-                ).sum()
-            )
-            for dy in range(-m, m + 1)
-            for dx in range(-m, m + 1)
-        }
-        assert errs[g] <= errs[(0, 0)] and (g == (0, 0) or errs[g] < errs[(0, 0)])
-        # the per-patch offsets: each patch's error for each offset, the first least
-        off = coder.choose_offsets(luma, xl, g)
-        chosen |= set(off.tolist())
-        for k in range(n * n):
-            y0, x0 = (k // n) * p, (k % n) * p
-            e = [
-                float(
-                    (
-                        (
-                            luma[
-                                pad - g[0] - oy + y0 : pad - g[0] - oy + y0 + p : 2,
-                                pad - g[1] - ox + x0 : pad - g[1] - ox + x0 + p,
-                            ].double()
-                            - xl[y0 : y0 + p : 2, x0 : x0 + p].double()
-                        )
-                        ** 2
-                    ).sum()
-                )
-                for oy, ox in lay.offsets
-            ]
-            assert int(off[k]) == int(np.argmin(e)), (i, k)
-        # the displaced patches: each patch cut from the padded image on its own
-        disp = coder._displaced(img, g, off)
-        for k in range(n * n):
-            oy, ox = lay.offsets[int(off[k])]
-            y0 = pad - g[0] - oy + (k // n) * p
-            x0 = pad - g[1] - ox + (k % n) * p
-            assert torch.equal(disp[k], img[y0 : y0 + p, x0 : x0 + p].reshape(-1))
-        # one step: its reconstruction is what the decoder makes of its ids
-        ids, rec = model.step(x[i], disp, model.project(x[i]))
-        assert torch.equal(rec, model.reconstruct(ids, disp))
-        coder.encode(x[i], model.project(x[i]))
-    assert len(set(found)) > 1 and len(chosen) > 4  # the choices were not all alike

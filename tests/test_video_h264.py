@@ -8,6 +8,7 @@ from media_factory import TEST_DATA, TOKENIZERS, smooth_frames, tone, write_vide
 
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF
 from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
+from ulysses_mm.tokenize.evaluate import psnr
 from ulysses_mm.tokenize.registry import load_tokenizer
 from ulysses_mm.tokenize.video.frames import sample_frames
 from ulysses_mm.tokenize.video.h264 import (
@@ -17,7 +18,6 @@ from ulysses_mm.tokenize.video.h264 import (
     ids_packet,
     packet_ids,
 )
-from ulysses_mm.tokenize.video.vq import psnr
 
 
 def _spec(**params) -> TokenizerSpec:
@@ -132,8 +132,8 @@ def test_audio_interleaves_with_ragged_frames(tmp_path):
 
 
 def test_the_default_video_spec_on_a_clip_it_never_saw():
-    """pipelines/video.yaml's spec (nothing fitted) on the rabbit clip: measured 30.5 dB at
-    ~240 ids per frame over its 8 s (the first 24 frames here: the keyframe weighs more)."""
+    """pipelines/video.yaml's spec (nothing fitted) on the rabbit clip's first 24 frames
+    (the README's video table has the whole clip; here the keyframe weighs more)."""
     assert "video-h264.json" in (TOKENIZERS.parent / "pipelines" / "video.yaml").read_text()
     tok = load_tokenizer(TokenizerSpec.load(TOKENIZERS / "video-h264.json"))
     assert isinstance(tok, H264VideoTokenizer) and tok.tokens_per_frame <= 256

@@ -361,27 +361,6 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="reuse this fitted codebook .npy instead of fitting (SOURCES not needed)",
     )
-    f.add_argument(
-        "--kind",
-        choices=["video-vq", "video-gsvq"],
-        default="video-vq",
-        help="video-vq: k-means codebook (default); video-gsvq: predictive gain-shape VQ",
-    )
-    f.add_argument("--dims", type=int, default=64, help="video-gsvq: basis dimensions (64)")
-    f.add_argument("--shapes", type=int, default=512, help="video-gsvq: shape codewords (512)")
-    f.add_argument("--levels", type=int, default=16, help="video-gsvq: gain levels (16)")
-    f.add_argument(
-        "--motion", type=int, default=0, help="video-gsvq: global motion searched, ± px (0: none)"
-    )
-    f.add_argument(
-        "--local", type=int, default=0, help="video-gsvq: per-patch motion around it, ± px (0)"
-    )
-    f.add_argument(
-        "--synthetic",
-        type=int,
-        default=0,
-        help="video-gsvq: also fit on N generated synthetic clips (default 0)",
-    )
     f.set_defaults(func=run_fit)
     e = tsub.add_parser(
         "eval",

@@ -4,22 +4,22 @@ Decoding goes through PyAV for every format (wav, flac, ogg/vorbis/opus, mp3, an
 track of mp4/webm/mkv …) so there is one code path and one set of failure modes.
 The downmix to mono is libswresample's (``av.AudioResampler``), to 16-bit mono: with an
 integer output FFmpeg normalises its downmix matrix so it cannot clip (for stereo it is
-exactly the mean of the two channels; with float output it would add them at -3 dB each,
-+3 dB for a centred source). 16-bit PCM is mu-law's classic input and its quantisation
-(~96 dB SNR) is far below any mu-law code's. The rate change is, by param ``resampler``,
+exactly the mean of the two channels; a float output is not normalised, so a centred
+source would come out louder). 16-bit PCM is mu-law's classic input, quantised far finer
+than any mu-law code. The rate change is, by param ``resampler``,
 
-- ``"sharp"`` (the default): libsoxr to twice the spec's rate, then a 4,105-tap linear-phase
-  low-pass and every other sample: flat to 0.99375 of the output Nyquist (7.95 kHz at
-  16 kHz), > 100 dB down from the Nyquist on, so it matches an ideal band-limited resample
-  to 38 dB even on speech with much energy at 7.5-8 kHz;
-- ``"soxr"``: libsoxr's very-high-quality filter alone (-0.3 dB at 7.5 kHz, -32 dB at
-  7.8 kHz: that speech at 24 dB); or
-- ``"swr"``: libswresample's default filter (-1 dB already at 7.2 kHz).
+- ``"sharp"`` (the default): libsoxr to twice the spec's rate, then the linear-phase
+  low-pass of :func:`sharp_lowpass` and every other sample: flat almost to the output
+  Nyquist;
+- ``"soxr"``: libsoxr's very-high-quality filter alone, whose pass band ends sooner; or
+- ``"swr"``: libswresample's default filter, which rolls off sooner still.
+
+The README's resampling row measures them against an ideal band-limited resample.
 
 Tokens are WaveNet-style mu-law codes: ``mu = 2**bits - 1``,
 ``y = sign(x)·ln(1 + mu|x|)/ln(1 + mu)``, ``q = round((y + 1)/2 · mu)``, one token per
-sample, ``2**bits`` ids. At 8 bits the quantisation SNR is about 38 dB for any signal
-well above -40 dBFS (mu-law trades resolution at loud levels for range).
+sample, ``2**bits`` ids: mu-law trades resolution at loud levels for range, so quiet
+passages keep their detail.
 
 A bad input raises :class:`DecodeError` with the reason that was actually observed:
 
@@ -43,18 +43,10 @@ from typing import Any
 
 import numpy as np
 
+from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.base import (
-    DecodeError,
-    DocumentFramer,
-    ParamSchema,
-    TokenDocument,
-    Tokenizer,
-    TokenizerSpec,
-    check_choice,
-    local_ids,
-    spec_params,
-)
+from ulysses_mm.tokenize.base import DecodeError, TokenDocument, Tokenizer, TokenizerSpec
+from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
 from ulysses_mm.tokenize.media import (
     check_file,
     ffmpeg_log,
@@ -62,12 +54,13 @@ from ulysses_mm.tokenize.media import (
     open_media,
     stream_summary,
 )
+from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
 
 _SCHEMA: ParamSchema = {
     "sample_rate": ((int,), 16000),
     "bits": ((int,), 8),
     "max_seconds": ((int, float, type(None)), None),  # decode at most this much (null: all)
-    # sharp (flat to 0.994 of the Nyquist) | soxr (libsoxr VHQ: to 0.94) | swr (FFmpeg's)
+    # sharp | soxr (libsoxr's VHQ filter alone) | swr (FFmpeg's): see the module docstring
     "resampler": ((str,), "sharp"),
 }
 
@@ -138,10 +131,9 @@ RESAMPLERS = ("sharp", "soxr", "swr")
 
 def sharp_lowpass(out_rate: int) -> np.ndarray:
     """The ``"sharp"`` resampler's last filter, at twice ``out_rate``: linear phase (odd
-    length, Kaiser-windowed sinc), flat to 0.99375 of the output Nyquist (7.95 kHz at
-    16 kHz), -6 dB at 0.996875, > 100 dB down from the Nyquist on. Its length follows from
-    Kaiser's formula for a 100 dB stop band over that 1/320-of-the-rate transition: 4,105
-    taps at any rate (the ratios are fixed)."""
+    length, Kaiser-windowed sinc), pass band to 0.99375 of the output Nyquist, a 100 dB
+    stop band from the Nyquist on. Kaiser's formula gives its length for that transition;
+    the ratios are fixed, so the length is the same at any rate."""
     fs = 2.0 * out_rate
     pass_end, stop_begin, atten_db = 0.99375 * out_rate / 2, out_rate / 2, 100.0
     n = int(np.ceil((atten_db - 7.95) / (2.285 * 2 * np.pi * (stop_begin - pass_end) / fs))) | 1
@@ -202,9 +194,9 @@ class _HalveFIR:
 
 class _RateStream:
     """One input rate -> ``out_rate``, streamed: libsoxr alone (``sharp=False``: its
-    very-high-quality filter) or libsoxr's high-quality filter to twice ``out_rate``
-    (flat to 0.91 of that Nyquist, far above the band kept) then :func:`sharp_lowpass`
-    and every other sample. Exact across chunks either way."""
+    very-high-quality filter) or libsoxr's high-quality filter to twice ``out_rate`` (its
+    pass band ends well above the band kept) then :func:`sharp_lowpass` and every other
+    sample. Exact across chunks either way."""
 
     def __init__(self, in_rate: int, out_rate: int, sharp: bool) -> None:
         import soxr
@@ -234,24 +226,16 @@ class _RateStream:
 
 
 class _Resampler:
-    """Decoded frames -> mono float32 at ``rate``, in ~0.5 s batches.
+    """Decoded frames -> mono float32 at ``rate``, in batches of about half a second.
 
     The downmix is libswresample's (``av.AudioResampler``) to 16-bit mono at the source
-    rate: int16 output makes FFmpeg normalise its downmix matrix so it cannot clip (for
-    stereo: the mean of the two channels). The rate change is then either
-
-    - ``"sharp"`` (default): :class:`_RateStream` with ``sharp=True``: libsoxr (the
-      ``soxr`` package, streamed) to twice the rate, then :func:`sharp_lowpass` (at
-      16 kHz: 0.0 dB to 7.95 kHz, -6 dB at 7.975 kHz, -160 dB at 8 kHz);
-    - ``"soxr"``: libsoxr's very-high-quality resampler alone: a linear-phase filter whose
-      passband reaches 0.94 of the output Nyquist (-0.3 dB at 7.5 kHz, -32 dB at 7.8 kHz)
-      and stops > 100 dB below it; or
-    - ``"swr"``: libswresample's default filter in the same call as the downmix (-1 dB
-      at 7.2 kHz, -6.6 dB at 7.8 kHz on the way to 16 kHz), the behaviour before soxr.
+    rate (see the module docstring for why 16-bit). The rate change is then
+    :class:`_RateStream` (``"sharp"``: with :func:`sharp_lowpass`; ``"soxr"``: libsoxr
+    alone), or for ``"swr"`` libswresample's own filter in the same call as the downmix.
 
     PyAV's resampler is a filter graph whose per-call overhead dominates for codecs with
-    small frames (mp3: 1152 samples, vorbis: 128-2048), so decoded frames of the same
-    format are joined (``to_ndarray`` / ``from_ndarray``, format-agnostic) before each call.
+    small frames (mp3, vorbis), so decoded frames of the same format are joined
+    (``to_ndarray`` / ``from_ndarray``, format-agnostic) before each call.
     """
 
     def __init__(self, rate: int, method: str = "sharp") -> None:
@@ -391,15 +375,15 @@ class MulawTokenizer(Tokenizer):
     def __init__(self, spec: TokenizerSpec) -> None:
         super().__init__(spec)
         p = spec_params(spec, _SCHEMA)
-        where = spec.path or spec.name
+        where = spec.where
         if not 2 <= p["bits"] <= 16:
-            raise ValueError(f"{where}: param 'bits' must be 2..16, got {p['bits']}")
+            raise DataError(f"{where}: param 'bits' must be 2..16, got {p['bits']}")
         if not 1000 <= p["sample_rate"] <= 192000:
-            raise ValueError(f"{where}: param 'sample_rate' must be 1000..192000")
+            raise DataError(f"{where}: param 'sample_rate' must be 1000..192000")
         if p["max_seconds"] is not None and p["max_seconds"] <= 0:
-            raise ValueError(f"{where}: param 'max_seconds' must be > 0 or null")
+            raise DataError(f"{where}: param 'max_seconds' must be > 0 or null")
         if spec.vocab_size != 2 ** p["bits"]:
-            raise ValueError(
+            raise DataError(
                 f"{where}: vocab_size {spec.vocab_size} must be 2**bits = {2 ** p['bits']}"
             )
         check_choice(spec, "resampler", p["resampler"], RESAMPLERS)

@@ -15,8 +15,7 @@ frame, quantizer by quantizer, quantizer q's code c as ``q·codebook_size + c`` 
 ``params.num_quantizers`` picks how many quantizers are kept (EnCodec: from its bandwidth,
 ``n_q = bandwidth·1000 / (frame_rate·log2(codebook_size))``). Tokens per second,
 ``frame_rate·n_q``, must be written in the spec as ``params.tokens_per_second`` and is
-checked against the model (EnCodec 24 kHz at 1.5 kbps: 75 frames/s × 2 = 150 tokens/s,
-so a million tokens hold about 1.9 hours).
+checked against the model, so a spec says what a second of audio costs in tokens.
 """
 
 from __future__ import annotations
@@ -28,18 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.tokenize.audio import RESAMPLERS, Waveform, load_waveform
-from ulysses_mm.tokenize.base import (
-    DocumentFramer,
-    ParamSchema,
-    TokenDocument,
-    Tokenizer,
-    TokenizerSpec,
-    check_choice,
-    local_ids,
-    spec_params,
-)
+from ulysses_mm.tokenize.base import TokenDocument, Tokenizer, TokenizerSpec
+from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
+from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
 
 _SCHEMA: ParamSchema = {
     "model": ((str,), ""),  # directory (relative to the spec) or a cached HF model id
@@ -53,14 +46,14 @@ _FAMILIES = ("encodec", "dac", "mimi")
 
 
 def resolve_model_dir(spec: TokenizerSpec, name: str) -> Path:
-    """The model's local directory; ValueError (one line) if it is not on this machine."""
-    where = spec.path or spec.name
+    """The model's local directory; DataError (one line) if it is not on this machine."""
+    where = spec.where
     p = Path(name).expanduser()
     if not p.is_absolute() and spec.path:
         p = Path(spec.path).parent / p
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise ValueError(f"{where}: codec model directory {p} has no config.json")
+            raise DataError(f"{where}: codec model directory {p} has no config.json")
         return p
     if name.count("/") == 1 and not name.startswith((".", "/")):
         try:
@@ -69,7 +62,7 @@ def resolve_model_dir(spec: TokenizerSpec, name: str) -> Path:
             return Path(snapshot_download(name, local_files_only=True))
         except Exception:  # any failure means: not in the local cache
             pass
-    raise ValueError(
+    raise DataError(
         f"{where}: codec model {name!r} not found: no directory {p} and not in the local "
         "Hugging Face cache (models are never downloaded at run time; put the weights there)"
     )
@@ -81,12 +74,12 @@ class CodecAudioTokenizer(Tokenizer):
     def __init__(self, spec: TokenizerSpec) -> None:
         super().__init__(spec)
         p = spec_params(spec, _SCHEMA)
-        where = spec.path or spec.name
+        where = spec.where
         check_choice(spec, "resampler", p["resampler"], RESAMPLERS)
         if not p["model"]:
-            raise ValueError(f"{where}: param 'model' (the codec's directory or id) is required")
+            raise DataError(f"{where}: param 'model' (the codec's directory or id) is required")
         if p["num_quantizers"] < 1:
-            raise ValueError(f"{where}: param 'num_quantizers' must be >= 1")
+            raise DataError(f"{where}: param 'num_quantizers' must be >= 1")
         self.params: dict[str, Any] = p
         self.model_dir = resolve_model_dir(spec, p["model"])
         from transformers import AutoConfig, AutoModel
@@ -94,30 +87,30 @@ class CodecAudioTokenizer(Tokenizer):
         config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
         self.family = config.model_type
         if self.family not in _FAMILIES:
-            raise ValueError(
+            raise DataError(
                 f"{where}: {self.model_dir} is a {self.family!r} model, not one of {_FAMILIES}"
             )
         if getattr(config, "audio_channels", 1) != 1:
-            raise ValueError(f"{where}: only mono codecs are supported")
+            raise DataError(f"{where}: only mono codecs are supported")
         self.model = AutoModel.from_pretrained(self.model_dir, local_files_only=True).eval()
         self.rate = int(config.sampling_rate)
         self.codebook_size = int(config.codebook_size)
         self.n_q = int(p["num_quantizers"])
         self.frame_rate = float(self._frame_rate(config))
         if spec.vocab_size != self.n_q * self.codebook_size:
-            raise ValueError(
+            raise DataError(
                 f"{where}: vocab_size {spec.vocab_size} must be num_quantizers × codebook_size "
                 f"= {self.n_q} × {self.codebook_size}"
             )
         tps = self.frame_rate * self.n_q
         if not math.isclose(float(p["tokens_per_second"]), tps, rel_tol=1e-6):
-            raise ValueError(
+            raise DataError(
                 f"{where}: params.tokens_per_second is {p['tokens_per_second']}, the model "
                 f"makes {tps:g} ({self.frame_rate:g} frames/s × {self.n_q} quantizers)"
             )
         self.tokens_per_second = tps
         if self.family == "encodec":
-            self._bandwidth()  # fail now if no target bandwidth gives n_q
+            self._bandwidth()  # fail at load if no target bandwidth gives n_q
 
     def _frame_rate(self, config: Any) -> float:
         if self.family == "encodec":
@@ -133,8 +126,8 @@ class CodecAudioTokenizer(Tokenizer):
         for b in bands:
             if max(1, math.floor(b / per_q + 1e-9)) == self.n_q:
                 return b
-        raise ValueError(
-            f"{self.spec.path or self.spec.name}: EnCodec {self.model_dir.name} has no "
+        raise DataError(
+            f"{self.spec.where}: EnCodec {self.model_dir.name} has no "
             f"bandwidth giving {self.n_q} quantizers (targets {bands} kbps, "
             f"{per_q:g} kbps each)"
         )

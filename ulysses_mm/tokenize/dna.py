@@ -47,18 +47,11 @@ from typing import IO, Any
 
 import numpy as np
 
+from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.base import (
-    DecodeError,
-    DocumentFramer,
-    ParamSchema,
-    TokenDocument,
-    Tokenizer,
-    TokenizerSpec,
-    check_choice,
-    local_ids,
-    spec_params,
-)
+from ulysses_mm.tokenize.base import DecodeError, TokenDocument, Tokenizer, TokenizerSpec
+from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
+from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
 
 BASES = "ACGTN"
 AMBIGUITY = "RYSWKMBDHV"  # IUPAC nucleotide ambiguity codes besides N
@@ -68,7 +61,7 @@ _SCHEMA: ParamSchema = {
     "case": ((str,), "keep"),
     "iupac": ((str,), "to_n"),
     "invalid": ((str,), "error"),
-    "format": ((str, type(None)), None),  # null: from the file name, else sniffed
+    "format": ((str, type(None)), None),  # null: any; else the sniffed format must be it
     "annotations": ((dict, type(None)), None),  # null, or {"spec": ..., "place": ...}
 }
 
@@ -195,8 +188,8 @@ class DnaTokenizer(Tokenizer):
         self.params: dict[str, Any] = p
         self.letters = alphabet(p["case"], p["iupac"])
         if spec.vocab_size != len(self.letters):
-            raise ValueError(
-                f"{spec.path or spec.name}: vocab_size {spec.vocab_size} does not match the "
+            raise DataError(
+                f"{spec.where}: vocab_size {spec.vocab_size} does not match the "
                 f"policy case={p['case']} iupac={p['iupac']}, which uses {len(self.letters)} "
                 f"ids ({self.letters})"
             )
@@ -211,20 +204,20 @@ class DnaTokenizer(Tokenizer):
         from ulysses_mm.tokenize.registry import load_tokenizer
         from ulysses_mm.tokenize.text import TextTokenizer
 
-        where = self.spec.path or self.spec.name
+        where = self.spec.where
         place = cfg.get("place", "document")
         if not set(cfg) <= {"spec", "place"} or not isinstance(cfg.get("spec"), str):
-            raise ValueError(
+            raise DataError(
                 f"{where}: param 'annotations' must be "
                 '{"spec": "<text spec>.json", "place": "document" or "prefix"}'
             )
         check_choice(self.spec, "annotations.place", place, ("document", "prefix"))
         path = Path(self.spec.path).parent / cfg["spec"] if self.spec.path else Path(cfg["spec"])
         if not path.is_file():
-            raise ValueError(f"{where}: text spec {cfg['spec']} not found (looked at {path})")
+            raise DataError(f"{where}: text spec {cfg['spec']} not found (looked at {path})")
         text = load_tokenizer(path)
         if not isinstance(text, TextTokenizer):
-            raise ValueError(f"{where}: {cfg['spec']} is not a text tokenizer spec")
+            raise DataError(f"{where}: {cfg['spec']} is not a text tokenizer spec")
         return text, place
 
     def companion_specs(self) -> list[TokenizerSpec]:
@@ -247,7 +240,7 @@ class DnaTokenizer(Tokenizer):
 
     def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
         source = str(path)
-        frame = DocumentFramer(space, self.modality)  # KeyError now if the space lacks dna
+        frame = DocumentFramer(space, self.modality)  # KeyError here if the space lacks dna
         if not Path(source).is_file():
             raise DecodeError(f"{source}: no such file")
         fmt = self.params["format"]

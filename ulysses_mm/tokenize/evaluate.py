@@ -9,7 +9,8 @@ Each file goes through the tokenizer's own reading path and back through its dec
   its tokens decode to: ``snr_db`` = 10·log10(Σ ref² / Σ (ref − dec)²).
 - video: the sampled, cropped frames against the frames the tokens decode to: ``psnr_db``
   over the whole file (mean squared error of every pixel, peak 255), the worst frame's,
-  tokens per frame and encode frames/s (VQ only, decoding the file not counted).
+  tokens per frame and encode frames/s (the kind's encoder only, decoding the file not
+  counted).
 
 A file that cannot be read is an entry with ``error`` (the one-line reason); the command
 then exits 1 after reporting the others.
@@ -26,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ulysses_mm.core.errors import ConfigError
 from ulysses_mm.tokenize.base import DecodeError, Tokenizer
 
 Entry = dict[str, Any]
@@ -44,6 +46,11 @@ def snr_db(ref: np.ndarray, dec: np.ndarray) -> float:
 
 def _psnr_from_mse(mse: float) -> float:
     return math.inf if mse == 0.0 else 10.0 * math.log10(255.0**2 / mse)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    """Peak signal-to-noise ratio in dB of two uint8 images/videos (peak 255)."""
+    return _psnr_from_mse(float(np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)))
 
 
 def eval_dna(tok: Any, path: str) -> Entry:
@@ -80,7 +87,7 @@ def eval_audio(tok: Any, path: str) -> Entry:
 
 
 def eval_video(tok: Any, path: str) -> Entry:
-    encode = tok.encoder()  # a clip's frames in order (a predictive kind keeps state)
+    encode = tok.encoder()  # a clip's frames in order (the kind may keep state across them)
     frames: list[np.ndarray] = []
     ids: list[np.ndarray] = []
     seconds = 0.0
@@ -126,7 +133,7 @@ def evaluate_file(tok: Tokenizer, path: str) -> Entry:
         return eval_video(tok, path)
     if hasattr(tok, "encode_waveform") and hasattr(tok, "decode_waveform"):
         return eval_audio(tok, path)
-    raise ValueError(f"tokenizer kind {tok.spec.kind!r} has no fidelity measure")
+    raise ConfigError(f"tokenizer kind {tok.spec.kind!r} has no fidelity measure")
 
 
 _KEY = {"dna": "exact", "audio": "snr_db", "video": "psnr_db"}

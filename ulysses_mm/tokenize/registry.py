@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ulysses_mm.core.errors import DataError
 from ulysses_mm.tokenize.base import Tokenizer, TokenizerSpec
 
 
@@ -44,7 +45,6 @@ _KINDS: dict[str, Kind] = {
         fallback_suffixes=(".mp4", ".webm", ".mkv", ".mov", ".m4v"),
     ),
     "video-vq": Kind("ulysses_mm.tokenize.video.vq:VqVideoTokenizer", _VIDEO),
-    "video-gsvq": Kind("ulysses_mm.tokenize.video.gainshape:GainShapeVideoTokenizer", _VIDEO),
     "video-h264": Kind("ulysses_mm.tokenize.video.h264:H264VideoTokenizer", _VIDEO),
     "text": Kind("ulysses_mm.tokenize.text:TextTokenizer", (".txt", ".jsonl")),
 }
@@ -84,7 +84,7 @@ def load_tokenizer(spec: TokenizerSpec | str | Path) -> Tokenizer:
     if not isinstance(spec, TokenizerSpec):
         spec = TokenizerSpec.load(spec)
     if spec.kind not in _KINDS:
-        raise ValueError(f"{spec.path}: unknown tokenizer kind {spec.kind!r}; known: {kinds()}")
+        raise DataError(f"{spec.where}: unknown tokenizer kind {spec.kind!r}; known: {kinds()}")
     module, _, name = _KINDS[spec.kind].target.partition(":")
     cls = getattr(importlib.import_module(module), name)
     return cls(spec)

@@ -23,17 +23,11 @@ from typing import Any
 
 import numpy as np
 
+from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.base import (
-    DecodeError,
-    DocumentFramer,
-    ParamSchema,
-    TokenDocument,
-    Tokenizer,
-    TokenizerSpec,
-    local_ids,
-    spec_params,
-)
+from ulysses_mm.tokenize.base import DecodeError, TokenDocument, Tokenizer, TokenizerSpec
+from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
+from ulysses_mm.tokenize.params import ParamSchema, spec_params
 
 _SCHEMA: ParamSchema = {
     "tokenizer": ((str,), None),  # required: a directory saved with save_pretrained
@@ -49,9 +43,9 @@ def tokenizer_dir(spec: TokenizerSpec, value: str) -> Path:
 
 
 def load_hf_tokenizer(path: Path, where: str) -> Any:
-    """``AutoTokenizer`` from a local directory only; ValueError naming it otherwise."""
+    """``AutoTokenizer`` from a local directory only; DataError naming it otherwise."""
     if not path.is_dir():
-        raise ValueError(
+        raise DataError(
             f"{where}: tokenizer directory {path} not found (a transformers tokenizer saved "
             "with save_pretrained; nothing is downloaded)"
         )
@@ -61,7 +55,7 @@ def load_hf_tokenizer(path: Path, where: str) -> Any:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{where}: cannot load the tokenizer in {path}: {first}") from None
+        raise DataError(f"{where}: cannot load the tokenizer in {path}: {first}") from None
 
 
 class TextTokenizer(Tokenizer):
@@ -70,14 +64,14 @@ class TextTokenizer(Tokenizer):
     def __init__(self, spec: TokenizerSpec) -> None:
         super().__init__(spec)
         p = spec_params(spec, _SCHEMA)
-        where = spec.path or spec.name
+        where = spec.where
         if p["tokenizer"] is None:
-            raise ValueError(f"{where}: param 'tokenizer' (a tokenizer directory) is required")
+            raise DataError(f"{where}: param 'tokenizer' (a tokenizer directory) is required")
         self.params: dict[str, Any] = p
         self.directory = tokenizer_dir(spec, p["tokenizer"])
         self.hf = load_hf_tokenizer(self.directory, where)
         if len(self.hf) > spec.vocab_size:
-            raise ValueError(
+            raise DataError(
                 f"{where}: the tokenizer in {self.directory} has {len(self.hf)} ids, more "
                 f"than vocab_size {spec.vocab_size}"
             )
@@ -118,7 +112,7 @@ class TextTokenizer(Tokenizer):
             yield f"{source}#{n}", value
 
     def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
-        frame = DocumentFramer(space, self.modality)  # KeyError now if the space lacks text
+        frame = DocumentFramer(space, self.modality)  # KeyError here if the space lacks text
         n = 0
         for key, text in self.texts(path):
             ids = self.encode_text(text)

@@ -12,9 +12,9 @@ Sampling rule, identical for both decoders: with t0 the first frame's presentati
 and ``end`` the end of the last frame, output frame k (k = 0, 1, … while t0 + k/fps < end)
 is the last frame whose presentation time is <= t0 + k/fps.
 
-Decoders run single-threaded: the pipeline parallelises across files. The VQ tokenizer
-built on these frames is :mod:`ulysses_mm.tokenize.video.vq`; ``tokenizer fit`` samples its
-training frames here too.
+Decoders run single-threaded: the pipeline parallelises across files. Every video kind
+samples its frames here (:mod:`ulysses_mm.tokenize.video.base`), and ``tokenizer fit``
+samples its training frames here too, so a codebook is fitted on what it will quantise.
 """
 
 from __future__ import annotations

@@ -1,22 +1,21 @@
 """kind ``video-h264``: video as the bytes of its H.264 bitstream, two bytes per id.
 
-The clip's sampled frames (the same sampling, resize and centre crop as every video kind:
-:mod:`ulysses_mm.tokenize.video.frames`) go through libx264 (PyAV's bundled encoder) with no
+The clip's sampled frames (sampling, document framing and audio interleaving:
+:mod:`ulysses_mm.tokenize.video.base`) go through libx264 (PyAV's bundled encoder) with no
 B-frames and no look-ahead (``tune=zerolatency``: one packet per frame, in display order),
 one thread (the bytes are a function of the frames and the params), average-bitrate rate
-control at ``tokens_per_frame`` ids a frame and a one-second VBV buffer (no frame bursts
-far above it; a keyframe every ``keyint`` frames costs a few times the average). Each
-frame's packet becomes ids: a byte pair ``(a, b)`` is id ``256·a + b``, an odd last byte
-``c`` is id ``65536 + c`` (vocab 65,792); then ``<eof>``. So a frame is a variable number
-of ids (its packet), ``tokens_per_frame`` on average.
+control at ``tokens_per_frame`` ids a frame and a VBV buffer of two seconds' bits (no
+frame bursts far above it; a keyframe every ``keyint`` frames costs several times the
+average). Each frame's packet becomes ids: a byte pair ``(a, b)`` is id ``256·a + b``, an
+odd last byte ``c`` is id ``65536 + c`` (vocab 65,792); then ``<eof>``. So a frame is a
+variable number of ids (its packet), ``tokens_per_frame`` on average.
 
-Motion compensation, intra prediction, transforms and entropy coding are what make H.264
-hold ≈ 30 dB at ~240 ids of 16 bits per 256×256 frame where a per-patch codebook of the
-same budget holds ≈ 25 (README, video tokenizers). The price: ids are entropy-coded bytes
-(language models do learn codec bytes — JPEG-LM, Han et al. 2024 — but a wrong id garbles
-the picture until the next keyframe). Decoding never fails on ids a model wrote: a frame
-the decoder rejects repeats the previous one (grey at the start), so every ``<eof>`` gives
-exactly one frame.
+Motion compensation, intra prediction, transforms and entropy coding let H.264 spend its
+ids where the picture needs them, which a per-patch code cannot (the README's video table
+compares the kinds). The price: ids are entropy-coded bytes (language models do learn
+codec bytes — JPEG-LM, Han et al. 2024 — but a wrong id garbles the picture until the next
+keyframe). Decoding never fails on ids a model wrote: a frame the decoder rejects repeats
+the previous one (grey at the start), so every ``<eof>`` gives exactly one frame.
 
 Local ids are ragged: one clip's ids are a 1-D array whose frames end at ``FRAME_END``
 (−1); unified ids put ``<eof>`` there.
@@ -30,16 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import EOF, TokenSpace
-from ulysses_mm.tokenize.base import (
-    ParamSchema,
-    Tokenizer,
-    TokenizerSpec,
-    check_choice,
-    spec_params,
-)
-from ulysses_mm.tokenize.video.frames import decord_or_none
-from ulysses_mm.tokenize.video.vq import VqVideoTokenizer
+from ulysses_mm.tokenize.base import TokenizerSpec
+from ulysses_mm.tokenize.params import ParamSchema, check_choice
+from ulysses_mm.tokenize.video.base import FRAME_PARAMS, VideoTokenizer
 
 FRAME_END = -1  # a frame's end in ragged local ids
 PAIRS = 1 << 16  # ids 0 .. 65535: byte pairs
@@ -47,12 +41,7 @@ VOCAB = PAIRS + 256  # then 65536 + c: a packet's odd last byte
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower")
 
 _SCHEMA: ParamSchema = {
-    "fps": ((int, float), 8.0),
-    "size": ((int,), 256),
-    "max_frames": ((int, type(None)), None),
-    "backend": ((str,), "auto"),
-    "audio": ((dict, type(None)), None),
-    "chunk_frames": ((int,), 8),
+    **FRAME_PARAMS,
     "tokens_per_frame": ((int,), 240),  # the rate control's average ids per frame
     "keyint": ((int,), 64),  # frames between keyframes
     "preset": ((str,), "medium"),  # libx264's speed/efficiency preset
@@ -81,45 +70,34 @@ def ids_packet(ids: np.ndarray) -> bytes:
     return out[keep].tobytes()
 
 
-class H264VideoTokenizer(VqVideoTokenizer):
+class H264VideoTokenizer(VideoTokenizer):
     """kind ``video-h264``: one document per clip; each frame's H.264 packet as ids, then
     ``<eof>`` (see the module docstring)."""
 
     schema: ParamSchema = _SCHEMA
 
-    def __init__(self, spec: TokenizerSpec) -> None:  # no codebook to load
-        Tokenizer.__init__(self, spec)
-        p = spec_params(spec, self.schema)
-        where = spec.path or spec.name
-        check_choice(spec, "backend", p["backend"], ("auto", "decord", "pyav"))
+    def __init__(self, spec: TokenizerSpec) -> None:
+        super().__init__(spec)
+        p = self.params
+        where = spec.where
         check_choice(spec, "preset", p["preset"], PRESETS)
-        if p["backend"] == "decord" and decord_or_none() is None:
-            raise ValueError(f"{where}: backend 'decord' asked for, but decord is not installed")
-        if not p["fps"] > 0:
-            raise ValueError(f"{where}: param 'fps' must be > 0")
         if p["size"] < 16 or p["size"] % 16:
-            raise ValueError(f"{where}: param 'size' must be a multiple of 16, got {p['size']}")
-        for key in ("tokens_per_frame", "keyint", "chunk_frames"):
+            raise DataError(f"{where}: param 'size' must be a multiple of 16, got {p['size']}")
+        for key in ("tokens_per_frame", "keyint"):
             if p[key] < 1:
-                raise ValueError(f"{where}: param {key!r} must be >= 1")
-        if p["max_frames"] is not None and p["max_frames"] < 1:
-            raise ValueError(f"{where}: param 'max_frames' must be >= 1 or null")
+                raise DataError(f"{where}: param {key!r} must be >= 1")
         if spec.vocab_size != VOCAB:
-            raise ValueError(f"{where}: a video-h264 spec has vocab_size {VOCAB}")
+            raise DataError(f"{where}: a video-h264 spec has vocab_size {VOCAB}")
         import av
 
         try:
             av.codec.Codec("libx264", "w")
         except (av.error.FFmpegError, ValueError) as e:  # UnknownCodecError: a ValueError
-            raise ValueError(
+            raise DataError(
                 f"{where}: this PyAV has no libx264 encoder ({type(e).__name__}); install "
                 "PyAV's wheel (pip install av), which bundles it"
             ) from None
-        self.params: dict[str, Any] = p
-        self.fps = float(p["fps"])
-        self.size = p["size"]
         self.tokens_per_frame = p["tokens_per_frame"]  # on average
-        self.audio = None if p["audio"] is None else self._load_audio(p["audio"])
 
     # ------------------------------------------------------------------ encode
     def _codec(self) -> Any:
@@ -168,10 +146,6 @@ class H264VideoTokenizer(VqVideoTokenizer):
 
         return encode
 
-    def encode_frames(self, frames: np.ndarray) -> np.ndarray:
-        """[t, size, size, 3] uint8 -> ragged local ids (one clip: the encoder's state)."""
-        return self.encoder()(frames)
-
     def frame_rows(self, ids: np.ndarray, start: int) -> list[np.ndarray]:
         """Ragged local ids as unified ids, one array per frame: its packet, then ``<eof>``."""
         ends = ids == FRAME_END
@@ -211,10 +185,8 @@ class H264VideoTokenizer(VqVideoTokenizer):
         """(ragged video local ids, audio local ids [n]) of one clip's unified ids: video ids
         and ``<eof>`` in order (ids after the last ``<eof>`` are an unfinished frame and
         dropped); other specials dropped; audio ids only if this spec interleaves audio."""
-        t, is_video, audio = self.classify(tokens, space)
-        vr = space.range(self.modality)
-        seq = t[is_video | (t == EOF)]
+        seq, audio = self.video_run(tokens, space)
         eofs = np.flatnonzero(seq == EOF)
         seq = seq[: eofs[-1] + 1] if eofs.size else seq[:0]
-        video = np.where(seq == EOF, FRAME_END, seq - vr.start)
+        video = np.where(seq == EOF, FRAME_END, seq - space.range(self.modality).start)
         return video, audio
