@@ -16,6 +16,7 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
+from conftest import require_fixture
 from pipeline_fakes import KINDS, VIDEO, expected_documents, make_inputs, write_pipeline, write_spec
 
 from ulysses_mm.config import PipelineConfig
@@ -351,8 +352,7 @@ def _specs_present(pipeline: Path) -> bool:
 @pytest.mark.parametrize("name", ["dna", "audio", "video", "mixed"])
 def test_shipped_pipeline_runs_on_the_sample_data(name, tmp_path):
     pipeline = REPO / "pipelines" / f"{name}.yaml"
-    if not _specs_present(pipeline):
-        pytest.skip("tokenizer specs or tests/data sample files not in this checkout")
+    require_fixture(_specs_present(pipeline), f"the specs and sample files of {pipeline.name}")
     result = prepare(
         load_pipeline_config(
             pipeline, [f"output={tmp_path / 'out'}", "pack.seq_len=65536", "workers=2"]
@@ -366,8 +366,10 @@ def test_shipped_pipeline_runs_on_the_sample_data(name, tmp_path):
 def test_dna_pipeline_on_the_shared_data(tmp_path):
     pipeline = REPO / "pipelines" / "dna.yaml"
     cfg = load_pipeline_config(pipeline)
-    if not SHARED_DATA.is_dir() or not all(Path(t).is_file() for t in cfg.tokenizers):
-        pytest.skip("shared data or the DNA tokenizer spec not present")
+    require_fixture(
+        SHARED_DATA.is_dir() and all(Path(t).is_file() for t in cfg.tokenizers),
+        f"{SHARED_DATA} or the DNA tokenizer spec",
+    )
     sources = json.dumps([str(SHARED_DATA / "*.{fa,fa.gz,fastq,fastq.gz,gb}")])
     result = prepare(
         load_pipeline_config(
@@ -383,8 +385,7 @@ def test_every_shared_file_goes_through_prepare(tmp_path):
     each file is tokenised, or skipped with a reason that is true."""
     pipeline = REPO / "pipelines" / "mixed.yaml"
     av = REPO / "tokenizers" / "video-vq-av.json"
-    if not SHARED_DATA.is_dir() or not av.is_file():
-        pytest.skip("shared data or the video+audio tokenizer spec not present")
+    require_fixture(SHARED_DATA.is_dir() and av.is_file(), f"{SHARED_DATA} or {av.name}")
     files = sorted(p for p in SHARED_DATA.iterdir() if p.is_file())
     tokenizers = json.dumps(
         [

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import require_fixture
 from media_factory import SHARED_DATA, TOKENIZERS
 
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
@@ -105,14 +106,13 @@ def _jobs() -> list[tuple[str, Path]]:
     return jobs
 
 
-@pytest.mark.skipif(not SHARED, reason="shared real-data folder not present")
 def test_real_files_are_known() -> None:
     """Every real file is routed to some tokenizer (so the test below misses none)."""
+    require_fixture(bool(SHARED), f"the shared real-data folder {SHARED_DATA}")
     routed = {p for _, p in _jobs()}
     assert [p.name for p in SHARED if p not in routed] == ["MANIFEST.md"]
 
 
-@pytest.mark.skipif(not SHARED, reason="shared real-data folder not present")
 @pytest.mark.parametrize(("modality", "path"), _jobs(), ids=[f"{m}-{p.name}" for m, p in _jobs()])
 def test_every_real_file(tokenizers: dict, modality: str, path: Path) -> None:
     tok = tokenizers[modality]
