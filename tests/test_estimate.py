@@ -35,9 +35,9 @@ from ulysses_mm.tools.estimate import (
     MAX_GRANULARITY,
     GiB,
     estimate,
-    layout_for,
     max_seq_len,
     model_shape,
+    step_shape,
     token_space,
 )
 from ulysses_mm.tools.measure import measure_worker, run_space
@@ -217,17 +217,17 @@ def test_ready_made_shapes():
         assert cfg.deepspeed.precision == "bf16" and cfg.model.activation_checkpointing
 
 
-def test_layout_defaults_and_refusals():
+def test_step_shape_defaults_and_refusals():
     cfg = load_config(RunConfig, CONFIGS / "llama3-8b.yaml")
-    assert layout_for(cfg, 8192, None, None).sp == 8  # parallel.sp
-    lay = layout_for(cfg, 8192, 16, None)
+    assert step_shape(cfg, 8192, None, None).sp == 8  # parallel.sp
+    lay = step_shape(cfg, 8192, 16, None)
     assert (lay.sp, lay.dp) == (16, 1)  # --gpus alone: one SP group over all of them
-    lay = layout_for(cfg, 8192, 16, 8)
+    lay = step_shape(cfg, 8192, 16, 8)
     assert (lay.sp, lay.dp, lay.tokens) == (8, 2, 1024)
     with pytest.raises(ValueError, match=r"sp=3 .* sp sizes that do: \[1, 2, 4, 8\]"):
-        layout_for(cfg, 8192, 8, 3)
+        step_shape(cfg, 8192, 8, 3)
     with pytest.raises(ValueError, match="sp=8 does not divide the sequence of 1001 tokens"):
-        layout_for(cfg, 1001, 8, None)
+        step_shape(cfg, 1001, 8, None)
 
 
 def test_more_gpus_and_checkpointing_and_zero_lower_the_per_gpu_figure():
@@ -282,7 +282,7 @@ def test_max_seq_len_is_the_longest_that_fits():
     g = 8 * MAX_GRANULARITY
     assert 0 < n24 < n80 and n24 % g == 0 and n80 % g == 0
     for n, e, mem in ((n24, e24, 24), (n80, e80, 80)):
-        assert e.fits and e.layout.seq_len == n and e.total <= mem * GiB
+        assert e.fits and e.step.seq_len == n and e.total <= mem * GiB
         assert not estimate(cfg, n + g, gpus=8, gpu_mem_gib=mem).fits
     # nothing fits when the states alone exceed the GPU
     n, e = max_seq_len(cfg, 4, gpus=8)
@@ -353,9 +353,9 @@ def test_gradient_accumulation_keeps_gradients_through_the_next_micro_step():
 
 
 def test_ring_is_estimated_with_its_bytes(capsys):
-    """parallel.ring = R is estimated (no longer refused): the ring's bytes per rank per
-    layer are ring_theory_bytes, the all-to-all's verify's theory over U = sp / R, and
-    the figures reach the text and the JSON."""
+    """parallel.ring = R is estimated: the ring's bytes per rank per layer are
+    ring_theory_bytes, the all-to-all's verify's theory over U = sp / R, and the figures
+    reach the text and the JSON."""
     from ulysses_mm.parallel.ring import ring_theory_bytes
     from ulysses_mm.tools.verify import VerifyOptions, theory_bytes_per_layer
 
@@ -363,7 +363,7 @@ def test_ring_is_estimated_with_its_bytes(capsys):
     for ring in (2, 4, 8):
         cfg = load_config(RunConfig, CONFIGS / "llama3-8b.yaml", [f"parallel.ring={ring}"])
         est = estimate(cfg, n, gpus=16)
-        lay, sent = est.layout, est.sent_per_layer
+        lay, sent = est.step, est.sent_per_layer
         # a GPU in bf16 runs the ring's blocks as flash-attn varlen calls
         assert (lay.sp, lay.ring, lay.ulysses) == (16, ring, 16 // ring)
         assert est.kernel == "ring_flash"
@@ -392,7 +392,7 @@ def test_ring_is_estimated_with_its_bytes(capsys):
     # the pure ring (U = 1) moves no all-to-all bytes and needs no heads to divide sp
     cfg = load_config(RunConfig, CONFIGS / "debug-tiny.yaml", ["parallel.sp=8", "parallel.ring=8"])
     est = estimate(cfg, 4096, gpus=8)
-    assert est.layout.ulysses == 1 and est.sent_per_layer["all_to_all_forward"] == 0
+    assert est.step.ulysses == 1 and est.sent_per_layer["all_to_all_forward"] == 0
     assert est.sent_per_layer["ring_forward"] > 0
 
     tiny = str(CONFIGS / "debug-tiny.yaml")

@@ -401,7 +401,7 @@ def test_runtime_reserve_counts_nccl_per_communicator():
     assert 0.5 <= per <= 1.6
     for gpus, sp, comms in ((1, 1, 0), (8, 8, 2), (8, 2, 3), (8, 1, 2), (16, 8, 3)):
         e = estimate(cfg, 8 * 8192, gpus=gpus, sp=sp)
-        assert e.layout.communicators == comms
+        assert e.step.communicators == comms
         assert e.reserve == int((CONTEXT_RESERVE_GIB + per * comms) * GiB)
         assert e.total == e.peak + e.headroom + e.reserve
     # per-communicator figure as an option; a flat reserve replaces the computed one

@@ -16,7 +16,6 @@ from torch.testing import assert_close
 
 from ulysses_mm.loader.synthetic import packed_doc_ids
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
-from ulysses_mm.parallel import ring as ring_mod
 from ulysses_mm.parallel.ring import (
     FlashTiles,
     RingPlan,
@@ -24,6 +23,7 @@ from ulysses_mm.parallel.ring import (
     block_forward,
     merge,
 )
+from ulysses_mm.parallel.ring import kernels as ring_kernels
 from ulysses_mm.parallel.slice import _allowed
 
 
@@ -164,7 +164,7 @@ def _bwd_26(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlen
 @pytest.mark.parametrize(("version", "max_docs"), [("2.6", 65_535), ("2.7", 65_535), ("2.7", 2)])
 def test_flash_path_matches_the_torch_kernel(monkeypatch, version, max_docs):
     # max_docs: flash-attn takes at most 65,535 segments per call; 2 cuts every call
-    monkeypatch.setattr(ring_mod, "FLASH_MAX_DOCS", max_docs)
+    monkeypatch.setattr(ring_kernels, "FLASH_MAX_DOCS", max_docs)
     fwd, bwd = (_fwd_26, _bwd_26) if version == "2.6" else (_fwd_27, _bwd_27)
     pkg = types.ModuleType("flash_attn")
     mod = types.ModuleType("flash_attn.flash_attn_interface")

@@ -1,0 +1,174 @@
+"""What an estimate is for: the model's dimensions, the token space, and the step's sizes.
+
+:class:`StepShape` is the process layout a :class:`~ulysses_mm.parallel.mesh.Mesh` would
+have (dp × sp, sp = U × ring) reduced to sizes, with the batch one rank holds: the
+estimate needs no ranks or groups, only how many tokens and heads each rank gets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ulysses_mm.config import RunConfig
+from ulysses_mm.core.layout import LayoutError, check_layout, expanded_kv_heads
+from ulysses_mm.core.tokenspace import TokenSpace
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Dimensions and parameter counts of :class:`ulysses_mm.model.MultimodalLM`."""
+
+    hidden: int
+    inter: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    specials: int
+    vocab: int  # the whole token space: embedding rows, and all heads' rows together
+    widest_head: int  # specials + the largest modality vocabulary
+    qk_norm: bool = False  # q/k RMSNorm weights, head_dim each (Qwen3)
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def kv_expanded(self, ulysses: int) -> int:
+        """kv heads after Ulysses replication over ``ulysses`` ranks (see parallel.ulysses)."""
+        return expanded_kv_heads(self.heads, self.kv_heads, ulysses)
+
+    def _layer_tensors(self) -> list[int]:
+        d, q, k, i = self.hidden, self.q_width, self.kv_width, self.inter
+        extra = [self.head_dim, self.head_dim] if self.qk_norm else []
+        extra += [q, k, k] if self.attention_bias else []
+        return [d * q, d * k, d * k, q * d, d * i, d * i, i * d, d, d, *extra]
+
+    @property
+    def layer_params(self) -> int:
+        return sum(self._layer_tensors())
+
+    @property
+    def head_params(self) -> int:
+        """Every modality head + the shared specials head + the final norm."""
+        return self.vocab * self.hidden + self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.vocab * self.hidden + self.layers * self.layer_params + self.head_params
+
+    @property
+    def largest_param(self) -> int:
+        return max([self.vocab * self.hidden, *self._layer_tensors()])
+
+    def small_params(self, threshold: int, modality_sizes: list[int]) -> int:
+        """Parameters in tensors of at most ``threshold`` elements (ZeRO-3 keeps those
+        whole on every rank: stage3_param_persistence_threshold)."""
+        sizes = [self.vocab * self.hidden, self.hidden, self.specials * self.hidden]
+        sizes += [v * self.hidden for v in modality_sizes]
+        small = sum(s for s in sizes if s <= threshold)
+        return small + self.layers * sum(s for s in self._layer_tensors() if s <= threshold)
+
+
+def model_shape(cfg: RunConfig, space: TokenSpace) -> ModelShape:
+    m = cfg.model
+    assert m.head_dim is not None
+    return ModelShape(
+        hidden=m.hidden_size,
+        inter=m.intermediate_size,
+        layers=m.num_hidden_layers,
+        heads=m.num_attention_heads,
+        kv_heads=m.num_key_value_heads,
+        head_dim=m.head_dim,
+        specials=space.num_specials,
+        vocab=space.vocab_size,
+        widest_head=space.num_specials + max(r.size for r in space.ranges),
+        qk_norm=m.qk_norm,
+        attention_bias=m.attention_bias,
+    )
+
+
+def token_space(cfg: RunConfig, manifest: str | None = None) -> tuple[TokenSpace, str]:
+    """The token space the run trains on and where it comes from: ``model.modalities``,
+    else the manifest given, else the shipped tokenizer specs' space."""
+    if cfg.model.modalities:
+        return TokenSpace.from_vocab(cfg.model.modalities), "model.modalities"
+    if manifest:
+        from ulysses_mm.shards.manifest import Manifest
+
+        return Manifest.load(manifest, cfg.data.storage_options).token_space, manifest
+    from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES
+
+    return TokenSpace.from_vocab(DEFAULT_MODALITIES), "the shipped tokenizer specs"
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The sizes of one training step: ``gpus`` ranks = dp × sp (sp = U × ``ring``), each
+    holding ``micro_batch`` samples' N/sp tokens of ``seq_len`` = N. The dp, sp and ring of
+    a :class:`~ulysses_mm.parallel.mesh.Mesh`, as counts only."""
+
+    gpus: int
+    sp: int
+    seq_len: int
+    micro_batch: int
+    ring: int = 1  # R: sp = U × R, Ulysses over U ranks, ring attention across R groups
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.sp
+
+    @property
+    def ulysses(self) -> int:
+        """U = sp / R: the ranks of one all-to-all."""
+        return self.sp // self.ring
+
+    @property
+    def tokens(self) -> int:
+        """T: the tokens one rank holds outside attention, b · N/sp."""
+        return self.micro_batch * (self.seq_len // self.sp)
+
+    @property
+    def full_tokens(self) -> int:
+        return self.micro_batch * self.seq_len
+
+    @property
+    def communicators(self) -> int:
+        """NCCL communicators one rank is in: the world and its SP and DP groups, each
+        when it has more than one rank, and with a ring its Ulysses group (U > 1) and its
+        ring (ulysses_mm.parallel.Mesh.build)."""
+        groups = [self.gpus, self.sp, self.dp]
+        if self.ring > 1:
+            groups += [self.ulysses, self.ring]
+        return sum(n > 1 for n in groups)
+
+
+def step_shape(cfg: RunConfig, seq_len: int, gpus: int | None, sp: int | None) -> StepShape:
+    """``gpus`` defaults to parallel.sp × parallel.dp; ``sp`` to ``gpus`` when gpus is
+    given (the longest context puts every GPU in one sequence-parallel group), else to
+    parallel.sp. The ring is parallel.ring (sp = U × R). Shapes Ulysses × ring cannot run
+    are refused with what would work."""
+    p = cfg.parallel
+    if gpus is None:
+        sp = sp or p.sp
+        gpus = sp * (p.dp or 1)
+    elif sp is None:
+        sp = gpus
+    if gpus < 1:
+        raise LayoutError(f"need at least one GPU, got {gpus}")
+    m = cfg.model
+    check_layout(
+        sp,
+        world=gpus,
+        num_heads=m.num_attention_heads,
+        num_kv_heads=m.num_key_value_heads,
+        seq_len=seq_len,
+        ring=p.ring,
+    )
+    return StepShape(
+        gpus=gpus, sp=sp, seq_len=seq_len, micro_batch=cfg.data.micro_batch_size, ring=p.ring
+    )
