@@ -51,7 +51,7 @@ import numpy as np
 
 from ulysses_mm.loader.mixing import mix_error
 from ulysses_mm.loader.node_cache import NodeCache
-from ulysses_mm.loader.stream import ShardStream
+from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
@@ -102,14 +102,6 @@ def make_mixed(root: Path, seq_len: int) -> Manifest:
     return _prepare(root, "mixed", files, seq_len)
 
 
-def manifest_counts(st: ShardStream) -> list[int]:
-    """Samples drawn from each manifest (its modality sources together)."""
-    out = [0] * len(st.manifests)
-    for source, c in zip(st.sources, st.counts):
-        out[source.m] += int(c)
-    return out
-
-
 class _Slow(http.server.SimpleHTTPRequestHandler):
     delay_s: ClassVar[float] = 0.0
     sent: ClassVar[list[int]] = [0]
@@ -131,18 +123,9 @@ def run_node(
 ) -> dict[str, float]:
     """``ranks`` loaders (dp 2 × sp ranks/2) sharing one cache, ``steps`` steps each."""
     dp = 2 if ranks % 2 == 0 else 1
+    options = StreamOptions(seed=3, shuffle_buffer=8, timeouts=(5.0, 30.0), prefetch_bytes=8 << 20)
     streams = [
-        ShardStream(
-            sources,
-            dp_rank=r % dp,
-            dp=dp,
-            micro_batch=1,
-            seed=3,
-            shuffle_buffer=8,
-            timeouts=(5.0, 30.0),
-            cache=NodeCache(cache_dir, 1 << 30),
-            prefetch_bytes=8 << 20,
-        )
+        ShardStream(sources, r % dp, dp, 1, options, NodeCache(cache_dir, 1 << 30))
         for r in range(ranks)
     ]
     errors: list[BaseException] = []
@@ -171,8 +154,8 @@ def run_node(
     # those prefetched for the steps after the last (in the cache, by content)
     read = set()
     for st in streams:
-        src, idx, *_ = st._span(0, 0, np.zeros_like(st.counts), st.position)
-        for s, source in enumerate(st.sources):
+        src, idx, _ = st.order.span(st.order.start(), st.cursor.position)
+        for s, source in enumerate(st.order.sources):
             read |= {(source.m, int(sh)) for sh in source.shards_of(idx[src == s])}
     size = {e.sha256: e.bytes for m, *_ in sources for e in m.shards}
     read_bytes = sum(size[sources[m][0].shards[sh].sha256] for m, sh in read)
@@ -184,15 +167,16 @@ def run_node(
     loaded = sum(
         st._prefetch.loaded_s - first[id(st)][1] for st in streams if st._prefetch is not None
     )
+    first_rank = streams[0]
     return {
         "shard_bytes": sum(size[h] for h in distinct),
         "read_bytes": read_bytes,
         "downloaded": sum(st.cache.fetched_bytes for st in streams if st.cache is not None),
         "hidden": 1.0 - waited / loaded if loaded else 1.0,
         "cold_s": cold,
-        "mix_error": mix_error(manifest_counts(streams[0]), WEIGHTS),
-        "modality_error": streams[0].modality_mix_error(),
-        "samples": int(streams[0].counts.sum()),
+        "mix_error": mix_error(first_rank.tally.manifest_counts(first_rank.cursor.counts), WEIGHTS),
+        "modality_error": first_rank.tally.modality_mix_error(),
+        "samples": int(first_rank.cursor.counts.sum()),
     }
 
 
@@ -255,7 +239,9 @@ def bench_s3(sources, args, root: Path) -> dict[str, float] | None:
 
 
 def loader_alone(sources, seq_len: int, samples: int) -> float:
-    st = ShardStream(sources, 0, 1, 8, seed=3, shuffle_buffer=8, prefetch_bytes=8 << 20)
+    st = ShardStream(
+        sources, 0, 1, 8, StreamOptions(seed=3, shuffle_buffer=8, prefetch_bytes=8 << 20)
+    )
     st.next_batch()  # warm
     t0 = time.perf_counter()
     for _ in range(samples // 8):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.train import checkpoint
 
@@ -68,8 +69,11 @@ def test_old_checkpoints_are_pruned(tmp_path):
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint to resume from"):
+    with pytest.raises(DataError, match="no checkpoint to resume from"):
         checkpoint.load(FakeEngine(), tmp_path)
     (tmp_path / "latest").write_text("step_00000099\n")
-    with pytest.raises(FileNotFoundError, match="names step_00000099, which does not exist"):
+    with pytest.raises(DataError, match="names step_00000099, which does not exist"):
+        checkpoint.latest_tag(tmp_path)
+    (tmp_path / "latest").write_text("\n")
+    with pytest.raises(DataError, match=rf"{tmp_path / 'latest'} is empty"):
         checkpoint.latest_tag(tmp_path)

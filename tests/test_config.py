@@ -77,6 +77,84 @@ def test_cross_field_checks():
         load_config(RunConfig, None, ["parallel.sp=0"])
 
 
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.hidden_size=0", r"model.hidden_size must be >= 1, got 0"),
+        ("model.intermediate_size=0", r"model.intermediate_size must be >= 1, got 0"),
+        ("model.num_hidden_layers=0", r"model.num_hidden_layers must be >= 1, got 0"),
+        ("model.num_attention_heads=0", r"model.num_attention_heads must be >= 1, got 0"),
+        ("model.num_key_value_heads=0", r"model.num_key_value_heads must be >= 1, got 0"),
+        ("model.max_position_embeddings=0", r"model.max_position_embeddings must be >= 1"),
+        ("model.head_dim=0", r"model.head_dim must be >= 1, got 0"),
+        ("model.rms_norm_eps=0", r"model.rms_norm_eps must be > 0, got 0.0"),
+        ("model.rope_theta=-1", r"model.rope_theta must be > 0, got -1.0"),
+        ("model.initializer_range=-0.1", r"model.initializer_range must be >= 0"),
+        ("model.loss_weights={dna: -1}", r"model.loss_weights.dna must be >= 0, got -1.0"),
+        ("model.loss_weights={dna: .nan}", r"model.loss_weights.dna must be >= 0, got nan"),
+        ("parallel.timeout_s=0", r"parallel.timeout_s must be >= 1, got 0"),
+        ("data.train={a.json: 0}", r"data.train: the weight of a.json is 0.0; give a positive"),
+        ("data.train={a.json: .inf}", r"data.train: the weight of a.json is inf; give a positive"),
+        (
+            "data.train={a.json: {modalities: {dna: -1}}}",
+            r"data.train: a.json: the weight of dna is -1.0; give a positive one",
+        ),
+        ("data.seq_len=-1", r"data.seq_len must be >= 0, got -1"),
+        ("data.micro_batch_size=0", r"data.micro_batch_size must be >= 1, got 0"),
+        ("data.seed=-1", r"data.seed must be within 0 .. 2\*\*63 - 1, got -1"),
+        ("data.shuffle_buffer=-1", r"data.shuffle_buffer must be >= 0, got -1"),
+        ("data.retries=-1", r"data.retries must be >= 0, got -1"),
+        ("data.retry_backoff_s=-1", r"data.retry_backoff_s must be >= 0, got -1.0"),
+        ("data.prefetch_bytes=-1", r"data.prefetch_bytes must be >= 0, got -1"),
+        ("data.cache_bytes=-1", r"data.cache_bytes must be >= 0, got -1"),
+        ("data.connect_timeout_s=0", r"data.connect_timeout_s=0.0: give a positive number"),
+        ("data.read_timeout_s=-2", r"data.read_timeout_s=-2.0: give a positive number"),
+        ("deepspeed.gradient_accumulation_steps=0", r"gradient_accumulation_steps must be >= 1"),
+        ("deepspeed.gradient_clipping=-1", r"deepspeed.gradient_clipping must be >= 0"),
+        ("deepspeed.offload_param=cpu", r"deepspeed.offload_param needs deepspeed.zero_stage=3"),
+        ("deepspeed.extra={scheduler: {type: WarmupLR}}", r"both set the LR schedule"),
+        ("deepspeed.optimizer.lr=-1", r"deepspeed.optimizer.lr must be >= 0, got -1.0"),
+        ("deepspeed.optimizer.eps=0", r"deepspeed.optimizer.eps must be > 0, got 0.0"),
+        ("deepspeed.optimizer.weight_decay=-1", r"deepspeed.optimizer.weight_decay must be >= 0"),
+        ("deepspeed.optimizer.betas=[0.9]", r"deepspeed.optimizer.betas must be two numbers"),
+        ("deepspeed.optimizer.betas=[0.9, 1]", r"deepspeed.optimizer.betas must be two numbers"),
+        ("deepspeed.scheduler.warmup_steps=-1", r"deepspeed.scheduler.warmup_steps must be >= 0"),
+        ("deepspeed.scheduler.min_lr_ratio=2", r"deepspeed.scheduler.min_lr_ratio must be within"),
+        ("train.steps=0", r"train.steps must be >= 1, got 0"),
+        ("train.log_every=0", r"train.log_every must be >= 1, got 0"),
+        ("train.eval_batches=0", r"train.eval_batches must be >= 1, got 0"),
+        ("train.eval_every=-1", r"train.eval_every must be >= 0, got -1"),
+        ("train.checkpoint_every=-1", r"train.checkpoint_every must be >= 0, got -1"),
+        ("train.keep_checkpoints=-1", r"train.keep_checkpoints must be >= 0, got -1"),
+        ("train.peak_tflops=-1", r"train.peak_tflops must be >= 0, got -1.0"),
+        ("train.seed=-1", r"train.seed must be within 0 .. 2\*\*63 - 1, got -1"),
+        (f"train.seed={2**63}", rf"train.seed must be within 0 .. 2\*\*63 - 1, got {2**63}"),
+    ],
+)
+def test_values_are_checked_when_the_config_is_built(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RunConfig, None, [override])
+
+
+def test_the_edges_of_the_ranges_are_accepted():
+    cfg = load_config(
+        RunConfig,
+        None,
+        [
+            "data.retries=0",
+            "data.shuffle_buffer=0",
+            "data.prefetch_bytes=0",
+            f"data.seed={2**63 - 1}",
+            "train.seed=0",
+            "train.steps=1",
+            "train.checkpoint_every=0",
+            "model.loss_weights={dna: 0}",
+            "deepspeed.scheduler.min_lr_ratio=1",
+        ],
+    )
+    assert cfg.data.seed == 2**63 - 1 and cfg.data.timeouts == (10.0, 60.0)
+
+
 def test_float_accepts_int_and_roundtrip():
     cfg = load_config(RunConfig, None, ["deepspeed.optimizer.lr=1", "model.loss_weights={dna: 2}"])
     assert cfg.deepspeed.optimizer.lr == 1.0 and isinstance(cfg.deepspeed.optimizer.lr, float)
@@ -93,7 +171,7 @@ def test_overrides_parse_yaml_values():
 
 
 def test_an_override_that_is_not_yaml_is_one_config_error():
-    # a shell glob with braces inside a flow list used to end in a yaml ParserError traceback
+    # a shell glob with braces inside a flow list: one line, not a yaml ParserError traceback
     with pytest.raises(
         ConfigError, match=r"override 'sources=\[a/\*\.\{mp4,webm\}\]': the value is not YAML"
     ):

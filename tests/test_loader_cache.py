@@ -18,7 +18,7 @@ from conftest import serve_dir
 from train_data import prepare_dna
 
 from ulysses_mm.loader.node_cache import NodeCache
-from ulysses_mm.loader.stream import ShardStream
+from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.shards.manifest import Manifest
 
 
@@ -71,7 +71,9 @@ def test_ranks_of_a_node_download_each_shard_once(server, tmp_path):
     def rank(r: int) -> None:
         try:
             cache = NodeCache(tmp_path / "node", max_bytes=1 << 30)
-            st = ShardStream(server, 0, 1, 1, seed=1, cache=cache)  # all ranks: same samples
+            st = ShardStream(
+                server, 0, 1, 1, StreamOptions(seed=1), cache=cache
+            )  # all ranks: same samples
             results[r] = [st.next_batch()[0].tokens.tobytes() for _ in range(server.num_samples)]
         except Exception as e:  # surfaced below
             errors.append(e)
@@ -100,7 +102,9 @@ def test_on_s3_the_server_sends_each_shard_once_per_node(dataset, s3_counted, tm
     def rank(r: int) -> None:
         try:
             cache = NodeCache(tmp_path / "node", max_bytes=1 << 30)
-            st = ShardStream(remote, r % 2, 2, 1, seed=1, cache=cache, timeouts=(5.0, 30.0))
+            st = ShardStream(
+                remote, r % 2, 2, 1, StreamOptions(seed=1, timeouts=(5.0, 30.0)), cache=cache
+            )
             for _ in range(remote.num_samples // 2):
                 st.next_batch()
         except Exception as e:  # surfaced below
@@ -153,7 +157,7 @@ def test_the_cache_evicts_least_recently_used_and_refetches_damage(tmp_path):
 def test_prefetch_hides_downloads_behind_steps(server):
     _Handler.delay_s = 0.15  # each shard takes 0.15 s; its 4 samples train for 0.2 s
     budget = 2 * max(s.bytes for s in server.shards)
-    st = ShardStream(server, 0, 1, 1, shuffle=False, prefetch_bytes=budget)
+    st = ShardStream(server, 0, 1, 1, StreamOptions(shuffle=False, prefetch_bytes=budget))
     n = server.num_samples
     for _ in range(n):
         st.next_batch()
@@ -165,7 +169,7 @@ def test_prefetch_hides_downloads_behind_steps(server):
     fetch_s = len(server.shards) * _Handler.delay_s
     # only the first shard is waited for in full
     assert st.waited_s < _Handler.delay_s + 0.25 * fetch_s, (st.waited_s, fetch_s)
-    cold = ShardStream(server, 0, 1, 1, shuffle=False)
+    cold = ShardStream(server, 0, 1, 1, StreamOptions(shuffle=False))
     t0 = time.perf_counter()
     for _ in range(n):
         cold.next_batch()

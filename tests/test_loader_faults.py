@@ -17,7 +17,7 @@ from conftest import REPO, serve_dir
 from train_data import prepare_dna
 
 from ulysses_mm.core.format import ShardFormatError
-from ulysses_mm.loader.stream import ShardStream
+from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.shards.manifest import Manifest, ManifestError, ShardEntry, ShardIntegrityError
 
 
@@ -46,7 +46,7 @@ def _moved(m: Manifest, base: str, **opts) -> Manifest:
 
 
 CONNECT_S, READ_S, RETRIES, BACKOFF_S = 0.3, 0.5, 2, 0.05
-# the bound prefetch.py states: retries·(connect + read) + backoff·(2^(retries−1) − 1)
+# the bound fetch.py states: retries·(connect + read) + backoff·(2^(retries−1) − 1)
 BOUND_S = RETRIES * (CONNECT_S + READ_S) + BACKOFF_S * (2 ** (RETRIES - 1) - 1)
 
 
@@ -56,10 +56,9 @@ def _stalled_read(m: Manifest) -> tuple[str, float]:
         0,
         1,
         1,
-        shuffle=False,
-        retries=RETRIES,
-        backoff_s=BACKOFF_S,
-        timeouts=(CONNECT_S, READ_S),
+        StreamOptions(
+            shuffle=False, retries=RETRIES, backoff_s=BACKOFF_S, timeouts=(CONNECT_S, READ_S)
+        ),
     )
     t0 = time.monotonic()
     with pytest.raises(OSError) as info:
@@ -77,8 +76,8 @@ def test_a_stalled_http_server_ends_in_one_line_within_the_bound(dataset, stalle
 
 
 def test_a_stalled_server_holding_the_manifest_is_one_line_not_a_hang(tmp_path, stalled_server):
-    """The parent reads the manifest before any process starts: with the run's timeouts
-    (it used to wait for as long as the server held the connection)."""
+    """The parent reads the manifest before any process starts: with the run's timeouts,
+    not for as long as the server holds the connection."""
     from ulysses_mm.cli import main
 
     url = f"http://127.0.0.1:{stalled_server}/ds/manifest.json"
@@ -142,7 +141,9 @@ def test_a_sha256_mismatch_is_one_data_error_line_and_not_retried(dataset, http_
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # same size, other bytes
     shard.write_bytes(bytes(data))
-    st = ShardStream(_moved(dataset, base), 0, 1, 1, shuffle=False, retries=5, backoff_s=0.01)
+    st = ShardStream(
+        _moved(dataset, base), 0, 1, 1, StreamOptions(shuffle=False, retries=5, backoff_s=0.01)
+    )
     with pytest.raises(ShardIntegrityError) as info:
         st.next_batch()
     message = str(info.value)
@@ -167,7 +168,7 @@ def test_a_broken_tar_with_a_matching_sha256_is_one_line_naming_the_shard(
     )
     shards: list[ShardEntry] = [entry, *dataset.shards[1:]]
     m = dataclasses.replace(dataset, shards=shards)
-    st = ShardStream(m, 0, 1, 1, shuffle=False)
+    st = ShardStream(m, 0, 1, 1, StreamOptions(shuffle=False))
     with pytest.raises(ShardFormatError) as info:
         st.next_batch()
     message = str(info.value)

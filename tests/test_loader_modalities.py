@@ -24,7 +24,7 @@ from ulysses_mm.config import ConfigError, RunConfig, load_config
 from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY
 from ulysses_mm.core.storage import expand_sources
 from ulysses_mm.loader.mixing import mix_error, modality_pools
-from ulysses_mm.loader.stream import ShardStream
+from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.shards.manifest import Manifest, ManifestError
 from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
@@ -81,7 +81,7 @@ def _counted(samples) -> np.ndarray:
 def test_the_manifest_records_each_samples_modality_tokens(mixed):
     assert mixed.held_modalities == ["dna", "audio", "video"]
     table = mixed.sample_tokens()
-    read = ShardStream(mixed, 0, 1, mixed.num_samples, shuffle=False).next_batch()
+    read = ShardStream(mixed, 0, 1, mixed.num_samples, StreamOptions(shuffle=False)).next_batch()
     assert [s.index for s in read] == list(range(mixed.num_samples))
     for s in read:
         assert table[s.index].tolist() == _counted([s]).tolist()
@@ -93,18 +93,22 @@ def test_the_manifest_records_each_samples_modality_tokens(mixed):
 def test_modalities_get_their_token_share_over_a_run(mixed, dna):
     dp, mb, steps = 2, 2, 500
     entries = [(dna, 0.4), (mixed, 0.6, WEIGHTS)]
-    streams = [ShardStream(entries, r, dp, mb, seed=7, shuffle_buffer=8) for r in range(dp)]
+    streams = [
+        ShardStream(entries, r, dp, mb, StreamOptions(seed=7, shuffle_buffer=8)) for r in range(dp)
+    ]
     st = streams[0]
-    assert [s.modality for s in st.sources] == ["", "dna", "audio", "video"]
+    assert [s.modality for s in st.order.sources] == ["", "dna", "audio", "video"]
     seen = [s for _ in range(steps) for rank in streams for s in rank.next_batch()]
-    src, idx, *_ = st._span(0, 0, np.zeros_like(st.counts), st.position)
+    src, idx, _ = st.order.span(st.order.start(), st.cursor.position)
     assert [s.index for s in seen] == idx.tolist()  # the global order, every rank together
-    drawn = st.drawn_tokens()[1]
+    drawn = st.tally.drawn_tokens()[1]
     # what the manifest's record says was drawn from it is what the ranks read
     assert drawn.tolist() == _counted(s for s, k in zip(seen, src) if k >= 1).tolist()
-    err = st.modality_mix_error()
+    err = st.tally.modality_mix_error()
     shares = drawn / drawn.sum()
-    manifest_err = mix_error([int(st.counts[0]), int(st.counts[1:].sum())], [0.4, 0.6])
+    manifest_err = mix_error(
+        [int(st.cursor.counts[0]), int(st.cursor.counts[1:].sum())], [0.4, 0.6]
+    )
     print(
         f"over {len(seen)} samples: token shares dna {shares[0]:.4f} audio {shares[1]:.4f} "
         f"video {shares[2]:.4f} (weights {WEIGHTS}); modality mix error {err:.4f}, "
@@ -116,7 +120,7 @@ def test_modalities_get_their_token_share_over_a_run(mixed, dna):
     # what training logs as mix/<label>: manifests' sample shares, modalities' token shares
     logged = st.mix_shares()
     assert sorted(logged) == ["dna", "mixed", "mixed/audio", "mixed/dna", "mixed/video"]
-    assert logged["mixed"] == pytest.approx(st.counts[1:].sum() / len(seen))
+    assert logged["mixed"] == pytest.approx(st.cursor.counts[1:].sum() / len(seen))
     assert [logged[f"mixed/{n}"] for n in ("dna", "audio", "video")] == pytest.approx(shares)
 
 
@@ -124,13 +128,16 @@ def test_the_order_is_a_function_of_seed_and_epoch_and_survives_a_dp_change(mixe
     entries = [(mixed, 1.0, WEIGHTS)]
 
     def run(dp: int, mb: int, steps: int, seed: int = 3, state=None):
-        streams = [ShardStream(entries, r, dp, mb, seed=seed, shuffle_buffer=8) for r in range(dp)]
+        streams = [
+            ShardStream(entries, r, dp, mb, StreamOptions(seed=seed, shuffle_buffer=8))
+            for r in range(dp)
+        ]
         if state is not None:
             for st in streams:
                 st.load_state_dict(state)
         seen = [s.index for _ in range(steps) for st in streams for s in st.next_batch()]
         assert len({str(st.state_dict()) for st in streams}) == 1  # every rank agrees
-        return seen, streams[0].state_dict(), streams[-1].drawn_tokens()[0].tolist()
+        return seen, streams[0].state_dict(), streams[-1].tally.drawn_tokens()[0].tolist()
 
     whole, _, drawn = run(1, 1, 240)
     assert run(1, 1, 240)[0] == whole
@@ -146,9 +153,9 @@ def test_the_order_is_a_function_of_seed_and_epoch_and_survives_a_dp_change(mixe
 
 
 def test_a_modality_visits_its_samples_once_an_epoch_shard_by_shard(mixed):
-    st = ShardStream([(mixed, 1.0, WEIGHTS)], 0, 1, 1, seed=5, shuffle_buffer=4)
+    st = ShardStream([(mixed, 1.0, WEIGHTS)], 0, 1, 1, StreamOptions(seed=5, shuffle_buffer=4))
     table = mixed.sample_tokens()
-    for source in st.sources:
+    for source in st.order.sources:
         k = mixed.token_space.modalities.index(source.modality)
         assert (np.argmax(table[source.members], axis=1) == k).all()  # the samples it leads
         orders = [source.order(e) for e in range(3)]
@@ -159,7 +166,7 @@ def test_a_modality_visits_its_samples_once_an_epoch_shard_by_shard(mixed):
         shards = source.shards_of(orders[0])
         runs = 1 + int((shards[1:] != shards[:-1]).sum())
         assert runs <= 3 * len(np.unique(shards)), (source.modality, runs)
-    members = np.concatenate([s.members for s in st.sources])
+    members = np.concatenate([s.members for s in st.order.sources])
     assert sorted(members.tolist()) == list(range(mixed.num_samples))  # every modality weighted
 
 
@@ -278,7 +285,7 @@ def test_an_older_manifest_is_one_line_only_when_modalities_are_weighted(
 
 
 def test_the_plan_hands_the_modality_weights_to_the_loader(mixed, dna):
-    from ulysses_mm.train.loop import plan_run
+    from ulysses_mm.train.plan import plan_run
 
     train = f"data.train={{{dna.location}: 1, {mixed.location}: {{weight: 3, modalities: {{audio: 1, video: 1}}}}}}"
     plan = plan_run(load_config(RunConfig, None, [train]), world=1)
@@ -288,8 +295,8 @@ def test_the_plan_hands_the_modality_weights_to_the_loader(mixed, dna):
     ]
     assert plan.modalities == [{}, {"audio": 1.0, "video": 1.0}]
     st = ShardStream(plan.stream_sources, 0, 1, 1)
-    assert st.source_labels == ["dna", "mixed/audio", "mixed/video"]  # no mixed/dna
-    assert sum(st.weights[1:]) == pytest.approx(0.75)
+    assert st.tally.source_labels == ["dna", "mixed/audio", "mixed/video"]  # no mixed/dna
+    assert sum(st.order.weights[1:]) == pytest.approx(0.75)
 
 
 def test_a_run_logs_each_modalitys_token_share(tmp_path, mixed, dna):
@@ -302,7 +309,7 @@ def test_a_run_logs_each_modalitys_token_share(tmp_path, mixed, dna):
     path.write_text(yaml.safe_dump(cfg))
     rows = train_rows(path, tmp_path / "run")
     last = rows[max(rows)]
-    st = ShardStream([(dna, 1.0), (mixed, 3.0, WEIGHTS)], 0, 1, 1, shuffle_buffer=16)
+    st = ShardStream([(dna, 1.0), (mixed, 3.0, WEIGHTS)], 0, 1, 1, StreamOptions(shuffle_buffer=16))
     for _ in range(4):
         st.next_batch()
     want = {f"mix/{k}": v for k, v in st.mix_shares().items()}

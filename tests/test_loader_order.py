@@ -11,7 +11,7 @@ import pytest
 from train_data import prepare_dna
 
 from ulysses_mm.loader.mixing import mix_error, sources_of
-from ulysses_mm.loader.stream import ShardStream
+from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.shards.manifest import Manifest
 
 
@@ -28,12 +28,12 @@ def _global(streams: list[ShardStream], steps: int) -> list[tuple[str, int]]:
     out = []
     for _ in range(steps):
         for st in streams:
-            out += [(st.manifests[0].name, s.index) for s in st.next_batch()]
+            out += [(st.order.manifests[0].name, s.index) for s in st.next_batch()]
     return out
 
 
 def _mixed(pairs, dp, mb, seed=0, **kw) -> list[ShardStream]:
-    return [ShardStream(pairs, r, dp, mb, seed=seed, **kw) for r in range(dp)]
+    return [ShardStream(pairs, r, dp, mb, StreamOptions(seed=seed, **kw)) for r in range(dp)]
 
 
 def _tokens(st: ShardStream, steps: int) -> list[bytes]:
@@ -42,19 +42,19 @@ def _tokens(st: ShardStream, steps: int) -> list[bytes]:
 
 def test_the_shuffle_buffer_blends_shard_seams_boundedly(two):
     a, _ = two
-    plain = ShardStream(a, 0, 1, 1, seed=3)
-    buffered = ShardStream(a, 0, 1, 1, seed=3, shuffle_buffer=64)
-    buf = buffered.sources[0].buffer
+    plain = ShardStream(a, 0, 1, 1, StreamOptions(seed=3))
+    buffered = ShardStream(a, 0, 1, 1, StreamOptions(seed=3, shuffle_buffer=64))
+    buf = buffered.order.sources[0].buffer
     assert buf >= 2  # capped at half a typical shard
-    base, order = plain.epoch_order(0), buffered.epoch_order(0)
+    base, order = plain.order.epoch_order(0), buffered.order.epoch_order(0)
     assert sorted(order.tolist()) == list(range(a.num_samples))
     moved = np.abs(np.argsort(order) - np.argsort(base))
     assert 0 < moved.max() < buf
     shard_of = [a.shard_of_sample(int(i))[0] for i in order]
     assert 1 + sum(x != y for x, y in itertools.pairwise(shard_of)) > len(a.shards)
-    again = ShardStream(a, 0, 1, 1, seed=3, shuffle_buffer=64)
-    assert again.epoch_order(0).tolist() == order.tolist()  # a function of (seed, epoch)
-    assert again.epoch_order(1).tolist() != order.tolist()
+    again = ShardStream(a, 0, 1, 1, StreamOptions(seed=3, shuffle_buffer=64))
+    assert again.order.epoch_order(0).tolist() == order.tolist()  # a function of (seed, epoch)
+    assert again.order.epoch_order(1).tolist() != order.tolist()
     # the samples read are the ones the order names
     assert [buffered.next_batch()[0].index for _ in range(10)] == order[:10].tolist()
 
@@ -62,10 +62,12 @@ def test_the_shuffle_buffer_blends_shard_seams_boundedly(two):
 def test_sources_get_their_weights_share_deterministically(two):
     a, b = two
     w = [0.7, 0.3]
-    st = ShardStream([(a, w[0]), (b, w[1])], 0, 1, 4, seed=11, shuffle_buffer=8)
+    st = ShardStream([(a, w[0]), (b, w[1])], 0, 1, 4, StreamOptions(seed=11, shuffle_buffer=8))
     seen = [st.next_batch() for _ in range(250)]
-    err = mix_error(st.counts.tolist(), w)
-    print(f"mix after {int(st.counts.sum())} samples: counts {st.counts.tolist()} error {err:.4f}")
+    err = mix_error(st.cursor.counts.tolist(), w)
+    print(
+        f"mix after {int(st.cursor.counts.sum())} samples: counts {st.cursor.counts.tolist()} error {err:.4f}"
+    )
     assert err <= 0.02
     # a source's first n draws are each of its samples once (then its next epoch)
     src = sources_of(np.arange(1000), w, 11)
@@ -74,9 +76,9 @@ def test_sources_get_their_weights_share_deterministically(two):
     assert sorted(b_draws[: b.num_samples]) == list(range(b.num_samples))
     assert b_draws[: b.num_samples] != b_draws[b.num_samples : 2 * b.num_samples]
     # the same seed gives the same samples; another seed does not
-    again = ShardStream([(a, w[0]), (b, w[1])], 0, 1, 4, seed=11, shuffle_buffer=8)
+    again = ShardStream([(a, w[0]), (b, w[1])], 0, 1, 4, StreamOptions(seed=11, shuffle_buffer=8))
     assert [s.index for _ in range(20) for s in again.next_batch()] == idx[:80]
-    other = ShardStream([(a, w[0]), (b, w[1])], 0, 1, 4, seed=12, shuffle_buffer=8)
+    other = ShardStream([(a, w[0]), (b, w[1])], 0, 1, 4, StreamOptions(seed=12, shuffle_buffer=8))
     assert [s.index for _ in range(20) for s in other.next_batch()] != idx[:80]
     # the samples are the sources' own (tokens of a sample of b in b's shards)
     tokens = {s.tokens.tobytes() for s in ShardStream(b, 0, 1, b.num_samples).next_batch()}
@@ -92,7 +94,9 @@ def test_weights_and_sources_must_match_on_resume(two):
     with pytest.raises(ValueError, match="belongs to other shards"):
         ShardStream([(b, 0.7), (a, 0.3)], 0, 1, 2).load_state_dict(state)
     with pytest.raises(ValueError, match="shuffle_buffer=4 but the checkpoint was made with 0"):
-        ShardStream([(a, 0.7), (b, 0.3)], 0, 1, 2, shuffle_buffer=4).load_state_dict(state)
+        ShardStream([(a, 0.7), (b, 0.3)], 0, 1, 2, StreamOptions(shuffle_buffer=4)).load_state_dict(
+            state
+        )
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -131,7 +135,7 @@ def test_resuming_with_another_dp_continues_the_same_global_order(two, mixed):
 
 def test_plan_run_checks_every_mixed_manifest_and_the_loader_budgets(two, tmp_path):
     from ulysses_mm.config import RunConfig, load_config
-    from ulysses_mm.train.loop import plan_run
+    from ulysses_mm.train.plan import plan_run
 
     a, b = two
     short = Manifest.load(str(prepare_dna(tmp_path, "short", records=6, seq_len=128, seed=3)))
@@ -154,5 +158,5 @@ def test_plan_run_checks_every_mixed_manifest_and_the_loader_budgets(two, tmp_pa
 
 def test_sources_are_labelled_by_their_directory(two):
     a, b = two
-    assert ShardStream([(a, 1), (b, 1)], 0, 1, 1).source_labels == ["a", "b"]
-    assert ShardStream([(a, 1), (a, 1)], 0, 1, 1).source_labels == ["0.a", "1.a"]
+    assert ShardStream([(a, 1), (b, 1)], 0, 1, 1).tally.source_labels == ["a", "b"]
+    assert ShardStream([(a, 1), (a, 1)], 0, 1, 1).tally.source_labels == ["0.a", "1.a"]

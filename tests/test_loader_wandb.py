@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     import os, signal, sys
     from pathlib import Path
     from ulysses_mm.config import RunConfig, load_config
-    from ulysses_mm.train.metrics import MetricsLogger
+    from ulysses_mm.train.logger import MetricsLogger
 
     run = Path(sys.argv[1])
     cfg = load_config(RunConfig, None, ["logging.wandb=offline", f"train.out_dir={run}"])

@@ -66,6 +66,8 @@ def _refused(capsys, *argv: str) -> str:
         (["deepspeed.offload_param=cpu"], "offload_param needs deepspeed.zero_stage=3"),
         (["deepspeed.extra={scheduler: {type: WarmupLR}}"], "both set the LR schedule"),
         (["model.init_from=/nonexistent/ckpt"], "/nonexistent/ckpt"),
+        (["data.micro_batch_size=100000"], "fewer than one global micro-batch"),
+        (["train.steps=0"], "train.steps must be >= 1"),
     ],
 )
 def test_config_errors_fail_in_the_parent(tmp_path, manifest, no_processes, capsys, args, expect):

@@ -16,9 +16,9 @@ from train_data import prepare_dna
 
 from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.core.format import ShardFormatError
-from ulysses_mm.loader.stream import ShardStream, shard_samples
+from ulysses_mm.loader.stream import ShardStream, StreamOptions, shard_samples
 from ulysses_mm.shards.manifest import Manifest, ManifestError
-from ulysses_mm.train.loop import model_space
+from ulysses_mm.train.plan import model_space
 
 
 @pytest.fixture(scope="module")
@@ -33,27 +33,32 @@ def _indices(batches) -> list[list[int]]:
 
 def test_order_is_a_function_of_seed_epoch_and_manifest(dataset):
     assert len(dataset.shards) > 2, "want several shards"
-    a = ShardStream(dataset, 0, 1, 1, seed=7)
-    b = ShardStream(dataset, 0, 1, 1, seed=7)
+    a = ShardStream(dataset, 0, 1, 1, StreamOptions(seed=7))
+    b = ShardStream(dataset, 0, 1, 1, StreamOptions(seed=7))
     n = dataset.num_samples
-    np.testing.assert_array_equal(a.epoch_order(0), b.epoch_order(0))
-    assert sorted(a.epoch_order(0).tolist()) == list(range(n))  # each sample once per epoch
-    assert a.epoch_order(0).tolist() != a.epoch_order(1).tolist()
+    np.testing.assert_array_equal(a.order.epoch_order(0), b.order.epoch_order(0))
+    assert sorted(a.order.epoch_order(0).tolist()) == list(range(n))  # each sample once per epoch
+    assert a.order.epoch_order(0).tolist() != a.order.epoch_order(1).tolist()
     assert (
-        a.epoch_order(0).tolist() != ShardStream(dataset, 0, 1, 1, seed=8).epoch_order(0).tolist()
+        a.order.epoch_order(0).tolist()
+        != ShardStream(dataset, 0, 1, 1, StreamOptions(seed=8)).order.epoch_order(0).tolist()
     )
-    assert ShardStream(dataset, 0, 1, 1, shuffle=False).epoch_order(3).tolist() == list(range(n))
+    assert ShardStream(dataset, 0, 1, 1, StreamOptions(shuffle=False)).order.epoch_order(
+        3
+    ).tolist() == list(range(n))
     # shards stay contiguous in the order (a shard is read once per epoch)
-    shard_of = [dataset.shard_of_sample(int(i))[0] for i in a.epoch_order(0)]
+    shard_of = [dataset.shard_of_sample(int(i))[0] for i in a.order.epoch_order(0)]
     runs = 1 + sum(x != y for x, y in itertools.pairwise(shard_of))
     assert runs == len(dataset.shards)
 
 
 def test_dp_ranks_split_the_global_batch_and_sp_ranks_agree(dataset):
     dp, mb = 3, 2
-    streams = [ShardStream(dataset, r, dp, mb, seed=1) for r in range(dp)]
-    twin = ShardStream(dataset, 1, dp, mb, seed=1)  # another SP rank of DP group 1
-    single = ShardStream(dataset, 0, 1, dp * mb, seed=1)  # one process, same global batch
+    streams = [ShardStream(dataset, r, dp, mb, StreamOptions(seed=1)) for r in range(dp)]
+    twin = ShardStream(dataset, 1, dp, mb, StreamOptions(seed=1))  # another SP rank of DP group 1
+    single = ShardStream(
+        dataset, 0, 1, dp * mb, StreamOptions(seed=1)
+    )  # one process, same global batch
     for _ in range(5):
         per_rank = [[s.index for s in st.next_batch()] for st in streams]
         assert [s.index for s in twin.next_batch()] == per_rank[1]
@@ -63,26 +68,26 @@ def test_dp_ranks_split_the_global_batch_and_sp_ranks_agree(dataset):
 
 
 def test_epochs_roll_over_dropping_a_short_tail(dataset):
-    st = ShardStream(dataset, 0, 1, 3, seed=0)
+    st = ShardStream(dataset, 0, 1, 3, StreamOptions(seed=0))
     per_epoch = dataset.num_samples // 3
     seen = _indices(st.next_batch() for _ in range(per_epoch))
-    assert st.epoch == 0
+    assert st.cursor.epoch == 0
     st.next_batch()
-    assert st.epoch == 1 and st.position == 3
+    assert st.cursor.epoch == 1 and st.cursor.position == 3
     assert len({i for b in seen for i in b}) == per_epoch * 3
 
 
 def test_resume_mid_shard_is_exact(dataset):
-    a = ShardStream(dataset, 1, 2, 1, seed=3)
+    a = ShardStream(dataset, 1, 2, 1, StreamOptions(seed=3))
     first = _indices(a.next_batch() for _ in range(7))
     state = a.state_dict()
     rest = _indices(a.next_batch() for _ in range(dataset.num_samples))  # crosses an epoch
-    b = ShardStream(dataset, 1, 2, 1, seed=3)
+    b = ShardStream(dataset, 1, 2, 1, StreamOptions(seed=3))
     b.load_state_dict(state)
     assert _indices(b.next_batch() for _ in range(dataset.num_samples)) == rest
     assert first  # the state was taken in the middle of the order
     with pytest.raises(ValueError, match="seed=4 but the checkpoint was made with 3"):
-        ShardStream(dataset, 1, 2, 1, seed=4).load_state_dict(state)
+        ShardStream(dataset, 1, 2, 1, StreamOptions(seed=4)).load_state_dict(state)
 
 
 def test_state_from_other_shards_is_refused(dataset, tmp_path):
@@ -93,7 +98,7 @@ def test_state_from_other_shards_is_refused(dataset, tmp_path):
 
 
 def test_samples_match_the_packed_tokens(dataset):
-    st = ShardStream(dataset, 0, 1, 1, shuffle=False)
+    st = ShardStream(dataset, 0, 1, 1, StreamOptions(shuffle=False))
     s = st.next_batch()[0]
     assert s.index == 0 and s.tokens.dtype == np.uint8 and len(s.tokens) == dataset.seq_len
     assert s.segments[0, 0] == 0 and s.segments[:, 1].sum() <= dataset.seq_len
@@ -152,13 +157,15 @@ def test_network_faults_are_retried_then_named(dataset, http_dataset):
     m = Manifest.load(f"{http_dataset}/manifest.json")
     first = "/" + m.shards[0].url
     _FlakyHandler.failures[first] = 2  # two 503s, then the shard
-    st = ShardStream(m, 0, 1, 1, shuffle=False, retries=3, backoff_s=0.01)
-    local = ShardStream(dataset, 0, 1, 1, shuffle=False)
+    st = ShardStream(m, 0, 1, 1, StreamOptions(shuffle=False, retries=3, backoff_s=0.01))
+    local = ShardStream(dataset, 0, 1, 1, StreamOptions(shuffle=False))
     assert np.array_equal(st.next_batch()[0].tokens, local.next_batch()[0].tokens)
     assert _FlakyHandler.failures[first] == 0
 
     _FlakyHandler.failures["/" + m.shards[1].url] = 100  # down for good
-    st = ShardStream(m, 0, 1, m.shards[0].samples + 1, shuffle=False, retries=3, backoff_s=0.01)
+    st = ShardStream(
+        m, 0, 1, m.shards[0].samples + 1, StreamOptions(shuffle=False, retries=3, backoff_s=0.01)
+    )
     with pytest.raises(
         OSError, match=rf"could not read shard {http_dataset}/{m.shards[1].url} after 3 attempts"
     ):

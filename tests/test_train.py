@@ -260,7 +260,7 @@ def test_export_honours_the_umask(tmp_path, umask, folder, file):
 
 def test_mfu_needs_a_known_peak():
     from ulysses_mm.config import RunConfig, load_config
-    from ulysses_mm.train.metrics import known_peak_tflops, peak_tflops
+    from ulysses_mm.train.flops import known_peak_tflops, peak_tflops
 
     cfg = load_config(RunConfig)
     assert peak_tflops(cfg, torch.device("cpu")) is None  # no guess: no MFU on a CPU

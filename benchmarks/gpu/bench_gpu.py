@@ -9,7 +9,7 @@ kernel when it is installed (``parallel.attention=auto``), SDPA otherwise. Where
 GPUs are visible, the same at SP = 2, 4, 8 (those that fit the GPUs and divide the heads),
 one process per GPU (torch's elastic launcher, NCCL). Per point: the mean of --steps
 training steps after a warm-up, tokens/s, MFU (model FLOPs of
-``ulysses_mm.train.metrics.train_flops`` / step time / (GPUs × peak TFLOP/s)), the peak of
+``ulysses_mm.train.flops.train_flops`` / step time / (GPUs × peak TFLOP/s)), the peak of
 ``torch.cuda.max_memory_allocated`` over the ranks, and ``ulysses-mm estimate``'s figures
 beside it.
 
@@ -116,7 +116,7 @@ def sweep_worker(
     from ulysses_mm.config import RunConfig, from_dict
     from ulysses_mm.parallel.mesh import open_world
     from ulysses_mm.tools.measure import StepRunner
-    from ulysses_mm.train.metrics import peak_tflops
+    from ulysses_mm.train.flops import peak_tflops
 
     cfg = from_dict(RunConfig, cfg_dict)
     world = open_world(cfg)

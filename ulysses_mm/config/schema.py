@@ -1,13 +1,39 @@
 """The run schema (``configs/*.yaml``: a training or verification run), one dataclass per
-section; each checks its own values in ``__post_init__``."""
+section; each checks its own values in ``__post_init__`` (ranges, choices, combinations
+inside the run config), raising :class:`ConfigError` naming the key. What needs the
+manifests or the world is checked by ``train.plan`` before any process starts."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from ulysses_mm.config.parse import ConfigError
 from ulysses_mm.config.parse import option as _help
+
+SEED_MAX = 2**63 - 1  # numpy's and torch's seeds take any of 0 .. 2**63 - 1
+
+
+def _at_least(section: str, obj: Any, low: float, *names: str) -> None:
+    """Each ``section.name`` a finite number >= ``low``."""
+    for name in names:
+        value = getattr(obj, name)
+        if not (math.isfinite(value) and value >= low):
+            raise ConfigError(f"{section}.{name} must be >= {low}, got {value}")
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    """Each ``section.name`` a finite number > 0."""
+    for name in names:
+        value = getattr(obj, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{section}.{name} must be > 0, got {value}")
+
+
+def _seed(key: str, value: int) -> None:
+    if not 0 <= value <= SEED_MAX:
+        raise ConfigError(f"{key} must be within 0 .. 2**63 - 1, got {value}")
 
 
 @dataclass
@@ -77,6 +103,21 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        _at_least(
+            "model",
+            self,
+            1,
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        )
+        _positive("model", self, "rms_norm_eps", "rope_theta")
+        _at_least("model", self, 0, "initializer_range")
+        if self.head_dim is not None and self.head_dim < 1:
+            raise ConfigError(f"model.head_dim must be >= 1, got {self.head_dim}")
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
@@ -94,6 +135,9 @@ class ModelConfig:
         for name, size in self.modalities.items():
             if size < 1:
                 raise ConfigError(f"model.modalities.{name} must be >= 1, got {size}")
+        for name, w in self.loss_weights.items():
+            if not (math.isfinite(w) and w >= 0):
+                raise ConfigError(f"model.loss_weights.{name} must be >= 0, got {w}")
         if self.loss_tile_tokens < 1:
             raise ConfigError("model.loss_tile_tokens must be >= 1")
         if self.mlp_tile_tokens < 0:
@@ -162,6 +206,7 @@ class ParallelConfig:
             raise ConfigError(
                 f"parallel.ring must be >= 1 and divide parallel.sp={self.sp}, got {self.ring}"
             )
+        _at_least("parallel", self, 1, "timeout_s")
 
 
 @dataclass
@@ -221,6 +266,33 @@ class DataConfig:
         "fsspec storage options (for example endpoint_url for an S3-API server).", factory=dict
     )
 
+    def __post_init__(self) -> None:
+        mix = {} if isinstance(self.train, str) else self.train
+        for location, value in mix.items():
+            source = value if isinstance(value, TrainSource) else TrainSource(weight=value)
+            if not (math.isfinite(source.weight) and source.weight > 0):
+                raise ConfigError(
+                    f"data.train: the weight of {location} is {source.weight}; give a positive one"
+                )
+            for name, w in source.modalities.items():
+                if not (math.isfinite(w) and w > 0):
+                    raise ConfigError(
+                        f"data.train: {location}: the weight of {name} is {w}; give a positive one"
+                    )
+        _at_least("data", self, 0, "seq_len", "shuffle_buffer", "retries", "retry_backoff_s")
+        _at_least("data", self, 0, "prefetch_bytes", "cache_bytes")
+        _at_least("data", self, 1, "micro_batch_size")
+        _seed("data.seed", self.seed)
+        for key in ("connect_timeout_s", "read_timeout_s"):
+            value = getattr(self, key)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"data.{key}={value}: give a positive number of seconds")
+
+    @property
+    def timeouts(self) -> tuple[float, float]:
+        """(connect, read) seconds of every remote read, manifests and shards alike."""
+        return self.connect_timeout_s, self.read_timeout_s
+
 
 @dataclass
 class OptimizerConfig:
@@ -232,6 +304,14 @@ class OptimizerConfig:
     torch_adam: bool = _help(
         "Use torch's Adam inside DeepSpeed (no JIT-compiled C++/CUDA op).", True
     )
+
+    def __post_init__(self) -> None:
+        _at_least("deepspeed.optimizer", self, 0, "lr", "weight_decay")
+        _positive("deepspeed.optimizer", self, "eps")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(
+                f"deepspeed.optimizer.betas must be two numbers in [0, 1), got {self.betas}"
+            )
 
 
 @dataclass
@@ -246,6 +326,13 @@ class SchedulerConfig:
         10,
     )
     min_lr_ratio: float = _help("Final LR as a fraction of the peak (cosine).", 0.1)
+
+    def __post_init__(self) -> None:
+        _at_least("deepspeed.scheduler", self, 0, "warmup_steps")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(
+                f"deepspeed.scheduler.min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}"
+            )
 
 
 @dataclass
@@ -263,6 +350,17 @@ class DeepSpeedConfig:
     scheduler: SchedulerConfig = _help("LR schedule.", factory=SchedulerConfig)
     extra: dict[str, Any] = _help("Raw ds_config entries merged last.", factory=dict)
 
+    def __post_init__(self) -> None:
+        _at_least("deepspeed", self, 1, "gradient_accumulation_steps")
+        _at_least("deepspeed", self, 0, "gradient_clipping")
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
+        if "scheduler" in self.extra and self.scheduler.type != "none":
+            raise ConfigError(
+                f"deepspeed.extra.scheduler and deepspeed.scheduler.type={self.scheduler.type} "
+                "both set the LR schedule; set deepspeed.scheduler.type=none to use DeepSpeed's"
+            )
+
 
 @dataclass
 class TrainConfig:
@@ -279,6 +377,12 @@ class TrainConfig:
         "deepspeed.precision; no MFU is logged on other devices).",
         0.0,
     )
+
+    def __post_init__(self) -> None:
+        _at_least("train", self, 1, "steps", "log_every", "eval_batches")
+        _at_least("train", self, 0, "eval_every", "checkpoint_every", "keep_checkpoints")
+        _at_least("train", self, 0, "peak_tflops")
+        _seed("train.seed", self.seed)
 
 
 @dataclass

@@ -1,1 +1,2 @@
-"""Shards → batches for training: order, mixing, fetch ahead, node cache, stream, batch."""
+"""Shards → batches for training: order, mixing, state, fetch ahead, node cache, stream,
+batch."""

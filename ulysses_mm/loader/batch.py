@@ -12,13 +12,14 @@ Each SP rank then keeps its slice (:func:`ulysses_mm.parallel.slice.sp_slice`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ulysses_mm.core.format import IGNORE, segments_to_ids
+from ulysses_mm.core.format import IGNORE, PackedSample, segments_to_ids
 from ulysses_mm.core.tokenspace import PAD, TokenSpace, token_modalities
 
 
@@ -81,3 +82,9 @@ def make_batch(tokens: np.ndarray, segments: list[np.ndarray], space: TokenSpace
         label_modality=torch.from_numpy(label_mod),
         doc_ids=torch.from_numpy(doc_ids),
     )
+
+
+def samples_batch(samples: Sequence[PackedSample], space: TokenSpace) -> Batch:
+    """A batch of the packed samples a stream yields."""
+    tokens = np.stack([s.tokens.astype("int64") for s in samples])
+    return make_batch(tokens, [s.segments for s in samples], space)

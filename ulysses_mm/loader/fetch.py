@@ -5,8 +5,9 @@ Fault policy (each kind of failure has one meaning):
 
 * a transport fault (refused or reset connection, a connect or read timeout, an HTTP
   error status, a short read) is retried ``retries`` times with exponential backoff, then
-  raised as one ``OSError`` line naming the URL. With ``timeouts=(c, r)`` a server that
-  stalls costs at most ``c + r`` seconds per attempt, so a read gives up after at most
+  raised as one :class:`~ulysses_mm.core.errors.StorageError` line naming the URL. With
+  ``timeouts=(c, r)`` a server that stalls costs at most ``c + r`` seconds per attempt,
+  so a read gives up after at most
   ``retries·(c + r) + backoff·(2^(retries−1) − 1)`` seconds;
 * bytes whose size or sha256 differ from the manifest are a data error
   (:class:`~ulysses_mm.shards.manifest.ShardIntegrityError`), raised at once: fetching the
@@ -28,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ulysses_mm.core import storage
-from ulysses_mm.core.errors import first_line
+from ulysses_mm.core.errors import StorageError, first_line
 from ulysses_mm.shards.manifest import Manifest, ShardIntegrityError, verify_shard_bytes
 
 
@@ -51,7 +52,7 @@ def fetch_shard(
         # timeouts): all are retried, boundedly
         except Exception as e:
             if attempt == retries:
-                raise OSError(
+                raise StorageError(
                     f"could not read shard {location} after {retries} attempts: {first_line(e)}"
                 ) from e
             time.sleep(delay)

@@ -3,9 +3,9 @@
 Position p takes the source whose slice of [0, 1) (cut in proportion to the weights) holds
 ``frac(offset + p / φ)``. This golden-ratio (Kronecker) sequence is the most even way to
 spread points over [0, 1): over any stretch of N positions, every source gets its weight's
-share to within O(log N) positions, not the O(√N) of independent draws. The share is
-thus exact to a fraction of a percent over a run, a resumed run only needs the position,
-and every rank computes the same assignment with no communication.
+share to within O(log N) positions, not the O(√N) of independent draws. A resumed run
+only needs the position, and every rank computes the same assignment with no
+communication.
 
 Modalities inside one manifest. A packed sample can hold several modalities, so a manifest
 with per-modality weights is split into one source per weighted modality: the samples it
@@ -22,6 +22,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from ulysses_mm.core.errors import ConfigError
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / φ, odd
 
@@ -44,7 +46,8 @@ def sources_of(positions: np.ndarray, weights: Sequence[float], seed: int) -> np
 
 
 def mix_error(counts: Sequence[int], weights: Sequence[float]) -> float:
-    """Largest |share − weight| / weight over the sources (0.02 = every source within 2 %)."""
+    """Largest |share − weight| / weight over the sources (each share against its weight,
+    relative to the weight)."""
     c = np.asarray(counts, dtype=np.float64)
     w = normalised(weights)
     if c.sum() == 0:
@@ -72,19 +75,19 @@ def modality_pools(
 
     ``sample_tokens`` is ``[samples, len(names)]`` (:meth:`Manifest.sample_tokens`). The
     modalities not in ``weights`` are left out: the samples they dominate are never drawn.
-    Raises ValueError (one line naming ``where``) for an unknown or absent modality, a
-    weight that is not positive, or weights the samples cannot give."""
+    Raises :class:`ConfigError` (one line naming ``where``) for an unknown or absent
+    modality, a weight that is not positive, or weights the samples cannot give."""
     for name, w in weights.items():
         if name not in names:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: unknown modality {name!r} (the token space has {', '.join(names)})"
             )
         if not (isinstance(w, (int, float)) and np.isfinite(w) and w > 0):
-            raise ValueError(f"{where}: the weight of {name} is {w}; give a positive one")
+            raise ConfigError(f"{where}: the weight of {name} is {w}; give a positive one")
     held = [n for k, n in enumerate(names) if sample_tokens[:, k].sum() > 0]
     for name in weights:
         if name not in held:
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: holds no {name} tokens (it holds {', '.join(held) or 'nothing'})"
             )
     cols = [names.index(n) for n in names if n in weights]  # token-space order
@@ -94,7 +97,7 @@ def modality_pools(
     for k in cols:
         members = np.flatnonzero(dominant == k).astype(np.int64)
         if not len(members):
-            raise ValueError(
+            raise ConfigError(
                 f"{where}: no sample is mostly {names[k]} (its tokens are scattered through "
                 "samples of other modalities), so it cannot be weighted"
             )
@@ -106,7 +109,7 @@ def modality_pools(
     except np.linalg.LinAlgError:
         rates = np.full(len(cols), -1.0)
     if not np.all(np.isfinite(rates)) or np.any(rates <= 0):
-        raise ValueError(
+        raise ConfigError(
             f"{where}: its samples mix modalities too evenly to give "
             f"{', '.join(f'{names[k]} {x:.3g}' for k, x in zip(cols, target))} of the tokens; "
             "prepare it with the modalities in separate inputs or weight it as a whole"

@@ -58,7 +58,7 @@ class MeasuredStep:
     base: int  # bytes live just before them: parameters, optimizer states, buffers, batch
     step_s: float  # mean seconds per step
     tokens: int  # tokens per step over the whole world (b · N · dp)
-    flops: float  # model FLOPs per step over the whole world (train.metrics.train_flops)
+    flops: float  # model FLOPs per step over the whole world (train.flops.train_flops)
     device: str
     host: int = 0  # most bytes the offloaded checkpoints held in host memory (apart)
 
@@ -128,7 +128,7 @@ class StepRunner:
         """``steps`` training steps of ``seq_len`` tokens (documents of ``doc_len``,
         default min(seq_len, 4096)); their mean time and the peak memory among them."""
         from ulysses_mm.core.layout import check_layout
-        from ulysses_mm.train.metrics import causal_pairs, train_flops
+        from ulysses_mm.train.flops import causal_pairs, train_flops
 
         m = self.cfg.model
         check_layout(

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.core.tokenspace import TokenSpace
 
@@ -97,12 +98,16 @@ def save(
 
 
 def latest_tag(ckpt_dir: Path) -> str | None:
+    """The tag ``latest`` names (None without a ``latest`` file); a pointer that is empty
+    or names no checkpoint directory is a :class:`DataError` naming it."""
     pointer = ckpt_dir / LATEST
     if not pointer.exists():
         return None
     tag = pointer.read_text().strip()
+    if not tag:
+        raise DataError(f"{pointer} is empty; it must name a checkpoint directory beside it")
     if not (ckpt_dir / tag).is_dir():
-        raise FileNotFoundError(f"{pointer} names {tag}, which does not exist")
+        raise DataError(f"{pointer} names {tag}, which does not exist")
     return tag
 
 
@@ -127,19 +132,19 @@ def saved_token_space(path: Path) -> TokenSpace | None:
     try:
         return TokenSpace.from_dict(json.loads(f.read_text()))
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{f}: not a token space: {e}") from e
+        raise DataError(f"{f}: not a token space: {e}") from e
 
 
 def load(engine, ckpt_dir: Path) -> dict[str, Any]:
     """Restore the engine from ``latest``; returns the client state (step, loader, ...)."""
     tag = latest_tag(ckpt_dir)
     if tag is None:
-        raise FileNotFoundError(f"no checkpoint to resume from in {ckpt_dir} (no '{LATEST}' file)")
+        raise DataError(f"no checkpoint to resume from in {ckpt_dir} (no '{LATEST}' file)")
     path, client = engine.load_checkpoint(
         str(ckpt_dir), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
     )
     if path is None:
-        raise RuntimeError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
+        raise DataError(f"DeepSpeed could not load checkpoint {ckpt_dir / tag}")
     return client
 
 
@@ -151,6 +156,4 @@ def read_checkpoint_dir(path: Path) -> Path:
         tag = latest_tag(candidate) if (candidate / LATEST).exists() else None
         if tag is not None:
             return candidate / tag
-    raise FileNotFoundError(
-        f"{path}: no checkpoint found (expected {MODEL_FILE} or a '{LATEST}' pointer)"
-    )
+    raise DataError(f"{path}: no checkpoint found (expected {MODEL_FILE} or a '{LATEST}' pointer)")

@@ -63,15 +63,11 @@ def loss_scale(mesh: Mesh) -> float:
 
 
 def ds_config(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
-    """The ds_config dict for this run on ``mesh`` (``deepspeed.extra`` merged last)."""
+    """The ds_config dict for this run on ``mesh`` (``deepspeed.extra`` merged last; the
+    settings that clash are refused by :class:`~ulysses_mm.config.DeepSpeedConfig`)."""
     sp = mesh.sp
     d = cfg.deepspeed
     opt = d.optimizer
-    if "scheduler" in d.extra and d.scheduler.type != "none":
-        raise ValueError(
-            f"deepspeed.extra.scheduler and deepspeed.scheduler.type={d.scheduler.type} both "
-            "set the LR schedule; set deepspeed.scheduler.type=none to use DeepSpeed's"
-        )
     zero: dict[str, Any] = {"stage": d.zero_stage}
     if d.zero_stage == 3 and sp > 1:
         # ZeRO-3's reduce-scatter path averages gradients over all dp × sp ranks (it does
@@ -80,9 +76,7 @@ def ds_config(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
         zero["reduce_scatter"] = False
     if d.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": d.offload_optimizer}
-    if d.offload_param != "none":
-        if d.zero_stage != 3:
-            raise ValueError("deepspeed.offload_param needs deepspeed.zero_stage=3")
+    if d.offload_param != "none":  # with ZeRO-3 (DeepSpeedConfig checks it)
         zero["offload_param"] = {"device": d.offload_param}
     params: dict[str, Any] = {"lr": opt.lr, "eps": opt.eps, "weight_decay": opt.weight_decay}
     if opt.type != "SGD":

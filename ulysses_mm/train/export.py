@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ulysses_mm.config import ModelConfig, RunConfig, from_dict, read_yaml
+from ulysses_mm.config import ConfigError, ModelConfig, RunConfig, from_dict, read_yaml
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
 from ulysses_mm.train.checkpoint import CONFIG_FILE, MODEL_FILE, SPACE_FILE, read_checkpoint_dir
 
@@ -41,7 +41,7 @@ def hf_config_for(model: ModelConfig, vocab_size: int, dtype: torch.dtype) -> An
 
     kwargs = model.to_llama_config_kwargs()
     if model.qk_norm and model.attention_bias:
-        raise ValueError(
+        raise ConfigError(
             "model.qk_norm with model.attention_bias has no transformers architecture "
             "(Qwen3 biases o_proj too)"
         )

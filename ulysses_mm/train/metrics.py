@@ -1,214 +1,65 @@
-"""Per-step metrics and where they go: Weights & Biases and a local JSONL file.
+"""The loss figures a run logs, summed over micro-batches the one way training and
+evaluation both use.
 
-Only rank 0 writes. W&B runs online, offline (the default when no API key is set: the run
-lands in RUN_DIR/wandb and can be ``wandb sync``-ed later) or not at all, as
-``logging.wandb`` says. ``metrics.jsonl`` gets one JSON object per logged step either way,
-so a run can be plotted (``ulysses-mm report``) without W&B.
-
-W&B history survives a kill -9 without gaps or duplicates. A step reaches W&B only once a
-checkpoint covers it (:meth:`MetricsLogger.checkpointed`): steps after the last checkpoint
-are redone by the resumed run, so sending them early would log them twice. What W&B had
-not yet stored when the process died (its service buffers; offline, the whole run file
-can still be empty) is handed over again from ``metrics.jsonl`` on resume: online, the
-steps from the server's next step (``run.step``) up to the checkpoint; offline, every step
-up to the checkpoint, into the new offline run directory, and the killed runs'
-directories of the same run id move to ``RUN_DIR/wandb/superseded`` so that
-``wandb sync`` sees each step once. The W&B charts thus trail training by up to
-``train.checkpoint_every`` steps; ``metrics.jsonl`` does not.
+Each micro-batch's :class:`~ulysses_mm.parallel.LossReport` holds every modality's mean
+loss over the global batch and its target count; a modality's loss over several
+micro-batches is the target-weighted mean of those means (the sum of its losses over all
+its targets, over their number), not the mean of the means. DNA has one token per base,
+so its loss in bits is bits per base.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import re
 import resource
-import uuid
-from pathlib import Path
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
-from ulysses_mm.config import RunConfig
-from ulysses_mm.core.storage import atomic_write_local
-from ulysses_mm.model import MultimodalLM
+from ulysses_mm.parallel import LossReport
 
-# Dense (no sparsity) peak TFLOP/s of known GPUs, by a pattern of the name
-# torch.cuda.get_device_name gives: (bf16/fp16 tensor cores, fp32). The first match wins,
-# so each specific name comes before the family name it contains.
-_GPU_PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
-    (r"\bGH200\b", 989.0, 67.0),
-    (r"\bH200 NVL\b", 835.0, 60.0),
-    (r"\bH200\b", 989.0, 67.0),
-    (r"\bH100 PCIe\b", 756.0, 51.0),
-    (r"\bH100 NVL\b", 835.0, 60.0),
-    (r"\bH100\b", 989.0, 67.0),  # SXM ("NVIDIA H100 80GB HBM3")
-    (r"\bA100\b", 312.0, 19.5),
-    (r"\bL40S\b", 362.0, 91.6),
-    (r"\bL40\b", 181.0, 90.5),
-    (r"\bL4\b", 121.0, 30.3),
-    (r"\bA10G?\b", 125.0, 31.2),
-    (r"\b4090\b", 165.0, 82.6),
-)
+LN2 = math.log(2.0)
 
 
-def known_peak_tflops(device_name: str, precision: str) -> float | None:
-    """Dense peak TFLOP/s of a GPU named ``device_name`` at ``precision`` (bf16, fp16 or
-    fp32); None for a device the table does not know."""
-    for pattern, half, single in _GPU_PEAK_TFLOPS:
-        if re.search(pattern, device_name):
-            return single if precision == "fp32" else half
-    return None
+class ModalitySums:
+    """Per modality: the loss summed over its targets, and their number."""
 
+    def __init__(self, modalities: Sequence[str]) -> None:
+        self.modalities = list(modalities)
+        self.sums = {m: 0.0 for m in self.modalities}
+        self.counts = {m: 0 for m in self.modalities}
 
-def peak_tflops(cfg: RunConfig, device: torch.device) -> float | None:
-    """``train.peak_tflops`` when set, else the table's figure for a CUDA device; None
-    when unknown (a CPU, an unlisted GPU), and then no MFU is logged: a guessed peak gives
-    a figure that reads like a measurement (over 100 % on a laptop)."""
-    if cfg.train.peak_tflops > 0:
-        return cfg.train.peak_tflops
-    if device.type == "cuda":
-        return known_peak_tflops(torch.cuda.get_device_name(device), cfg.deepspeed.precision)
-    return None
+    def add(self, report: LossReport) -> None:
+        for m, v in report.per_modality.items():
+            self.sums[m] += v * report.counts[m]
+            self.counts[m] += report.counts[m]
 
+    def means(self) -> dict[str, float]:
+        """Each modality's mean loss per target, for the modalities that had targets."""
+        return {m: self.sums[m] / self.counts[m] for m in self.modalities if self.counts[m]}
 
-def train_flops(
-    model: MultimodalLM, tokens: int, attn_pairs: float, head_targets: dict[str, int]
-) -> float:
-    """FLOPs of forward+backward: 6 per parameter per token in the decoder, 6·D per
-    (query, key) pair per layer for causal attention inside documents, and 6·D·vocab_m per
-    target in the head of its modality."""
-    cfg, space = model.config, model.space
-    assert cfg.head_dim is not None
-    dense = sum(
-        p.numel() for n, p in model.model.named_parameters() if not n.startswith("embed_tokens")
-    )
-    attn = 6.0 * 2 * cfg.num_attention_heads * cfg.head_dim * attn_pairs * cfg.num_hidden_layers
-    heads = sum(
-        6.0 * cfg.hidden_size * (space.num_specials + space.range(m).size) * n
-        for m, n in head_targets.items()
-    )
-    return 6.0 * dense * tokens + attn + heads
+    def weighted_mean(self, weights: Sequence[float]) -> float:
+        """The mean of the modalities' losses weighted by ``weights`` (token-space order),
+        over the modalities that had targets (NaN when none had)."""
+        means = self.means()
+        pairs = [(float(w), means[m]) for m, w in zip(self.modalities, weights) if m in means]
+        wsum = sum(w for w, _ in pairs)
+        return sum(w * v for w, v in pairs) / wsum if wsum else math.nan
 
-
-def causal_pairs(doc_ids: torch.Tensor) -> float:
-    """Σ over documents of L·(L+1)/2: the (query, key) pairs causal attention computes."""
-    total = 0.0
-    for row in doc_ids:
-        _, counts = torch.unique_consecutive(row, return_counts=True)
-        c = counts.double()
-        total += float((c * (c + 1) / 2).sum())
-    return total
+    def metrics(self, prefix: str = "", targets: bool = False) -> dict[str, float]:
+        """``{prefix}loss/<m>`` (and ``targets/<m>`` when asked) for each modality with
+        targets, then ``{prefix}bits_per_base/dna`` when DNA had some."""
+        out: dict[str, float] = {}
+        for m, mean in self.means().items():
+            out[f"{prefix}loss/{m}"] = mean
+            if targets:
+                out[f"targets/{m}"] = self.counts[m]
+        if f"{prefix}loss/dna" in out:
+            out[f"{prefix}bits_per_base/dna"] = out[f"{prefix}loss/dna"] / LN2
+        return out
 
 
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB -> MiB
-
-
-def wandb_mode(setting: str) -> str:
-    if setting != "auto":
-        return setting
-    return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-
-
-class MetricsLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing."""
-
-    def __init__(self, cfg: RunConfig, run_dir: Path, active: bool, resume_step: int = 0) -> None:
-        self.active = active
-        self.jsonl = run_dir / "metrics.jsonl" if cfg.logging.jsonl else None
-        self.run: Any = None
-        if not active:
-            return
-        run_dir.mkdir(parents=True, exist_ok=True)
-        if self.jsonl is not None:
-            self._truncate_after(resume_step)
-        self.pending: list[tuple[int, dict[str, Any]]] = []  # steps no checkpoint covers yet
-        mode = wandb_mode(cfg.logging.wandb)
-        if mode != "disabled":
-            import wandb
-
-            from ulysses_mm.config import to_dict
-
-            id_file = run_dir / "wandb_id.txt"
-            run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-            id_file.write_text(run_id + "\n")
-            self.run = wandb.init(
-                project=cfg.logging.project,
-                name=cfg.logging.run_name or run_dir.name,
-                id=run_id,
-                resume="allow",
-                mode=mode,  # type: ignore[arg-type]
-                dir=str(run_dir),
-                config=to_dict(cfg),
-                settings=wandb.Settings(silent=True, console="off", x_disable_stats=True),
-            )
-            if resume_step:
-                self._replay(run_dir, run_id, mode, resume_step)
-
-    def _truncate_after(self, step: int) -> None:
-        """On resume, drop records past the checkpoint (they are about to be redone)."""
-        assert self.jsonl is not None
-        if not self.jsonl.exists():
-            return
-        keep = [
-            line
-            for line in self.jsonl.read_text().splitlines()
-            if line and json.loads(line)["step"] <= step
-        ]
-        atomic_write_local(self.jsonl, "".join(line + "\n" for line in keep).encode())
-
-    def _replay(self, run_dir: Path, run_id: str, mode: str, resume_step: int) -> None:
-        """Hand W&B the steps up to the checkpoint it may not hold (see the module docstring)."""
-        first = 1
-        if mode == "offline":
-            current = Path(self.run.dir).parent.resolve()
-            superseded = run_dir / "wandb" / "superseded"
-            for old in (run_dir / "wandb").glob(f"offline-run-*-{run_id}"):
-                if old.resolve() != current:
-                    superseded.mkdir(parents=True, exist_ok=True)
-                    old.rename(superseded / old.name)
-        else:
-            first = int(self.run.step)  # the server's next step
-        if self.jsonl is None or not self.jsonl.exists():
-            return
-        for line in self.jsonl.read_text().splitlines():
-            record = json.loads(line) if line else {}
-            step = record.pop("step", None)
-            if step is not None and first <= step <= resume_step:
-                self.run.log({k: v for k, v in record.items() if k != "kind"}, step=step)
-
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        if not self.active:
-            return
-        clean = {
-            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in metrics.items()
-        }
-        if self.jsonl is not None:
-            with self.jsonl.open("a") as f:
-                f.write(json.dumps({"step": step, **clean}) + "\n")
-        if self.run is not None:
-            self.pending.append((step, {k: v for k, v in metrics.items() if k != "kind"}))
-
-    def checkpointed(self, step: int) -> None:
-        """A checkpoint of ``step`` is on disk: W&B may now have the steps up to it."""
-        if self.run is None:
-            return
-        for s, metrics in self.pending:
-            if s <= step:
-                self.run.log(metrics, step=s)
-        self.pending = [(s, m) for s, m in self.pending if s > step]
-
-    def finish(self) -> str | None:
-        if self.run is None:
-            return None
-        for s, metrics in self.pending:  # the run ended normally: nothing will be redone
-            self.run.log(metrics, step=s)
-        self.pending = []
-        directory = str(Path(self.run.dir).parent)
-        self.run.finish()
-        return directory

@@ -3,8 +3,8 @@ cosine down to ``min_lr_ratio`` of it (``WarmupCosineLR``) or flat (``WarmupLR``
 
 Not DeepSpeed's classes of those names: they set the rate of iteration -1 (0) before the
 first step and step after each optimizer step, so with ``warmup_min_ratio`` 0 steps 1 and 2
-both ran at lr 0 (the weights unchanged), and the cosine took over one step before the
-warm-up reached its peak, which was never applied. Here optimizer step k (1-based) runs at
+both run at lr 0 (the weights unchanged), and the cosine takes over one step before the
+warm-up reaches its peak, which is never applied. Here optimizer step k (1-based) runs at
 ``peak · lr_factor(k)``; DeepSpeed calls :meth:`WarmupSchedule.step` after each step.
 """
 
@@ -60,7 +60,7 @@ class WarmupSchedule:
         return {"steps": self.steps}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        # DeepSpeed's WarmupLR / WarmupCosineLR (older checkpoints) count from -1
+        # a checkpoint of DeepSpeed's WarmupLR / WarmupCosineLR counts from -1
         self.steps = int(state["steps"] if "steps" in state else state["last_batch_iteration"] + 1)
         self._apply()
 
