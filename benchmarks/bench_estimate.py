@@ -3,7 +3,7 @@
 For each case, ``ulysses-mm estimate``'s arithmetic (``device="cpu"``: the tensors of a
 CPU process) is printed beside the peak that ``ulysses_mm.tools.measure`` measures on the same
 run (DeepSpeed engine, gloo, SP ranks as local processes started by torch's elastic
-launcher), and the part above what was live before the step. tests/test_estimate.py
+launcher), and the part above what was live before the step. tests/distributed/test_estimate.py
 asserts the same figures within 15 %.
 
     python benchmarks/bench_estimate.py                      # debug-tiny and small, SP=1, 2

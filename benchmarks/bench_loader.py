@@ -10,7 +10,7 @@ node cache directory) trains ``--steps`` steps of ``--step-ms`` each against:
 
 - a local HTTP server that delays every response by ``--latency-ms`` and counts the
   bytes it sends;
-- a moto S3 server on loopback behind a byte-counting TCP proxy (tests/byte_proxy.py):
+- a moto S3 server on loopback behind a byte-counting TCP proxy (tests/helpers/byte_proxy.py):
   every byte the server sent, HTTP headers included.
 
 Figures, per server:
@@ -61,8 +61,10 @@ MODALITIES = {"video": 0.5, "audio": 0.3, "dna": 0.2}  # inside mixed, shares of
 
 
 def _proxy_class():
-    """tests/byte_proxy.py's ByteCountingProxy (standard library only)."""
-    spec = importlib.util.spec_from_file_location("byte_proxy", REPO / "tests" / "byte_proxy.py")
+    """tests/helpers/byte_proxy.py's ByteCountingProxy (standard library only)."""
+    spec = importlib.util.spec_from_file_location(
+        "byte_proxy", REPO / "tests" / "helpers" / "byte_proxy.py"
+    )
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

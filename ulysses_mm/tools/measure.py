@@ -193,7 +193,7 @@ def measure_worker(
     rank: int, world: int, cfg_dict: dict[str, Any], seq_len: int, doc_len: int | None = None
 ) -> dict[str, Any]:
     """:func:`measure_step` on one rank of an initialised gloo world (the signature of
-    tests/distributed.py's ``run_distributed``); sp = the config's parallel.sp."""
+    tests/helpers/gloo.py's ``run_distributed``); sp = the config's parallel.sp."""
     cfg = from_dict(RunConfig, cfg_dict)
     return measure_step(cfg, seq_len, open_world(cfg, device="cpu"), doc_len).to_dict()
 

@@ -72,7 +72,7 @@ def ds_config(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
     if d.zero_stage == 3 and sp > 1:
         # ZeRO-3's reduce-scatter path averages gradients over all dp × sp ranks (it does
         # not undo the SP factor), which halves them at sp=2; its contiguous all-reduce path
-        # divides by dp as the other stages do. tests/test_engine.py checks the gradients.
+        # divides by dp as the other stages do. tests/distributed/test_engine.py checks the gradients.
         zero["reduce_scatter"] = False
     if d.offload_optimizer != "none":
         zero["offload_optimizer"] = {"device": d.offload_optimizer}

@@ -8,7 +8,7 @@ rank is in. The tensor peak is what ``torch.cuda.max_memory_allocated`` reports 
 and what :class:`ulysses_mm.tools.memory.TensorMemoryTracker` counts on CPU;
 ``device="cpu"`` estimates the latter (CPU optimizer path, batch layout and gloo
 collectives; no headroom, reserve or kernel scratch), which is how the arithmetic is
-checked against measurement (:mod:`ulysses_mm.tools.measure`, ``tests/test_estimate.py``).
+checked against measurement (:mod:`ulysses_mm.tools.measure`, ``tests/distributed/test_estimate.py``).
 """
 
 from __future__ import annotations

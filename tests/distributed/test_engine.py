@@ -9,7 +9,7 @@ import itertools
 
 import pytest
 import torch
-from distributed import run_distributed
+from gloo import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import RunConfig, load_config

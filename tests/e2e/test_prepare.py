@@ -1,4 +1,4 @@
-"""``prepare`` end to end with fake tokenizers (tests/pipeline_fakes.py): every document
+"""``prepare`` end to end with fake tokenizers (tests/helpers/pipeline_fakes.py): every document
 lands in the shards, bad inputs are skipped with reasons, all-bad is an error, equal
 inputs give equal bytes, a SIGKILLed run restarted gives the bytes of an uninterrupted
 one, and outputs go to fsspec URLs (memory://, and S3 on a local moto server)."""
@@ -28,10 +28,10 @@ from ulysses_mm.shards.reader import read_samples
 from ulysses_mm.tokenize import registry
 from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])}
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS / "helpers")])}
 
 
 def config(root: Path, output: str, overrides: list[str] = (), **kw) -> PipelineConfig:  # type: ignore[assignment]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-TEST_DATA = Path(__file__).resolve().parent / "data"
-REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+TEST_DATA = Path(__file__).resolve().parents[1] / "data"
+REPO = Path(__file__).resolve().parents[2]
 TOKENIZERS = REPO / "tokenizers"
 
 

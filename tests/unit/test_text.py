@@ -19,7 +19,7 @@ from ulysses_mm.shards.reader import read_samples
 from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec, build_token_space
 from ulysses_mm.tokenize.registry import load_tokenizer
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 REPO = TESTS.parent
 SENTENCES = [
     "The quick brown fox jumps over the lazy dog.",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_distributed
+from gloo import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig, ParallelConfig

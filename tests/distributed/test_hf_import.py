@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from distributed import run_distributed
+from gloo import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig, RunConfig, to_dict
@@ -33,7 +33,7 @@ from ulysses_mm.parallel.loss import loss_weights
 from ulysses_mm.parallel.slice import sp_slice
 from ulysses_mm.train.step import forward_backward
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TEXT_VOCAB = 300
 SHAPE = dict(
     hidden_size=32,

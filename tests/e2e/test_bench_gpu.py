@@ -21,7 +21,7 @@ import torch
 from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.tools.estimate import max_seq_len
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu" / "bench_gpu.py"
 
 
@@ -161,11 +161,11 @@ def test_a_worker_failing_before_its_first_length_is_reported(tmp_path: Path):
     data = json.loads((out / "bench_gpu.json").read_text())
     assert data["points"] == []  # no made-up point at seq_len 0
     error = data["longest"]["1"]["error"]
-    assert error.startswith("failed before its first length: RuntimeError: ")
+    assert error.startswith("failed before its first length: UnsupportedError: ")
     assert "needs flash-attn and a CUDA GPU" in error and "(rank 0)" in error
     assert data["longest"]["1"]["trained"] == 0
     assert (out / "bench_gpu.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "SP=1: failed before its first length: RuntimeError:" in res.stdout
+    assert "SP=1: failed before its first length: UnsupportedError:" in res.stdout
 
 
 @pytest.mark.gpu

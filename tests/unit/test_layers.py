@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ulysses_mm.tools.layers import LAYERS, layer_of, violations
 
-PACKAGE = Path(__file__).resolve().parents[1] / "ulysses_mm"
+PACKAGE = Path(__file__).resolve().parents[2] / "ulysses_mm"
 
 
 def test_the_package_has_no_upward_import():

@@ -13,7 +13,7 @@ from ulysses_mm.shards.prepare.route import route
 from ulysses_mm.shards.prepare.run import load_pipeline_config
 from ulysses_mm.tokenize import registry
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 PIPELINES = sorted((REPO / "pipelines").glob("*.yaml"))
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from distributed import run_distributed
+from gloo import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import ConfigError, ModelConfig, RunConfig, load_config
@@ -150,7 +150,7 @@ def test_bench_gpu_memory_modes_reach_the_plan():
     import importlib.util
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "bench_gpu.py"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "bench_gpu.py"
     spec = importlib.util.spec_from_file_location("bench_gpu", script)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)

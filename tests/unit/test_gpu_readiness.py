@@ -34,7 +34,7 @@ from ulysses_mm.tools.estimate import (
 )
 from ulysses_mm.tools.memory import TensorMemoryTracker
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 # --------------------------------------------------------------------------- kernel choice
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, require_fixture
 from train_data import learnable_fasta, train_rows
 
 from ulysses_mm.cli import main
@@ -45,8 +45,10 @@ def mixed(tmp_path_factory) -> Manifest:
             "progress=false",
         ],
     )
-    if not all(Path(t).is_file() for t in cfg.tokenizers) or not expand_sources(cfg.sources)[0]:
-        pytest.skip("tokenizer specs or tests/data sample files not in this checkout")
+    require_fixture(
+        all(Path(t).is_file() for t in cfg.tokenizers) and bool(expand_sources(cfg.sources)[0]),
+        "the mixed pipeline's tokenizer specs and tests/data sample files",
+    )
     result = prepare(cfg, out=io.StringIO())
     return Manifest.load(result.location)
 
@@ -254,8 +256,10 @@ def test_a_modality_the_manifest_lacks_fails_in_the_parent(tmp_path, no_processe
             "progress=false",
         ],
     )
-    if not all(Path(t).is_file() for t in cfg.tokenizers) or not expand_sources(cfg.sources)[0]:
-        pytest.skip("tokenizer specs or tests/data sample files not in this checkout")
+    require_fixture(
+        all(Path(t).is_file() for t in cfg.tokenizers) and bool(expand_sources(cfg.sources)[0]),
+        "the mixed pipeline's tokenizer specs and tests/data sample files",
+    )
     location = prepare(cfg, out=io.StringIO()).location
     train = {location: {"modalities": {"dna": 0.5, "video": 0.5}}}
     assert main(["train", str(_config(tmp_path, train))]) == 2

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 # Every module of the torch-free layers (found on disk, so a new one is checked too), and
 # the tokenizer registry prepare routes with.

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_distributed
+from gloo import run_distributed
 
 from ulysses_mm import cli
 from ulysses_mm.config import RunConfig, load_config, to_dict
@@ -42,7 +42,7 @@ from ulysses_mm.tools.estimate import (
 )
 from ulysses_mm.tools.measure import measure_worker, run_space
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 TOLERANCE = 0.15
 SMALL_BUCKETS = "deepspeed.extra={zero_optimization: {reduce_bucket_size: 200000}}"
