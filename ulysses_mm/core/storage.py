@@ -1,7 +1,9 @@
 """Where files live: local paths or fsspec URLs, written so nothing partial is ever visible.
 
 General I/O on the bottom floor: datasets (``data``), fitted codebooks (``modalities``),
-checkpoints and metrics (``train``) all write through it. It imports nothing of the package.
+checkpoints and metrics (``train``) all write through it. Of the package it imports only
+the error types, so a failed remote read is one :class:`ReadError` line whatever the
+backend raised.
 
 Every write goes to a temporary name in the destination's own directory (``.NAME.XXXX.tmp``)
 and is then renamed (local: ``os.replace``) or moved (object stores: upload to the temporary
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import IO, Any
 
 import fsspec
+
+from ulysses_mm.core.errors import StorageError, first_line
 
 _TEMP_RE = re.compile(r"^\..+\.[0-9a-z_]+\.tmp$")
 _CHUNK = 8 << 20
@@ -177,14 +181,57 @@ def read_bytes(
 ) -> bytes:
     """The bytes of a path or URL. ``timeouts=(connect_s, read_s)`` bounds a remote read
     (see :func:`with_timeouts`), so a server that accepts and then stalls raises
-    instead of holding the caller."""
+    instead of holding the caller. A remote read that fails raises one
+    :class:`ReadError` line (an ``OSError``), whatever the backend raised."""
     if is_local(location):
         return local_path(location).read_bytes()
     opts = with_timeouts(location, storage_options, *timeouts) if timeouts else storage_options
     fs, path = url_to_fs(location, opts)
     if timeouts and getattr(fs, "protocol", None) and "s3" in fs.protocol:
         fs.retries = 1  # type: ignore[attr-defined]  # the caller owns the retry policy
-    return fs.cat_file(path)
+    try:
+        return fs.cat_file(path)
+    except StorageError:
+        raise
+    # transport faults arrive as many types (OSError, aiohttp, botocore, asyncio timeouts)
+    except Exception as e:
+        raise remote_error(e, location) from e
+
+
+class ReadError(StorageError):
+    """A remote read failed; ``status`` is the HTTP status when the server answered one,
+    and ``retryable`` says whether asking again can help (a timeout, a reset, a 5xx, 408
+    or 429 can; any other 4xx, a missing object or a refused permission cannot)."""
+
+    def __init__(self, message: str, status: int | None = None, retryable: bool = True) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retryable = retryable
+
+
+class MissingError(ReadError, FileNotFoundError):
+    """The server says the object does not exist (HTTP 404, S3 NoSuchKey)."""
+
+
+def remote_error(e: BaseException, location: str) -> ReadError:
+    """``e``, raised by a remote read of ``location``, as one :class:`ReadError` line
+    (``Type: message`` for transport faults, ``HTTP 500 Internal Server Error`` for a
+    status, the URL not repeated: the caller names it)."""
+    status = getattr(e, "status", None)  # aiohttp.ClientResponseError
+    if not isinstance(status, int):
+        response = getattr(e, "response", None)  # botocore.exceptions.ClientError
+        meta = response.get("ResponseMetadata", {}) if isinstance(response, dict) else {}
+        status = meta.get("HTTPStatusCode") if isinstance(meta, dict) else None
+    if isinstance(status, int):
+        reason = str(getattr(e, "message", "") or "").strip().splitlines()
+        text = f"HTTP {status}" + (f" {reason[0]}" if reason else "")
+        kind = MissingError if status == 404 else ReadError
+        return kind(text, status, retryable=status >= 500 or status in (408, 429))
+    if isinstance(e, FileNotFoundError):
+        return MissingError("not found (HTTP 404)", 404, retryable=False)
+    if isinstance(e, PermissionError):
+        return ReadError(f"access denied (HTTP 403): {first_line(e)}", 403, retryable=False)
+    return ReadError(first_line(e))
 
 
 def with_timeouts(

@@ -3,12 +3,14 @@ thread that fetches the next shards while the current ones train.
 
 Fault policy (each kind of failure has one meaning):
 
-* a transport fault (refused or reset connection, a connect or read timeout, an HTTP
-  error status, a short read) is retried ``retries`` times with exponential backoff, then
+* a transport fault (refused or reset connection, a connect or read timeout, a 5xx, 408
+  or 429 status, a short read) is retried ``retries`` times with exponential backoff, then
   raised as one :class:`~ulysses_mm.core.errors.StorageError` line naming the URL. With
   ``timeouts=(c, r)`` a server that stalls costs at most ``c + r`` seconds per attempt,
   so a read gives up after at most
   ``retries·(c + r) + backoff·(2^(retries−1) − 1)`` seconds;
+* any other 4xx status (404, 403: a missing object, a refused permission) is raised at
+  once, as one line naming the URL and the status: asking again gets the same answer;
 * bytes whose size or sha256 differ from the manifest are a data error
   (:class:`~ulysses_mm.shards.manifest.ShardIntegrityError`), raised at once: fetching the
   same object again returns the same wrong bytes.
@@ -17,15 +19,20 @@ The :class:`Prefetcher` holds one worker thread. The stream tells it, after ever
 which shards come next (in order, with their sizes); it keeps as many of them fetched or
 in flight as fit in ``max_bytes`` (at least the next one), and drops what the order no
 longer needs. An error raised on the worker reaches the training thread unchanged, when
-it asks for that shard.
+it asks for that shard. The worker is a daemon thread that nothing ever joins: a process
+whose run failed exits at once, even while the worker still waits on a stalled server
+(a ``ThreadPoolExecutor`` worker would be joined at interpreter exit, after every shard
+still queued had been tried in turn).
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 from ulysses_mm.core import storage
@@ -49,11 +56,15 @@ def fetch_shard(
         try:
             data = storage.read_bytes(location, manifest.storage_options, timeouts)
         # transport faults arrive as many types (OSError, aiohttp, botocore, asyncio
-        # timeouts): all are retried, boundedly
+        # timeouts); storage turns them into ReadError, which says whether to retry
         except Exception as e:
+            if isinstance(e, storage.ReadError) and not e.retryable:
+                raise StorageError(
+                    f"could not read shard {location}: {e} (not retried: the server refuses it)"
+                ) from e
             if attempt == retries:
                 raise StorageError(
-                    f"could not read shard {location} after {retries} attempts: {first_line(e)}"
+                    f"could not read shard {location} after {retries} attempts: {_why(e)}"
                 ) from e
             time.sleep(delay)
             delay *= 2
@@ -68,6 +79,10 @@ def fetch_shard(
     raise AssertionError("unreachable")
 
 
+def _why(e: BaseException) -> str:
+    return str(e) if isinstance(e, storage.ReadError) else first_line(e)
+
+
 class Prefetcher:
     """Loads keys on one background thread, ahead of need, within a byte budget."""
 
@@ -75,18 +90,44 @@ class Prefetcher:
         self._load = load
         self.max_bytes = max_bytes
         self._keep = keep  # recently used results kept for samples still to come
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="shard-prefetch")
+        self._queue: queue.SimpleQueue[tuple[Hashable, Future] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="shard-prefetch", daemon=True)
+        self._thread.start()
         self._futures: OrderedDict[Hashable, Future] = OrderedDict()
         self._recent: OrderedDict[Hashable, Future] = OrderedDict()
+        self._closed = False
         self.waited_s = 0.0  # time the caller spent blocked on a result
         self.loaded_s = 0.0  # time the worker spent loading
 
-    def _timed(self, key: Hashable) -> Any:
-        t0 = time.perf_counter()
-        try:
-            return self._load(key)
-        finally:
-            self.loaded_s += time.perf_counter() - t0
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None and not self._closed:
+            key, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue  # dropped from the schedule before its turn
+            t0 = time.perf_counter()
+            try:
+                fut.set_result(self._load(key))
+            except BaseException as e:  # reaches the caller of get(key)
+                fut.set_exception(e)
+            finally:
+                self.loaded_s += time.perf_counter() - t0
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[1].cancel()
+
+    def _submit(self, key: Hashable) -> Future:
+        if self._closed:
+            raise RuntimeError("the prefetcher is closed")
+        fut: Future = Future()
+        self._queue.put((key, fut))
+        return fut
 
     @property
     def busy(self) -> bool:
@@ -96,7 +137,7 @@ class Prefetcher:
     def get(self, key: Hashable) -> Any:
         fut = self._recent.pop(key, None) or self._futures.pop(key, None)
         if fut is None:
-            fut = self._pool.submit(self._timed, key)
+            fut = self._submit(key)
         t0 = time.perf_counter()
         try:
             result = fut.result()
@@ -124,9 +165,14 @@ class Prefetcher:
                 fut.cancel()
         for key in wanted:
             if key not in self._futures:
-                self._futures[key] = self._pool.submit(self._timed, key)
+                self._futures[key] = self._submit(key)
 
     def close(self) -> None:
+        """Cancel what is queued and let the worker go; never waits for it (a load in
+        flight ends by its own timeouts, and the daemon worker never delays exit)."""
+        self._closed = True
         for fut in self._futures.values():
             fut.cancel()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._futures.clear()
+        self._recent.clear()
+        self._queue.put(None)

@@ -5,12 +5,21 @@ launcher the environment describes the world and we join it; with ``--nproc N`` 
 
 A rank that fails reaches the user as one line naming the rank and what went wrong; its
 full traceback goes to ``LOG_DIR/rank-N.log`` (the run directory's ``logs/`` for train).
+
+A failed run ends in bounded time whatever its threads still wait on (a stalled storage
+server, a collective whose peer is gone): a local worker process whose rank failed leaves
+with ``os._exit`` once its error line is written, skipping interpreter shutdown, and the
+elastic agent, seeing it gone, ends the rest of the world (SIGTERM, then SIGKILL), as
+torchrun does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import shutil
+import sys
 import tempfile
 import traceback
 import uuid
@@ -42,6 +51,19 @@ def _guarded(fn: Callable[..., Any], log_dir: str, *args: Any) -> Any:
         line = f"rank {rank}: {_one_line(e)} (traceback in {log})"
         (logs / f"rank-{rank}.error").write_text(line + "\n")
         raise WorkerError(line) from None
+
+
+def _local_rank(fn: Callable[..., Any], log_dir: str, *args: Any) -> Any:
+    """:func:`_guarded` in a worker process :func:`launch_local` started: a failure leaves
+    at once (exit 1), its line in ``rank-N.error`` for the parent to print, not waiting
+    for threads (a prefetch, a storage client's event loop) that may never return."""
+    try:
+        return _guarded(fn, log_dir, *args)
+    except WorkerError:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> dict[int, Any]:
@@ -88,8 +110,13 @@ def run_world(
     for lg in agent_logs:
         lg.setLevel(logging.CRITICAL)
     try:
-        results = launch_local(_guarded, nproc, fn, logs, *args)
+        results = launch_local(_local_rank, nproc, fn, logs, *args)
     except ChildFailedError as e:
+        # a rank the agent ended may have left a progress bar half drawn: clear it, as
+        # tqdm does, so the error line stands alone
+        with contextlib.suppress(Exception):
+            sys.stderr.write("\r" + " " * shutil.get_terminal_size().columns + "\r")
+            sys.stderr.flush()
         rank, failure = e.get_first_failure()
         line = Path(logs) / f"rank-{rank}.error"
         if line.exists():

@@ -237,8 +237,9 @@ class Manifest:
             location = storage.join(location, MANIFEST_NAME)
         try:
             raw = storage.read_bytes(location, storage_options, timeouts)
-        except (OSError, ValueError) as e:
-            raise ManifestError(f"cannot read manifest {location}: {first_line(e)}") from e
+        except (OSError, ValueError) as e:  # a remote failure is one storage.ReadError
+            why = str(e) if isinstance(e, storage.ReadError) else first_line(e)
+            raise ManifestError(f"cannot read manifest {location}: {why}") from e
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -10,6 +10,7 @@ checkpoints every ``train.checkpoint_every`` steps and at the end.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -166,22 +167,39 @@ class Trainer:
         if self.rank0:
             from tqdm import tqdm
 
+            # one bar in one process: a thread lock, not tqdm's default multiprocessing
+            # lock, whose semaphore a rank ended by the launcher would leave behind
+            tqdm.set_lock(threading.RLock())
             progress = tqdm(
                 total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True
             )
-        while self.step < t.steps:
-            last = self.train_step()
-            if self.step % t.log_every == 0 or self.step == t.steps:
-                self.logger.log(self.step, last)
+        try:
+            while self.step < t.steps:
+                last = self.train_step()
+                if self.step % t.log_every == 0 or self.step == t.steps:
+                    self.logger.log(self.step, last)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix(
+                        loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}"
+                    )
+                if (
+                    self.eval_manifest is not None
+                    and t.eval_every
+                    and self.step % t.eval_every == 0
+                ):
+                    self.logger.log(self.step, self.evaluate())
+                if (
+                    t.checkpoint_every and self.step % t.checkpoint_every == 0
+                ) or self.step == t.steps:
+                    saved = self.save()
+        except BaseException:
+            # the error's line must stand alone: the bar is cleared, not left half drawn
             if progress is not None:
-                progress.update(1)
-                progress.set_postfix(
-                    loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}"
-                )
-            if self.eval_manifest is not None and t.eval_every and self.step % t.eval_every == 0:
-                self.logger.log(self.step, self.evaluate())
-            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or self.step == t.steps:
-                saved = self.save()
+                progress.leave = False
+                progress.close()
+            self.stream.close()  # never waits on a fetch still in flight
+            raise
         if progress is not None:
             progress.close()
         self.stream.close()
