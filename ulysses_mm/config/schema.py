@@ -265,6 +265,9 @@ class DataConfig:
     storage_options: dict[str, Any] = _help(
         "fsspec storage options (for example endpoint_url for an S3-API server).", factory=dict
     )
+    max_manifest_bytes: int = _help(
+        "Largest manifest body read; a bigger one is refused before it is read.", 256 << 20
+    )
 
     def __post_init__(self) -> None:
         mix = {} if isinstance(self.train, str) else self.train
@@ -281,7 +284,7 @@ class DataConfig:
                     )
         _at_least("data", self, 0, "seq_len", "shuffle_buffer", "retries", "retry_backoff_s")
         _at_least("data", self, 0, "prefetch_bytes", "cache_bytes")
-        _at_least("data", self, 1, "micro_batch_size")
+        _at_least("data", self, 1, "micro_batch_size", "max_manifest_bytes")
         _seed("data.seed", self.seed)
         for key in ("connect_timeout_s", "read_timeout_s"):
             value = getattr(self, key)

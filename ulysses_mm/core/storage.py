@@ -198,6 +198,61 @@ def read_bytes(
         raise remote_error(e, location) from e
 
 
+class TooLargeError(StorageError):
+    """An object is bigger than the caller's cap; ``size`` is its size when known."""
+
+    def __init__(self, message: str, size: int | None, cap: int) -> None:
+        super().__init__(message)
+        self.size = size
+        self.cap = cap
+
+
+def read_bytes_capped(
+    location: str,
+    max_bytes: int,
+    storage_options: Mapping[str, Any] | None = None,
+    timeouts: tuple[float, float] | None = None,
+) -> bytes:
+    """Like :func:`read_bytes`, but never more than ``max_bytes``: the size (``stat``,
+    fsspec ``info``, an HTTP Content-Length) is checked before the body is read, and a body
+    of unknown size is read in chunks and given up on past the cap. Over it:
+    :class:`TooLargeError` (its message names the size or says it is over the cap)."""
+
+    def over(size: int | None) -> TooLargeError:
+        said = f"{size} bytes" if size is not None else f"more than {max_bytes} bytes"
+        return TooLargeError(f"{said}, over the cap of {max_bytes} bytes", size, max_bytes)
+
+    def bounded(f: IO[bytes]) -> bytes:
+        parts, total = [], 0
+        while chunk := f.read(min(_CHUNK, max_bytes + 1 - total)):
+            parts.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:
+                raise over(None)
+        return b"".join(parts)
+
+    if is_local(location):
+        with open(local_path(location), "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > max_bytes:
+                raise over(size)
+            return bounded(f)
+    opts = with_timeouts(location, storage_options, *timeouts) if timeouts else storage_options
+    fs, path = url_to_fs(location, opts)
+    if timeouts and getattr(fs, "protocol", None) and "s3" in fs.protocol:
+        fs.retries = 1  # type: ignore[attr-defined]  # the caller owns the retry policy
+    try:
+        size = fs.info(path).get("size")
+        if isinstance(size, int) and size > max_bytes:
+            raise over(size)
+        with fs.open(path, "rb") as f:
+            return bounded(f)
+    except StorageError:
+        raise
+    except Exception as e:  # as in read_bytes: one ReadError line
+        raise remote_error(e, location) from e
+
+
 class ReadError(StorageError):
     """A remote read failed; ``status`` is the HTTP status when the server answered one,
     and ``retryable`` says whether asking again can help (a timeout, a reset, a 5xx, 408

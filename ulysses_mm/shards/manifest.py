@@ -22,7 +22,9 @@ Layout (JSON object, ``format_version`` 1)::
                              segments in order) as runs of one modality, so the tokens of each
                              modality in every sample follow without reading a shard
                              (optional: manifests written before it lack it)
-    inputs                   [{source, status "ok", modality, documents, tokens, first_doc_id}
+    inputs                   [{source, status "ok", modality, documents, tokens, first_doc_id
+                               [, skipped_records, skip_reason: records of the input left
+                               out, e.g. bad .jsonl lines, and the first one's reason]}
                               | {source, status "skipped", reason}], in packing order
     config                   the resolved pipeline config, less where and how it ran
                              (output, staging, workers, storage options, progress)
@@ -49,6 +51,7 @@ FORMAT = "ulysses-mm-shards"
 FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 READ_TIMEOUTS = (10.0, 60.0)  # connect, read seconds: data.connect_timeout_s, read_timeout_s
+MAX_MANIFEST_BYTES = 256 << 20  # a bigger body is refused unread: data.max_manifest_bytes
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -87,9 +90,16 @@ class InputEntry:
     tokens: int = 0
     first_doc_id: int = 0
     reason: str = ""
+    skipped_records: int = 0  # records of an ok input left out (bad .jsonl lines)
+    skip_reason: str = ""  # the first of them
 
     def to_dict(self) -> dict[str, Any]:
         if self.status == "ok":
+            note = (
+                {"skipped_records": self.skipped_records, "skip_reason": self.skip_reason}
+                if self.skipped_records
+                else {}
+            )
             return {
                 "source": self.source,
                 "status": "ok",
@@ -97,6 +107,7 @@ class InputEntry:
                 "documents": self.documents,
                 "tokens": self.tokens,
                 "first_doc_id": self.first_doc_id,
+                **note,
             }
         return {"source": self.source, "status": self.status, "reason": self.reason}
 
@@ -229,14 +240,20 @@ class Manifest:
         location: str,
         storage_options: Mapping[str, Any] | None = None,
         timeouts: tuple[float, float] = READ_TIMEOUTS,
+        max_bytes: int = MAX_MANIFEST_BYTES,
     ) -> Manifest:
         """Read and validate ``manifest.json`` from a path or URL (a dataset directory works
         too). A remote read has ``timeouts`` (connect, read seconds): a server that accepts
-        and then stalls is one error, not a hang."""
+        and then stalls is one error, not a hang. A body over ``max_bytes`` is refused
+        before it is read whole (its size checked first, the read stopped past the cap)."""
         if not location.endswith(".json"):
             location = storage.join(location, MANIFEST_NAME)
         try:
-            raw = storage.read_bytes(location, storage_options, timeouts)
+            raw = storage.read_bytes_capped(location, max_bytes, storage_options, timeouts)
+        except storage.TooLargeError as e:
+            raise ManifestError(
+                f"manifest {location}: {e} (data.max_manifest_bytes); is it a manifest?"
+            ) from None
         except (OSError, ValueError) as e:  # a remote failure is one storage.ReadError
             why = str(e) if isinstance(e, storage.ReadError) else first_line(e)
             raise ManifestError(f"cannot read manifest {location}: {why}") from e
@@ -306,6 +323,8 @@ class Manifest:
                     tokens=_int(i.get("tokens", 0)),
                     first_doc_id=_int(i.get("first_doc_id", 0)),
                     reason=str(i.get("reason", "")),
+                    skipped_records=_int(i.get("skipped_records", 0)),
+                    skip_reason=str(i.get("skip_reason", "")),
                 )
                 for i in data["inputs"]
             ]

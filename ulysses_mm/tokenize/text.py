@@ -8,18 +8,31 @@ checkpoint (``model.init_from``) sees its own vocabulary in its text range; ``vo
 in the spec is the checkpoint's vocabulary (at least the tokenizer's length).
 
 Inputs: ``.txt`` (the whole file is one document) and ``.jsonl`` (one document per line,
-the string at ``params.field``; ``params.skip_missing`` decides whether a line without
-it is skipped or a DecodeError). No special tokens are added: ``<doc>``/``</doc>`` of
-the token space frame the text, and decoding gives the text back exactly for a lossless
+the string at ``params.field``). No special tokens are added: ``<doc>``/``</doc>`` of the
+token space frame the text, and decoding gives the text back exactly for a lossless
 (byte-level) tokenizer.
+
+Memory stays bounded whatever the input's size: a record (a ``.txt`` file, a ``.jsonl``
+line) is at most ``params.max_record_bytes``, checked before it is read whole (a ``.txt``
+by its size, a line by reading at most that many bytes of it), and a long record is
+tokenized in pieces, since a transformers tokenizer holds a few hundred bytes per input
+byte while it encodes. Pieces end at a single space or newline between two non-space
+characters, where a byte-level pre-tokenizer splits anyway, so for those the ids equal
+one call's. A ``.txt`` over the cap is a DecodeError naming its size; a ``.jsonl`` line
+over it, not UTF-8 or not JSON, or (``params.skip_missing``) without the string field is
+skipped on its own and counted in :attr:`TextTokenizer.skipped_records` with the first
+reason, which ``prepare`` records in the manifest's entry for the input. Without
+``skip_missing`` a line lacking the field is a DecodeError for the file; a file of
+which no line gives a document is a DecodeError with the first line's reason.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -32,8 +45,11 @@ from ulysses_mm.tokenize.params import ParamSchema, spec_params
 _SCHEMA: ParamSchema = {
     "tokenizer": ((str,), None),  # required: a directory saved with save_pretrained
     "field": ((str,), "text"),  # the string of a .jsonl line
-    "skip_missing": ((bool,), False),
+    "skip_missing": ((bool,), False),  # a .jsonl line without the field: skip, not fail
+    "max_record_bytes": ((int,), 64 << 20),  # a .txt file or a .jsonl line, at most
 }
+_PIECE_CHARS = 1 << 16  # characters a single tokenizer call encodes, at most
+_SKIP_CHUNK = 1 << 20  # bytes read at a time while skipping the rest of an over-cap line
 
 
 def tokenizer_dir(spec: TokenizerSpec, value: str) -> Path:
@@ -67,7 +83,11 @@ class TextTokenizer(Tokenizer):
         where = spec.where
         if p["tokenizer"] is None:
             raise DataError(f"{where}: param 'tokenizer' (a tokenizer directory) is required")
+        if p["max_record_bytes"] < 1:
+            raise DataError(f"{where}: param 'max_record_bytes' must be >= 1")
         self.params: dict[str, Any] = p
+        self.skipped_records = 0  # .jsonl lines the last texts() call skipped
+        self.first_skip_reason = ""
         self.directory = tokenizer_dir(spec, p["tokenizer"])
         self.hf = load_hf_tokenizer(self.directory, where)
         if len(self.hf) > spec.vocab_size:
@@ -78,37 +98,72 @@ class TextTokenizer(Tokenizer):
 
     # ------------------------------------------------------------------ encode
     def encode_text(self, text: str) -> np.ndarray:
-        """Text -> local ids (int64 [n]), without the tokenizer's own special tokens."""
-        ids = self.hf(text, add_special_tokens=False)["input_ids"]
-        return np.asarray(ids, dtype=np.int64)
+        """Text -> local ids (int64 [n]), without the tokenizer's own special tokens; a
+        long text in pieces of at most ``_PIECE_CHARS`` characters."""
+        parts = [
+            np.asarray(self.hf(piece, add_special_tokens=False)["input_ids"], dtype=np.int64)
+            for piece in text_pieces(text, _PIECE_CHARS)
+        ]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def _skip(self, reason: str) -> None:
+        if not self.skipped_records:
+            self.first_skip_reason = reason
+        self.skipped_records += 1
 
     def texts(self, path: str) -> Iterator[tuple[str, str]]:
-        """(key, text) of every document of a .txt or .jsonl file."""
+        """(key, text) of every document of a .txt or .jsonl file, read a record at a time;
+        the records skipped are counted in ``skipped_records`` (reset here)."""
         source = str(path)
+        cap = self.params["max_record_bytes"]
+        self.skipped_records, self.first_skip_reason = 0, ""
         try:
-            raw = Path(source).read_bytes()
+            with open(source, "rb") as f:
+                if not source.lower().endswith(".jsonl"):
+                    size = os.fstat(f.fileno()).st_size
+                    if size > cap:
+                        raise DecodeError(
+                            f"{source}: {size} bytes, over max_record_bytes {cap} (a .txt "
+                            "file is one document)"
+                        )
+                    raw = f.read(cap + 1)  # the file may have grown since
+                    if len(raw) > cap:
+                        raise DecodeError(f"{source}: over max_record_bytes {cap}")
+                    yield source, _utf8(raw, source)
+                    return
+                yield from self._jsonl(f, source, cap)
         except OSError as e:
             raise DecodeError(f"{source}: cannot read: {e.strerror or e}") from None
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DecodeError(f"{source}: not UTF-8 text (byte offset {e.start})") from None
-        if not source.lower().endswith(".jsonl"):
-            yield source, text
-            return
+
+    def _jsonl(self, f: BinaryIO, source: str, cap: int) -> Iterator[tuple[str, str]]:
         field = self.params["field"]
-        for n, line in enumerate(text.splitlines(), 1):
-            if not line.strip():
+        n = 0
+        while line := f.readline(cap + 2):  # the line, its newline and one byte more
+            n += 1
+            body = line.rstrip(b"\r\n") if line.endswith(b"\n") else line
+            if len(body) > cap:
+                size = len(line)
+                while line and not line.endswith(b"\n"):  # the rest of it, a chunk at a time
+                    line = f.readline(_SKIP_CHUNK)
+                    size += len(line)
+                self._skip(f"{source}:{n}: a line over max_record_bytes {cap} ({size} bytes)")
+                continue
+            if not body.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(body.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                self._skip(f"{source}:{n}: not UTF-8 text (byte offset {e.start})")
+                continue
             except json.JSONDecodeError as e:
-                raise DecodeError(f"{source}:{n}: not a JSON line: {e.msg}") from None
+                self._skip(f"{source}:{n}: not a JSON line: {e.msg}")
+                continue
             value = record.get(field) if isinstance(record, dict) else None
             if not isinstance(value, str):
-                if self.params["skip_missing"]:
-                    continue
-                raise DecodeError(f"{source}:{n}: no string field {field!r}")
+                if not self.params["skip_missing"]:
+                    raise DecodeError(f"{source}:{n}: no string field {field!r}")
+                self._skip(f"{source}:{n}: no string field {field!r}")
+                continue
             yield f"{source}#{n}", value
 
     def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
@@ -116,12 +171,13 @@ class TextTokenizer(Tokenizer):
         n = 0
         for key, text in self.texts(path):
             ids = self.encode_text(text)
+            del text
             if ids.size == 0:
                 continue
             n += 1
             yield TokenDocument(str(path), key, self.modality, frame(ids))
         if n == 0:
-            raise DecodeError(f"{path}: no text")
+            raise DecodeError(self.first_skip_reason or f"{path}: no text")
 
     # ------------------------------------------------------------------ decode
     def decode_local(self, ids: np.ndarray) -> str:
@@ -131,3 +187,35 @@ class TextTokenizer(Tokenizer):
     def decode(self, tokens: np.ndarray, space: TokenSpace) -> str:
         """Unified ids (specials dropped) back to the text."""
         return self.decode_local(local_ids(tokens, space, self.modality))
+
+
+def _utf8(raw: bytes, source: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DecodeError(f"{source}: not UTF-8 text (byte offset {e.start})") from None
+
+
+def text_pieces(text: str, size: int) -> Iterator[str]:
+    """``text`` in pieces of at most about ``size`` characters (the whole text when it is
+    shorter), each but the last ending just before a single space or newline that has a
+    non-space character on each side; a piece with no such place ends at ``size``."""
+    start, n = 0, len(text)
+    while n - start > size:
+        end = start + size
+        cut = -1
+        for sep in ("\n", " "):
+            at = text.rfind(sep, start + size // 2, end)
+            while at > start and not _between_words(text, at):
+                at = text.rfind(sep, start + size // 2, at)
+            if at > start:
+                cut = at + 1 if sep == "\n" else at  # "\n" ends a piece, " " opens one
+                break
+        end = cut if cut > start else end
+        yield text[start:end]
+        start = end
+    yield text[start:]
+
+
+def _between_words(text: str, at: int) -> bool:
+    return 0 < at < len(text) - 1 and not text[at - 1].isspace() and not text[at + 1].isspace()

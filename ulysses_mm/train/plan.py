@@ -84,7 +84,10 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     global micro-batch and the node cache, and that a resumed run has a checkpoint."""
     entries = train_entries(cfg)
     d = cfg.data
-    sources = [(Manifest.load(loc, d.storage_options, d.timeouts), w) for loc, w, _ in entries]
+    sources = [
+        (Manifest.load(loc, d.storage_options, d.timeouts, d.max_manifest_bytes), w)
+        for loc, w, _ in entries
+    ]
     modalities = [mods for *_, mods in entries]
     manifest = sources[0][0]
     space = model_space(cfg, manifest)
@@ -116,7 +119,11 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
         check_enough_samples(manifest, dp, d.micro_batch_size)
     if cfg.model.init_from:
         check_init_from(cfg.model, space, cfg.model.init_from)
-    eval_manifest = Manifest.load(d.eval, d.storage_options, d.timeouts) if d.eval else None
+    eval_manifest = (
+        Manifest.load(d.eval, d.storage_options, d.timeouts, d.max_manifest_bytes)
+        if d.eval
+        else None
+    )
     if eval_manifest is not None:
         eval_manifest.check_token_space(space)
         check_enough_samples(eval_manifest, dp, d.micro_batch_size)

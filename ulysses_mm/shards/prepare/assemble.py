@@ -74,6 +74,8 @@ class Assembler:
                 documents=o.documents,
                 tokens=o.tokens,
                 first_doc_id=self.packer.next_doc,
+                skipped_records=o.skipped_records,
+                skip_reason=o.skip_reason,
             )
         )
         self._write(self.packer.add(block))

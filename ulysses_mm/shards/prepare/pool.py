@@ -139,8 +139,15 @@ def tokenize(task: Task) -> Outcome:
         )
     else:
         tokens = np.concatenate(docs)
+        # a tokenizer of records (text's .jsonl lines) may count those it skipped
         outcome = Outcome(
-            task.source, "ok", modality=task.modality, documents=len(docs), tokens=len(tokens)
+            task.source,
+            "ok",
+            modality=task.modality,
+            documents=len(docs),
+            tokens=len(tokens),
+            skipped_records=int(getattr(tok, "skipped_records", 0) or 0),
+            skip_reason=one_line(str(getattr(tok, "first_skip_reason", "") or "")),
         )
         write_documents(
             task.staged,

@@ -121,6 +121,8 @@ class Outcome:
     tokens: int = 0
     reusable: bool = True  # False: perhaps transient (network, memory); the next run retries
     crashed: bool = False  # its worker process died
+    skipped_records: int = 0  # records of an ok input its tokenizer skipped (bad .jsonl lines)
+    skip_reason: str = ""  # the first of them, one line
 
     @property
     def ok(self) -> bool:
