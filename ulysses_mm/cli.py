@@ -42,8 +42,8 @@ def _cmd_config(args: argparse.Namespace) -> int:
     from ulysses_mm.config import to_dict
 
     if args.keys:
-        for key, tp, text in describe(RunConfig):
-            print(f"{key:<40s} {tp:<24s} {text}")
+        for key, tp, valid, text in describe(RunConfig):
+            print(f"{key:<40s} {tp:<24s} {valid or '-':<16s} {text}")
         return 0
     if args.from_hf:
         from ulysses_mm.config import deep_merge, from_dict, parse_overrides, read_yaml
@@ -102,7 +102,9 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", default=None, help="run config YAML")
     p.add_argument("overrides", nargs="*", help=_overrides_help())
     p.add_argument(
-        "--keys", action="store_true", help="list every config key with its type and help"
+        "--keys",
+        action="store_true",
+        help="list every config key with its type, valid range and help",
     )
     p.add_argument(
         "--from-hf",

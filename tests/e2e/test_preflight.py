@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from train_data import prepare_dna
 
@@ -80,6 +81,8 @@ def test_config_errors_fail_in_the_parent(tmp_path, manifest, no_processes, caps
 def test_resume_onto_another_token_space_is_refused(tmp_path, manifest, no_processes, capsys):
     ckpt = tmp_path / "run" / "checkpoints"
     (ckpt / "step_00000004").mkdir(parents=True)
+    torch.save({}, ckpt / "step_00000004" / "mp_rank_00_model_states.pt")
+    (ckpt / "step_00000004" / "model.safetensors").write_bytes(b"")
     (ckpt / "latest").write_text("step_00000004\n")
     other = TokenSpace.from_vocab({"dna": 10, "audio": 256})
     (ckpt / "step_00000004" / "token_space.json").write_text(json.dumps(other.to_dict()))

@@ -77,3 +77,32 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "latest").write_text("\n")
     with pytest.raises(DataError, match=rf"{tmp_path / 'latest'} is empty"):
         checkpoint.latest_tag(tmp_path)
+
+
+@pytest.mark.parametrize("pointer", ["../../../", "/etc", "a/b", "..", ".", "x\\y", "a\tb"])
+def test_a_pointer_outside_the_checkpoint_directory_is_refused(tmp_path, pointer):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "latest").write_text(pointer + "\n")
+    with pytest.raises(DataError, match="which is not a checkpoint directory beside it"):
+        checkpoint.latest_tag(tmp_path)
+
+
+def test_a_saved_checkpoint_is_complete_and_a_partial_one_is_not(tmp_path):
+    done = _save(tmp_path, 10)
+    (done / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(DataError, match="has no mp_rank_00_model_states.pt"):
+        checkpoint.check_complete(done, 0)
+    torch.save({}, done / "mp_rank_00_model_states.pt")
+    checkpoint.check_complete(done, 0)
+    with pytest.raises(DataError, match="optimizer partitions for deepspeed.zero_stage=2"):
+        checkpoint.check_complete(done, 2)
+    torch.save({}, done / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    checkpoint.check_complete(done, 2)
+    with pytest.raises(DataError, match="has no zero_pp_rank_\\*_mp_rank_00_model_states.pt"):
+        checkpoint.check_complete(done, 3)
+    (done / "run_config.yaml").write_text("deepspeed: {zero_stage: 3}\n")
+    with pytest.raises(DataError, match="was saved with deepspeed.zero_stage=3"):
+        checkpoint.check_complete(done, 0)
+    (done / "run_config.yaml").write_text("deepspeed: [\n")
+    with pytest.raises(DataError, match="run_config.yaml is not readable YAML"):
+        checkpoint.check_complete(done, 0)

@@ -90,11 +90,20 @@ def test_cross_field_checks():
         ("model.rms_norm_eps=0", r"model.rms_norm_eps must be > 0, got 0.0"),
         ("model.rope_theta=-1", r"model.rope_theta must be > 0, got -1.0"),
         ("model.initializer_range=-0.1", r"model.initializer_range must be >= 0"),
-        ("model.loss_weights={dna: -1}", r"model.loss_weights.dna must be >= 0, got -1.0"),
-        ("model.loss_weights={dna: .nan}", r"model.loss_weights.dna must be >= 0, got nan"),
+        (
+            "model.loss_weights={dna: -1}",
+            r"model.loss_weights.dna must be within 0 .. 1e\+06, got -1.0",
+        ),
+        (
+            "model.loss_weights={dna: .nan}",
+            r"model.loss_weights.dna must be within 0 .. 1e\+06, got nan",
+        ),
         ("parallel.timeout_s=0", r"parallel.timeout_s must be >= 1, got 0"),
-        ("data.train={a.json: 0}", r"data.train: the weight of a.json is 0.0; give a positive"),
-        ("data.train={a.json: .inf}", r"data.train: the weight of a.json is inf; give a positive"),
+        ("data.train={a.json: 0}", r"data.train: the weight of a.json is 0.0; give a positive one"),
+        (
+            "data.train={a.json: .inf}",
+            r"data.train: the weight of a.json is inf; give a positive one",
+        ),
         (
             "data.train={a.json: {modalities: {dna: -1}}}",
             r"data.train: a.json: the weight of dna is -1.0; give a positive one",
@@ -129,6 +138,21 @@ def test_cross_field_checks():
         ("train.peak_tflops=-1", r"train.peak_tflops must be >= 0, got -1.0"),
         ("train.seed=-1", r"train.seed must be within 0 .. 2\*\*63 - 1, got -1"),
         (f"train.seed={2**63}", rf"train.seed must be within 0 .. 2\*\*63 - 1, got {2**63}"),
+        ("train.seed=99999999999999999999999", r"train.seed must be within 0 .. 2\*\*63 - 1"),
+        ("train.steps=-3", r"train.steps must be >= 1, got -3"),
+        ("train.checkpoint_every=-5", r"train.checkpoint_every must be >= 0, got -5"),
+        ("parallel.dp=-1", r"parallel.dp must be >= 0, got -1"),
+        ("model.modalities={dna: 0}", r"model.modalities.dna must be >= 1, got 0"),
+        ("model.loss_tile_tokens=0", r"model.loss_tile_tokens must be >= 1, got 0"),
+        ("model.loss_weights={dna: 1.0e+308}", r"model.loss_weights.dna must be within 0 \.\. 1e"),
+        (
+            "data.train={a.json: 1.0e+308}",
+            r"the weight of a.json is 1e\+308; give .* within \(0, 1e\+06\]",
+        ),
+        (
+            "data.train={a.json: {modalities: {dna: 1.0e+308}}}",
+            r"a.json: the weight of dna is 1e\+308; give .* within \(0, 1e\+06\]",
+        ),
     ],
 )
 def test_values_are_checked_when_the_config_is_built(override, message):
@@ -227,8 +251,44 @@ def test_bad_yaml_files(tmp_path):
 
 def test_every_key_is_documented():
     rows = describe(RunConfig)
-    assert any(key == "model.hidden_size" for key, _, _ in rows)
-    assert all(text for _, _, text in rows), [k for k, _, t in rows if not t]
+    assert any(key == "model.hidden_size" for key, *_ in rows)
+    assert all(text for *_, text in rows), [k for k, *_, t in rows if not t]
+
+
+def test_every_numeric_key_states_its_range():
+    rows = {key: (tp, rng) for key, tp, rng, _ in describe(RunConfig)}
+    numeric = [k for k, (tp, _) in rows.items() if tp in ("int", "float", "int | None")]
+    assert numeric and all(rows[k][1] for k in numeric), [k for k in numeric if not rows[k][1]]
+    assert rows["train.steps"][1] == ">= 1"
+    assert rows["model.rms_norm_eps"][1] == "> 0"
+    assert rows["train.seed"][1] == "0 .. 2**63 - 1"
+    assert rows["deepspeed.optimizer.betas"][1] == "[0, 1)"
+    assert rows["data.train"][1] == ""  # a string or a mix: no range of its own
+
+
+def test_config_keys_prints_the_ranges(capsys):
+    from ulysses_mm.cli import main
+
+    assert main(["config", "--keys"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert ">= 1" in lines["train.steps"] and "Optimizer steps to run." in lines["train.steps"]
+    assert "0 .. 2**63 - 1" in lines["data.seed"]
+    assert "0 .. 1e+06" in lines["model.loss_weights"]
+    assert " - " in lines["data.train"]  # no range of its own
+
+
+def test_the_range_is_the_one_the_check_enforces():
+    from dataclasses import fields
+
+    from ulysses_mm.config import TrainConfig
+
+    for f in fields(TrainConfig):
+        r = f.metadata.get("range")
+        if r is None or r.low is None:
+            continue
+        below = r.low - 1 if isinstance(getattr(TrainConfig(), f.name), int) else r.low - 0.5
+        with pytest.raises(ConfigError, match=rf"train\.{f.name} must be .*{r.low}"):
+            TrainConfig(**{f.name: below})
 
 
 def test_llama_mapping_is_one_to_one():

@@ -3,13 +3,16 @@
 Precedence, lowest to highest: the dataclass defaults, the YAML file, then
 ``section.key=value`` arguments on the command line. Every value is checked against the
 field's type; an unknown key or a wrong type raises :class:`ConfigError` naming the key's
-full path (``model.hidden_size``) and, for unknown keys, the closest valid name.
+full path (``model.hidden_size``) and, for unknown keys, the closest valid name. A
+numeric field states its valid range in :func:`option`; :func:`check_ranges` (called by
+each section's ``__post_init__``) enforces it and :func:`describe` shows it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -24,11 +27,104 @@ from ulysses_mm.core.errors import ConfigError
 T = TypeVar("T")
 
 
-def option(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
-    """A dataclass field with help text (shown by ``ulysses-mm config --help-keys``)."""
+SEED_MAX = 2**63 - 1  # numpy's and torch's seeds take any of 0 .. 2**63 - 1
+
+
+def _num(x: float) -> str:
+    if x == SEED_MAX:
+        return "2**63 - 1"
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric key: ``low`` and ``high`` bounds (None = unbounded),
+    each included unless ``*_open``; a float must also be finite. Stated once, in the
+    schema's :func:`option`, shown by ``--keys`` and enforced by :func:`check_ranges`."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __str__(self) -> str:
+        lo, hi = self.low, self.high
+        if hi is None:
+            return "any" if lo is None else f"{'>' if self.low_open else '>='} {_num(lo)}"
+        if lo is None:
+            return f"{'<' if self.high_open else '<='} {_num(hi)}"
+        if not (self.low_open or self.high_open):
+            return f"{_num(lo)} .. {_num(hi)}"
+        return (
+            f"{'(' if self.low_open else '['}{_num(lo)}, {_num(hi)}{')' if self.high_open else ']'}"
+        )
+
+    def contains(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        lo, hi = self.low, self.high
+        if lo is not None and (value <= lo if self.low_open else value < lo):
+            return False
+        return not (hi is not None and (value >= hi if self.high_open else value > hi))
+
+    def check(self, key: str, value: float) -> None:
+        """Raise :class:`ConfigError` naming ``key`` unless ``value`` is in the range."""
+        if not self.contains(value):
+            within = "within " if self.low is not None and self.high is not None else ""
+            raise ConfigError(f"{key} must be {within}{self}, got {value}")
+
+
+def option(
+    text: str,
+    default: Any = dataclasses.MISSING,
+    factory: Any = dataclasses.MISSING,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+):
+    """A dataclass field with help text (shown by ``ulysses-mm config --keys``) and, for a
+    numeric key, its valid range (``ge``/``gt`` low bound, ``le``/``lt`` high bound; for a
+    mapping or a list, of each value), checked by :func:`check_ranges`."""
+    metadata: dict[str, Any] = {"help": text}
+    if any(b is not None for b in (ge, gt, le, lt)):
+        metadata["range"] = Range(
+            low=gt if gt is not None else ge,
+            high=lt if lt is not None else le,
+            low_open=gt is not None,
+            high_open=lt is not None,
+        )
     if factory is not dataclasses.MISSING:
-        return field(default_factory=factory, metadata={"help": text})
-    return field(default=default, metadata={"help": text})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def range_of(cls: type, name: str) -> Range:
+    """The range :func:`option` gave field ``name`` of dataclass ``cls``."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.metadata["range"]
+    raise KeyError(name)
+
+
+def check_ranges(where: str, obj: Any) -> None:
+    """Every field of dataclass ``obj`` that has a range holds a value in it (each value
+    of a mapping or list); the error names the key as ``where.name``."""
+    for f in dataclasses.fields(obj):
+        r = f.metadata.get("range")
+        if r is None:
+            continue
+        value = getattr(obj, f.name)
+        key = f"{where}.{f.name}"
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                r.check(f"{key}.{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                r.check(f"{key}[{i}]", v)
+        elif value is not None:
+            r.check(key, value)
 
 
 def _type_name(tp: Any) -> str:
@@ -230,9 +326,10 @@ def load_config(
         raise ConfigError(f"{where}{e}") from None
 
 
-def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, type, help) for every leaf key of a schema, for ``--help-keys`` output."""
-    rows: list[tuple[str, str, str]] = []
+def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(key, type, valid range or '', help) for every leaf key of a schema, for
+    ``config --keys``."""
+    rows: list[tuple[str, str, str, str]] = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
@@ -240,5 +337,6 @@ def describe(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
         if dataclasses.is_dataclass(tp):
             rows.extend(describe(tp, key + "."))  # type: ignore[arg-type]
         else:
-            rows.append((key, _type_name(tp), f.metadata.get("help", "")))
+            r = f.metadata.get("range")
+            rows.append((key, _type_name(tp), str(r) if r else "", f.metadata.get("help", "")))
     return rows

@@ -1,39 +1,19 @@
 """The run schema (``configs/*.yaml``: a training or verification run), one dataclass per
 section; each checks its own values in ``__post_init__`` (ranges, choices, combinations
-inside the run config), raising :class:`ConfigError` naming the key. What needs the
+inside the run config), raising :class:`ConfigError` naming the key. A numeric key
+states its range once, in its ``option(...)``: ``config --keys`` prints it and
+:func:`~ulysses_mm.config.parse.check_ranges` enforces it. What needs the
 manifests or the world is checked by ``train.plan`` before any process starts."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ulysses_mm.config.parse import ConfigError
+from ulysses_mm.config.parse import SEED_MAX, ConfigError, check_ranges, range_of
 from ulysses_mm.config.parse import option as _help
 
-SEED_MAX = 2**63 - 1  # numpy's and torch's seeds take any of 0 .. 2**63 - 1
-
-
-def _at_least(section: str, obj: Any, low: float, *names: str) -> None:
-    """Each ``section.name`` a finite number >= ``low``."""
-    for name in names:
-        value = getattr(obj, name)
-        if not (math.isfinite(value) and value >= low):
-            raise ConfigError(f"{section}.{name} must be >= {low}, got {value}")
-
-
-def _positive(section: str, obj: Any, *names: str) -> None:
-    """Each ``section.name`` a finite number > 0."""
-    for name in names:
-        value = getattr(obj, name)
-        if not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"{section}.{name} must be > 0, got {value}")
-
-
-def _seed(key: str, value: int) -> None:
-    if not 0 <= value <= SEED_MAX:
-        raise ConfigError(f"{key} must be within 0 .. 2**63 - 1, got {value}")
+WEIGHT_MAX = 1e6  # a relative weight: far below where a sum of them overflows
 
 
 @dataclass
@@ -42,36 +22,43 @@ class ModelConfig:
     ``transformers.LlamaConfig`` (see :meth:`to_llama_config_kwargs`); ``qk_norm`` makes it
     a Qwen3, ``attention_bias`` a Qwen2."""
 
-    hidden_size: int = _help("Model width D (LlamaConfig.hidden_size).", 64)
-    intermediate_size: int = _help("SwiGLU inner width (LlamaConfig.intermediate_size).", 172)
-    num_hidden_layers: int = _help("Decoder layers.", 2)
-    num_attention_heads: int = _help("Query heads H.", 4)
-    num_key_value_heads: int = _help("Key/value heads (GQA/MQA when < num_attention_heads).", 4)
-    head_dim: int | None = _help(
-        "Per-head width; defaults to hidden_size / num_attention_heads.", None
+    hidden_size: int = _help("Model width D (LlamaConfig.hidden_size).", 64, ge=1)
+    intermediate_size: int = _help("SwiGLU inner width (LlamaConfig.intermediate_size).", 172, ge=1)
+    num_hidden_layers: int = _help("Decoder layers.", 2, ge=1)
+    num_attention_heads: int = _help("Query heads H.", 4, ge=1)
+    num_key_value_heads: int = _help(
+        "Key/value heads (GQA/MQA when < num_attention_heads).", 4, ge=1
     )
-    rms_norm_eps: float = _help("RMSNorm epsilon.", 1e-5)
-    rope_theta: float = _help("RoPE base frequency.", 10000.0)
+    head_dim: int | None = _help(
+        "Per-head width; defaults to hidden_size / num_attention_heads.", None, ge=1
+    )
+    rms_norm_eps: float = _help("RMSNorm epsilon.", 1e-5, gt=0)
+    rope_theta: float = _help("RoPE base frequency.", 10000.0, gt=0)
     max_position_embeddings: int = _help(
-        "Longest position id the model is meant for (positions restart per document).", 1 << 20
+        "Longest position id the model is meant for (positions restart per document).",
+        1 << 20,
+        ge=1,
     )
     initializer_range: float = _help(
-        "Std of the normal init of linear and embedding weights.", 0.02
+        "Std of the normal init of linear and embedding weights.", 0.02, ge=0
     )
     modalities: dict[str, int] = _help(
         "Vocabulary size per modality, in token-space order. Empty: take it from the data "
         "manifest at training time.",
         factory=dict,
+        ge=1,
     )
     loss_weights: dict[str, float] = _help(
         "Per-modality loss weight (missing modalities weigh 1.0). The total loss is the "
         "weighted mean of the per-modality token-mean losses present in the global batch.",
         factory=dict,
+        ge=0,
+        le=WEIGHT_MAX,
     )
     loss_tile_tokens: int = _help(
-        "Tokens per loss tile: [tile, vocab] logits are the most ever materialised.", 8192
+        "Tokens per loss tile: [tile, vocab] logits are the most ever materialised.", 8192, ge=1
     )
-    mlp_tile_tokens: int = _help("Tokens per MLP tile (0 = no MLP tiling).", 0)
+    mlp_tile_tokens: int = _help("Tokens per MLP tile (0 = no MLP tiling).", 0, ge=0)
     activation_checkpointing: bool = _help("Recompute each decoder layer in backward.", False)
     qk_norm: bool = _help(
         "RMSNorm of each query and key head before RoPE (Qwen3); export writes a Qwen3 model.",
@@ -100,24 +87,11 @@ class ModelConfig:
         "MLP, residual adds) and of the final norm, each tile recomputed in backward "
         "(0 = no layer tiling).",
         0,
+        ge=0,
     )
 
     def __post_init__(self) -> None:
-        _at_least(
-            "model",
-            self,
-            1,
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-        )
-        _positive("model", self, "rms_norm_eps", "rope_theta")
-        _at_least("model", self, 0, "initializer_range")
-        if self.head_dim is not None and self.head_dim < 1:
-            raise ConfigError(f"model.head_dim must be >= 1, got {self.head_dim}")
+        check_ranges("model", self)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
@@ -132,18 +106,6 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim ({self.head_dim}) must be even for RoPE")
-        for name, size in self.modalities.items():
-            if size < 1:
-                raise ConfigError(f"model.modalities.{name} must be >= 1, got {size}")
-        for name, w in self.loss_weights.items():
-            if not (math.isfinite(w) and w >= 0):
-                raise ConfigError(f"model.loss_weights.{name} must be >= 0, got {w}")
-        if self.loss_tile_tokens < 1:
-            raise ConfigError("model.loss_tile_tokens must be >= 1")
-        if self.mlp_tile_tokens < 0:
-            raise ConfigError("model.mlp_tile_tokens must be >= 0")
-        if self.layer_tile_tokens < 0:
-            raise ConfigError("model.layer_tile_tokens must be >= 0")
         if self.offload_checkpoints and not self.activation_checkpointing:
             raise ConfigError(
                 "model.offload_checkpoints needs model.activation_checkpointing=true "
@@ -178,13 +140,14 @@ class ParallelConfig:
     """How processes are laid out: world = dp × sp, sp innermost (ranks of one SP group
     are consecutive, so on GPUs they share a node)."""
 
-    sp: int = _help("Sequence-parallel size P (Ulysses all-to-all group).", 1)
-    dp: int = _help("Data-parallel size D; 0 = world_size / sp.", 0)
+    sp: int = _help("Sequence-parallel size P (Ulysses all-to-all group).", 1, ge=1)
+    dp: int = _help("Data-parallel size D; 0 = world_size / sp.", 0, ge=0)
     ring: int = _help(
         "Ring size R inside each SP group (hybrid Ulysses × ring): sp = U × R, Ulysses over "
         "U = sp / R consecutive ranks, ring attention across the R groups; U must divide the "
         "heads and 2·sp the sequence. 1 = pure Ulysses; R = sp = pure ring.",
         1,
+        ge=1,
     )
     backend: Literal["auto", "gloo", "nccl"] = _help(
         "torch.distributed backend; auto = nccl when every local rank has its own GPU, else gloo.",
@@ -195,18 +158,14 @@ class ParallelConfig:
         "when flash-attn loads, else sdpa_varlen; flash_varlen in fp32 is refused.",
         "auto",
     )
-    timeout_s: int = _help("Collective timeout in seconds (a hang becomes an error).", 600)
+    timeout_s: int = _help("Collective timeout in seconds (a hang becomes an error).", 600, ge=1)
 
     def __post_init__(self) -> None:
-        if self.sp < 1:
-            raise ConfigError(f"parallel.sp must be >= 1, got {self.sp}")
-        if self.dp < 0:
-            raise ConfigError(f"parallel.dp must be >= 0, got {self.dp}")
-        if self.ring < 1 or self.sp % self.ring:
+        check_ranges("parallel", self)
+        if self.sp % self.ring:
             raise ConfigError(
                 f"parallel.ring must be >= 1 and divide parallel.sp={self.sp}, got {self.ring}"
             )
-        _at_least("parallel", self, 1, "timeout_s")
 
 
 @dataclass
@@ -214,12 +173,16 @@ class TrainSource:
     """One manifest of a mix given as a mapping: ``{weight: 1.0, modalities: {video: 0.5,
     audio: 0.3, dna: 0.2}}``."""
 
-    weight: float = _help("The manifest's share of the samples (against the others').", 1.0)
+    weight: float = _help(
+        "The manifest's share of the samples (against the others').", 1.0, gt=0, le=WEIGHT_MAX
+    )
     modalities: dict[str, float] = _help(
         "Weights of the modalities inside the manifest: each gets its weight's share of the "
         "manifest's tokens (the samples a modality not named here dominates are left out; "
         "{} = the manifest as it comes).",
         factory=dict,
+        gt=0,
+        le=WEIGHT_MAX,
     )
 
 
@@ -235,24 +198,28 @@ class DataConfig:
         "",
     )
     eval: str = _help("Manifest URL or path of held-out shards ('' = no evaluation).", "")
-    seq_len: int = _help("Tokens per sample N; 0 = the manifest's seq_len.", 0)
-    micro_batch_size: int = _help("Samples per DP rank per micro-step.", 1)
-    seed: int = _help("Seed of the sample order (a function of seed, epoch, manifest).", 0)
+    seq_len: int = _help("Tokens per sample N; 0 = the manifest's seq_len.", 0, ge=0)
+    micro_batch_size: int = _help("Samples per DP rank per micro-step.", 1, ge=1)
+    seed: int = _help(
+        "Seed of the sample order (a function of seed, epoch, manifest).", 0, ge=0, le=SEED_MAX
+    )
     shuffle: bool = _help("Shuffle shards and samples each epoch.", True)
     shuffle_buffer: int = _help(
         "Shuffle buffer: each sample moves by fewer than this many positions, which blends "
         "the seams between shards (capped at half the smallest shard; 0 = off).",
         16,
+        ge=0,
     )
-    retries: int = _help("Attempts to open a shard URL before giving up.", 5)
-    retry_backoff_s: float = _help("First retry delay; doubled each attempt.", 0.5)
-    connect_timeout_s: float = _help("Seconds to wait for a storage server to connect.", 10.0)
+    retries: int = _help("Attempts to open a shard URL before giving up.", 5, ge=0)
+    retry_backoff_s: float = _help("First retry delay; doubled each attempt.", 0.5, ge=0)
+    connect_timeout_s: float = _help("Seconds to wait for a storage server to connect.", 10.0, gt=0)
     read_timeout_s: float = _help(
-        "Seconds of silence from a storage server before a read is retried.", 60.0
+        "Seconds of silence from a storage server before a read is retried.", 60.0, gt=0
     )
     prefetch_bytes: int = _help(
         "Bytes of upcoming shards fetched on a background thread (0 = fetch in the step).",
         1 << 30,
+        ge=0,
     )
     cache_dir: str = _help(
         "Node-local directory the ranks of a node share, so each shard is downloaded once "
@@ -260,36 +227,36 @@ class DataConfig:
         "",
     )
     cache_bytes: int = _help(
-        "Most bytes cache_dir holds; least recently used shards are removed.", 64 << 30
+        "Most bytes cache_dir holds; least recently used shards are removed.", 64 << 30, ge=0
     )
     storage_options: dict[str, Any] = _help(
         "fsspec storage options (for example endpoint_url for an S3-API server).", factory=dict
     )
     max_manifest_bytes: int = _help(
-        "Largest manifest body read; a bigger one is refused before it is read.", 256 << 20
+        "Largest manifest body read; a bigger one is refused before it is read.", 256 << 20, ge=1
     )
 
     def __post_init__(self) -> None:
-        mix = {} if isinstance(self.train, str) else self.train
-        for location, value in mix.items():
-            source = value if isinstance(value, TrainSource) else TrainSource(weight=value)
-            if not (math.isfinite(source.weight) and source.weight > 0):
-                raise ConfigError(
-                    f"data.train: the weight of {location} is {source.weight}; give a positive one"
-                )
-            for name, w in source.modalities.items():
-                if not (math.isfinite(w) and w > 0):
-                    raise ConfigError(
-                        f"data.train: {location}: the weight of {name} is {w}; give a positive one"
-                    )
-        _at_least("data", self, 0, "seq_len", "shuffle_buffer", "retries", "retry_backoff_s")
-        _at_least("data", self, 0, "prefetch_bytes", "cache_bytes")
-        _at_least("data", self, 1, "micro_batch_size", "max_manifest_bytes")
-        _seed("data.seed", self.seed)
         for key in ("connect_timeout_s", "read_timeout_s"):
             value = getattr(self, key)
-            if not (math.isfinite(value) and value > 0):
+            if not range_of(DataConfig, key).contains(value):
                 raise ConfigError(f"data.{key}={value}: give a positive number of seconds")
+        check_ranges("data", self)
+        mix = {} if isinstance(self.train, str) else self.train
+        weight, mod_weight = range_of(TrainSource, "weight"), range_of(TrainSource, "modalities")
+        for location, value in mix.items():
+            source = value if isinstance(value, TrainSource) else TrainSource(weight=value)
+            if not weight.contains(source.weight):
+                raise ConfigError(
+                    f"data.train: the weight of {location} is {source.weight}; give a positive "
+                    f"one, within {weight}"
+                )
+            for name, w in source.modalities.items():
+                if not mod_weight.contains(w):
+                    raise ConfigError(
+                        f"data.train: {location}: the weight of {name} is {w}; give a positive "
+                        f"one, within {mod_weight}"
+                    )
 
     @property
     def timeouts(self) -> tuple[float, float]:
@@ -300,21 +267,21 @@ class DataConfig:
 @dataclass
 class OptimizerConfig:
     type: Literal["AdamW", "Adam", "SGD"] = _help("DeepSpeed optimizer type.", "AdamW")
-    lr: float = _help("Peak learning rate.", 3e-4)
-    betas: list[float] = _help("Adam betas.", factory=lambda: [0.9, 0.95])
-    eps: float = _help("Adam epsilon.", 1e-8)
-    weight_decay: float = _help("Decoupled weight decay.", 0.1)
+    lr: float = _help("Peak learning rate.", 3e-4, ge=0)
+    betas: list[float] = _help("Adam betas.", factory=lambda: [0.9, 0.95], ge=0, lt=1)
+    eps: float = _help("Adam epsilon.", 1e-8, gt=0)
+    weight_decay: float = _help("Decoupled weight decay.", 0.1, ge=0)
     torch_adam: bool = _help(
         "Use torch's Adam inside DeepSpeed (no JIT-compiled C++/CUDA op).", True
     )
 
     def __post_init__(self) -> None:
-        _at_least("deepspeed.optimizer", self, 0, "lr", "weight_decay")
-        _positive("deepspeed.optimizer", self, "eps")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+        betas = range_of(OptimizerConfig, "betas")
+        if len(self.betas) != 2 or not all(betas.contains(b) for b in self.betas):
             raise ConfigError(
-                f"deepspeed.optimizer.betas must be two numbers in [0, 1), got {self.betas}"
+                f"deepspeed.optimizer.betas must be two numbers in {betas}, got {self.betas}"
             )
+        check_ranges("deepspeed.optimizer", self)
 
 
 @dataclass
@@ -327,15 +294,12 @@ class SchedulerConfig:
     warmup_steps: int = _help(
         "Linear warm-up steps W: step k <= W runs at lr·k/W, step W at the peak (0 = from step 1).",
         10,
+        ge=0,
     )
-    min_lr_ratio: float = _help("Final LR as a fraction of the peak (cosine).", 0.1)
+    min_lr_ratio: float = _help("Final LR as a fraction of the peak (cosine).", 0.1, ge=0, le=1)
 
     def __post_init__(self) -> None:
-        _at_least("deepspeed.scheduler", self, 0, "warmup_steps")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(
-                f"deepspeed.scheduler.min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}"
-            )
+        check_ranges("deepspeed.scheduler", self)
 
 
 @dataclass
@@ -345,8 +309,8 @@ class DeepSpeedConfig:
 
     zero_stage: Literal[0, 1, 2, 3] = _help("ZeRO stage.", 0)
     precision: Literal["fp32", "bf16", "fp16"] = _help("Training precision.", "fp32")
-    gradient_accumulation_steps: int = _help("Micro-steps per optimizer step.", 1)
-    gradient_clipping: float = _help("Clip the global grad norm to this (0 = off).", 1.0)
+    gradient_accumulation_steps: int = _help("Micro-steps per optimizer step.", 1, ge=1)
+    gradient_clipping: float = _help("Clip the global grad norm to this (0 = off).", 1.0, ge=0)
     offload_optimizer: Literal["none", "cpu"] = _help("ZeRO optimizer-state offload.", "none")
     offload_param: Literal["none", "cpu"] = _help("ZeRO-3 parameter offload.", "none")
     optimizer: OptimizerConfig = _help("Optimizer.", factory=OptimizerConfig)
@@ -354,8 +318,7 @@ class DeepSpeedConfig:
     extra: dict[str, Any] = _help("Raw ds_config entries merged last.", factory=dict)
 
     def __post_init__(self) -> None:
-        _at_least("deepspeed", self, 1, "gradient_accumulation_steps")
-        _at_least("deepspeed", self, 0, "gradient_clipping")
+        check_ranges("deepspeed", self)
         if self.offload_param != "none" and self.zero_stage != 3:
             raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
         if "scheduler" in self.extra and self.scheduler.type != "none":
@@ -367,25 +330,25 @@ class DeepSpeedConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _help("Optimizer steps to run.", 100)
-    seed: int = _help("Seed of model initialisation.", 0)
+    steps: int = _help("Optimizer steps to run.", 100, ge=1)
+    seed: int = _help("Seed of model initialisation.", 0, ge=0, le=SEED_MAX)
     out_dir: str = _help("Run directory: metrics, checkpoints, plots.", "runs/debug")
-    log_every: int = _help("Log metrics every K steps.", 1)
-    eval_every: int = _help("Evaluate every K steps (0 = never).", 0)
-    eval_batches: int = _help("Micro-batches per evaluation.", 4)
-    checkpoint_every: int = _help("Save a checkpoint every K steps (0 = only at the end).", 0)
-    keep_checkpoints: int = _help("Checkpoints kept on disk (oldest removed first; 0 = all).", 3)
+    log_every: int = _help("Log metrics every K steps.", 1, ge=1)
+    eval_every: int = _help("Evaluate every K steps (0 = never).", 0, ge=0)
+    eval_batches: int = _help("Micro-batches per evaluation.", 4, ge=1)
+    checkpoint_every: int = _help("Save a checkpoint every K steps (0 = only at the end).", 0, ge=0)
+    keep_checkpoints: int = _help(
+        "Checkpoints kept on disk (oldest removed first; 0 = all).", 3, ge=0
+    )
     peak_tflops: float = _help(
         "Peak device TFLOP/s for the MFU estimate (0 = the figure of a known GPU at "
         "deepspeed.precision; no MFU is logged on other devices).",
         0.0,
+        ge=0,
     )
 
     def __post_init__(self) -> None:
-        _at_least("train", self, 1, "steps", "log_every", "eval_batches")
-        _at_least("train", self, 0, "eval_every", "checkpoint_every", "keep_checkpoints")
-        _at_least("train", self, 0, "peak_tflops")
-        _seed("train.seed", self.seed)
+        check_ranges("train", self)
 
 
 @dataclass

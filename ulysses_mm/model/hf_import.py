@@ -53,7 +53,7 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         data = json.loads(p.read_text())
     except OSError as e:
         raise InitFromError(f"init_from {path}: cannot read {p}: {e.strerror or e}") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InitFromError(f"init_from {path}: {p} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise InitFromError(f"init_from {path}: {p} is not a JSON object")
@@ -85,6 +85,16 @@ def hf_model_fields(path: str | Path, hf: dict[str, Any] | None = None) -> dict[
         raise InitFromError(f"{where}: a Llama with attention_bias/mlp_bias is not supported")
     if kind == "qwen3" and hf.get("attention_bias"):
         raise InitFromError(f"{where}: a Qwen3 with attention_bias is not supported")
+    try:
+        return _fields(hf, kind, where)
+    except InitFromError:
+        raise
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        what = f"has no {e}" if isinstance(e, KeyError) else f"has a bad value ({_line(e)})"
+        raise InitFromError(f"{where}: {Path(path) / 'config.json'} {what}") from None
+
+
+def _fields(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     heads = int(hf["num_attention_heads"])
     return dict(
         hidden_size=int(hf["hidden_size"]),
@@ -130,23 +140,66 @@ def check_matches(cfg: ModelConfig, path: str | Path, fields: dict[str, Any]) ->
             )
 
 
-def _open_tensors(path: Path) -> dict[str, Any]:
-    """Tensor name -> an open safetensors file holding it (one file or an indexed set)."""
-    from safetensors import safe_open
-
+def _weight_files(path: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The checkpoint's safetensors files, and the index's tensor -> file map (None for
+    a single ``model.safetensors``); an index that is not JSON, has no weight_map or
+    names a missing file is one line naming it."""
+    where = f"init_from {path}"
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {
-            f: safe_open(str(path / f), framework="pt") for f in sorted(set(weight_map.values()))
-        }
-        return {name: files[f] for name, f in weight_map.items()}
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(f, str) for f in weight_map.values()
+            ):
+                raise TypeError("weight_map is not a mapping of tensor names to files")
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+            why = "no weight_map" if isinstance(e, KeyError) else _line(e)
+            raise InitFromError(f"{where}: {index} is not a safetensors index: {why}") from None
+        files = [path / f for f in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise InitFromError(f"{where}: {index} names {f.name}, which is not there")
+        return files, weight_map
     single = path / "model.safetensors"
     if not single.is_file():
+        raise InitFromError(f"{where}: no model.safetensors or model.safetensors.index.json there")
+    return [single], None
+
+
+def _line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _safe_open(f: Path, path: Path) -> Any:
+    """``safetensors.safe_open`` (reads the header only); an unreadable file is one line
+    naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(f), framework="pt")
+    except (SafetensorError, OSError) as e:
         raise InitFromError(
-            f"init_from {path}: no model.safetensors or model.safetensors.index.json there"
-        )
-    handle = safe_open(str(single), framework="pt")
+            f"init_from {path}: {f} is not a readable safetensors file ({_line(e)})"
+        ) from None
+
+
+def check_weights_readable(path: Path) -> None:
+    """Every safetensors file of checkpoint ``path`` has a readable header (no tensor is
+    read): what a launcher can check before it starts processes."""
+    files, _ = _weight_files(path)
+    for f in files:
+        _safe_open(f, path)
+
+
+def _open_tensors(path: Path) -> dict[str, Any]:
+    """Tensor name -> an open safetensors file holding it (one file or an indexed set)."""
+    files, weight_map = _weight_files(path)
+    handles = {f.name: _safe_open(f, path) for f in files}
+    if weight_map is not None:
+        return {name: handles[f] for name, f in weight_map.items()}
+    (handle,) = handles.values()
     return {name: handle for name in handle.keys()}  # noqa: SIM118 (not a dict)
 
 
@@ -156,18 +209,25 @@ def _shape(handle: Any, name: str) -> list[int]:
 
 def _exported_space(path: Path) -> TokenSpace | None:
     p = path / "token_space.json"
-    return TokenSpace.from_dict(json.loads(p.read_text())) if p.is_file() else None
+    if not p.is_file():
+        return None
+    try:
+        return TokenSpace.from_dict(json.loads(p.read_text()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise InitFromError(f"init_from {path}: {p} is not a token space: {_line(e)}") from None
 
 
 def check_init_from(cfg: ModelConfig, space: TokenSpace, path: str | Path) -> slice:
     """Everything about checkpoint ``path`` that its config.json (and token_space.json)
-    decide, without reading a tensor: the architecture and the vocabulary against ``cfg``
-    and ``space``. Returns the token-space rows its vocabulary goes to (cheap enough for
-    a launcher to run before it starts processes)."""
+    decide, and that its safetensors headers are readable, without reading a tensor: the
+    architecture and the vocabulary against ``cfg`` and ``space``. Returns the
+    token-space rows its vocabulary goes to (cheap enough for a launcher to run before it
+    starts processes)."""
     path = Path(path)
     where = f"init_from {path}"
     fields = hf_model_fields(path)
     check_matches(cfg, path, fields)
+    check_weights_readable(path)
     exported = _exported_space(path)
     if exported is not None and exported != space:
         raise InitFromError(

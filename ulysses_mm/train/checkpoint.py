@@ -3,7 +3,9 @@
 
 Layout under ``RUN_DIR/checkpoints``::
 
-    step_00000040/            DeepSpeed's files (model, optimizer / ZeRO partitions, client state)
+    step_00000040/            DeepSpeed's files: mp_rank_00_model_states.pt (model, client
+                              state; zero_pp_rank_R_... per rank under ZeRO-3) and, under
+                              ZeRO >= 1, zero_pp_rank_R_mp_rank_00_optim_states.pt
         model.safetensors     the consolidated weights (what ``ulysses-mm export`` reads)
         run_config.yaml       the resolved run config
         token_space.json      the model's token space
@@ -12,8 +14,10 @@ Layout under ``RUN_DIR/checkpoints``::
 Every rank writes its DeepSpeed files, then all ranks meet at a barrier, and only then
 rank 0 replaces ``latest`` atomically (temporary file + rename). A crash at any point
 leaves ``latest`` on the previous complete checkpoint; DeepSpeed reads ``latest`` too,
-so its own ``load_checkpoint(dir)`` agrees. Loading goes through the engine's safe
-(``weights_only``) reader; nothing here unpickles.
+so its own ``load_checkpoint(dir)`` agrees. :func:`check_complete` checks that a
+resumed checkpoint has those files, for the run's ZeRO stage, before any process
+starts. Loading goes through the engine's safe (``weights_only``) reader; nothing here
+unpickles.
 """
 
 from __future__ import annotations
@@ -98,17 +102,87 @@ def save(
 
 
 def latest_tag(ckpt_dir: Path) -> str | None:
-    """The tag ``latest`` names (None without a ``latest`` file); a pointer that is empty
-    or names no checkpoint directory is a :class:`DataError` naming it."""
+    """The tag ``latest`` names (None without a ``latest`` file); a pointer that cannot be
+    read, is empty, names anything but a directory beside it (a path, ``..``) or names
+    none is a :class:`DataError` naming it."""
     pointer = ckpt_dir / LATEST
     if not pointer.exists():
         return None
-    tag = pointer.read_text().strip()
+    try:
+        tag = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        why = getattr(e, "strerror", None) or "not text"
+        raise DataError(f"cannot read the checkpoint pointer {pointer}: {why}") from None
     if not tag:
         raise DataError(f"{pointer} is empty; it must name a checkpoint directory beside it")
+    if tag in (".", "..") or "/" in tag or "\\" in tag or not tag.isprintable():
+        raise DataError(
+            f"{pointer} names {tag!r}, which is not a checkpoint directory beside it "
+            "(a tag is a plain directory name)"
+        )
     if not (ckpt_dir / tag).is_dir():
         raise DataError(f"{pointer} names {tag}, which does not exist")
     return tag
+
+
+def model_states(zero_stage: int) -> str:
+    """The pattern of DeepSpeed's model-state files in a tag directory: one file below
+    ZeRO-3, one per data-parallel rank under it (``engine._get_ckpt_name``)."""
+    if zero_stage == 3:
+        return "zero_pp_rank_*_mp_rank_00_model_states.pt"
+    return "mp_rank_00_model_states.pt"
+
+
+def _saved_zero_stage(path: Path) -> int | None:
+    """The ZeRO stage in the checkpoint's run_config.yaml (None when it records none)."""
+    f = path / CONFIG_FILE
+    if not f.is_file():
+        return None
+    try:
+        data = yaml.safe_load(f.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise DataError(f"--resume: {f} is not readable YAML: {type(e).__name__}") from None
+    ds = data.get("deepspeed") if isinstance(data, dict) else None
+    stage = ds.get("zero_stage") if isinstance(ds, dict) else None
+    return stage if isinstance(stage, int) else None
+
+
+def check_complete(path: Path, zero_stage: int) -> None:
+    """Checkpoint ``path`` (a tag directory) holds what resuming reads: DeepSpeed's model
+    states for ``deepspeed.zero_stage`` (each a readable torch zip archive), its
+    optimizer partitions under ZeRO >= 1, and the consolidated weights this module adds.
+    A :class:`DataError` names the path and the first missing file."""
+    import zipfile
+
+    saved = _saved_zero_stage(path)
+    if saved is not None and saved != zero_stage:
+        raise DataError(
+            f"--resume: checkpoint {path} was saved with deepspeed.zero_stage={saved}, this "
+            f"run has deepspeed.zero_stage={zero_stage}; DeepSpeed resumes only the stage it saved"
+        )
+    pattern = model_states(zero_stage)
+    found = sorted(path.glob(pattern))
+    if not found:
+        other = model_states(0 if zero_stage == 3 else 3)
+        hint = (
+            f"; it holds {other}, written under another deepspeed.zero_stage"
+            if any(path.glob(other))
+            else ""
+        )
+        raise DataError(
+            f"--resume: checkpoint {path} has no {pattern} (DeepSpeed's model states for "
+            f"deepspeed.zero_stage={zero_stage}){hint}"
+        )
+    if zero_stage >= 1 and not any(path.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")):
+        raise DataError(
+            f"--resume: checkpoint {path} has no zero_pp_rank_*_optim_states.pt (DeepSpeed's "
+            f"optimizer partitions for deepspeed.zero_stage={zero_stage})"
+        )
+    for f in found:
+        if not zipfile.is_zipfile(f):
+            raise DataError(f"--resume: {f} is not a torch checkpoint (truncated or empty?)")
+    if not (path / MODEL_FILE).is_file():
+        raise DataError(f"--resume: checkpoint {path} has no {MODEL_FILE}; it is incomplete")
 
 
 def prune(ckpt_dir: Path, keep: int) -> None:

@@ -133,11 +133,14 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
 
 
 def check_resume(cfg: RunConfig, space: TokenSpace) -> None:
-    """A resumed run has a complete checkpoint, trained on this run's token space."""
+    """A resumed run has a checkpoint: ``latest`` names a directory beside it that holds
+    every file resuming reads (for this run's ZeRO stage), trained on this run's token
+    space."""
     ckpt_dir = Path(cfg.train.out_dir) / "checkpoints"
     tag = checkpoint.latest_tag(ckpt_dir)
     if tag is None:
         raise DataError(f"--resume: no checkpoint to resume from in {ckpt_dir} (no 'latest' file)")
+    checkpoint.check_complete(ckpt_dir / tag, cfg.deepspeed.zero_stage)
     saved = checkpoint.saved_token_space(ckpt_dir / tag)
     if saved is not None and saved != space:
         raise DataError(
