@@ -242,7 +242,17 @@ def read_bytes_capped(
     if timeouts and getattr(fs, "protocol", None) and "s3" in fs.protocol:
         fs.retries = 1  # type: ignore[attr-defined]  # the caller owns the retry policy
     try:
+        # fsspec's HTTP info turns every failure (a status, a timeout) into "not found";
+        # then a plain read reports the real cause (and its length is checked after).
         size = fs.info(path).get("size")
+    except Exception:
+        size = -1
+    try:
+        if size == -1:
+            data = fs.cat_file(path)
+            if len(data) > max_bytes:
+                raise over(len(data))
+            return data
         if isinstance(size, int) and size > max_bytes:
             raise over(size)
         with fs.open(path, "rb") as f:
