@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
-from train_data import prepare_dna
+from train_data import prepare_dna, refused, run_config
 
-from ulysses_mm.cli import main
 from ulysses_mm.core.errors import WorkerError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.parallel.launch import run_world
@@ -35,25 +33,6 @@ def no_processes(monkeypatch):
     monkeypatch.setattr("ulysses_mm.parallel.launch.run_world", refuse)
 
 
-def _config(tmp: Path, manifest: Path, **model) -> Path:
-    cfg = {
-        "model": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, **model},
-        "data": {"train": str(manifest)},
-        "train": {"out_dir": str(tmp / "run")},
-        "logging": {"wandb": "disabled"},
-    }
-    path = tmp / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def _refused(capsys, *argv: str) -> str:
-    assert main(["train", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, err  # one line
-    return err
-
-
 @pytest.mark.parametrize(
     ("args", "expect"),
     [
@@ -74,7 +53,7 @@ def _refused(capsys, *argv: str) -> str:
 def test_config_errors_fail_in_the_parent(tmp_path, manifest, no_processes, capsys, args, expect):
     overrides = [a.strip("'") for a in args if "=" in a]
     options = [a for a in args if "=" not in a]
-    err = _refused(capsys, str(_config(tmp_path, manifest)), *overrides, *options)
+    err = refused(capsys, str(run_config(tmp_path, manifest)), *overrides, *options)
     assert expect in err, err
 
 
@@ -86,7 +65,7 @@ def test_resume_onto_another_token_space_is_refused(tmp_path, manifest, no_proce
     (ckpt / "latest").write_text("step_00000004\n")
     other = TokenSpace.from_vocab({"dna": 10, "audio": 256})
     (ckpt / "step_00000004" / "token_space.json").write_text(json.dumps(other.to_dict()))
-    err = _refused(capsys, str(_config(tmp_path, manifest)), "--resume")
+    err = refused(capsys, str(run_config(tmp_path, manifest)), "--resume")
     assert "was trained on the" in err and "step_00000004" in err, err
 
 

@@ -11,14 +11,13 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import save as save_safetensors
-from train_data import prepare_dna
+from train_data import prepare_dna, refused, run_config
 
 from ulysses_mm.cli import main
 from ulysses_mm.shards.manifest import Manifest
 
 SEQ = 256
 TAG = "step_00000004"
-MODEL = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
 @pytest.fixture(scope="module")
@@ -37,25 +36,6 @@ def no_processes(monkeypatch):
     monkeypatch.setattr("ulysses_mm.parallel.launch.run_world", refuse)
 
 
-def _config(tmp: Path, manifest: Path, **model) -> Path:
-    cfg = {
-        "model": {**MODEL, **model},
-        "data": {"train": str(manifest)},
-        "train": {"out_dir": str(tmp / "run")},
-        "logging": {"wandb": "disabled"},
-    }
-    path = tmp / "run.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
-
-
-def _refused(capsys, *argv: str) -> str:
-    assert main(["train", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1, err  # one line
-    return err
-
-
 def _checkpoint(tmp: Path, manifest: Path, zero_stage: int = 0) -> Path:
     """A checkpoint directory as ``checkpoint.save`` leaves it (DeepSpeed's model states
     a real torch archive), ``latest`` naming it."""
@@ -72,13 +52,13 @@ def _checkpoint(tmp: Path, manifest: Path, zero_stage: int = 0) -> Path:
 
 
 def _resume(capsys, tmp: Path, manifest: Path, *overrides: str) -> str:
-    return _refused(capsys, str(_config(tmp, manifest)), *overrides, "--resume")
+    return refused(capsys, str(run_config(tmp, manifest)), *overrides, "--resume")
 
 
 def test_a_sound_checkpoint_passes_the_preflight(tmp_path, manifest, no_processes):
     _checkpoint(tmp_path, manifest)
     with pytest.raises(AssertionError, match="a process was started"):
-        main(["train", str(_config(tmp_path, manifest)), "--resume"])
+        main(["train", str(run_config(tmp_path, manifest)), "--resume"])
 
 
 @pytest.mark.parametrize(
@@ -181,13 +161,13 @@ def _hf_checkpoint(tmp: Path, manifest: Path) -> Path:
 
 
 def _init_from(capsys, tmp: Path, manifest: Path, hf: Path) -> str:
-    cfg = _config(tmp, manifest, init_from=str(hf), text_modality="dna")
-    return _refused(capsys, str(cfg))
+    cfg = run_config(tmp, manifest, init_from=str(hf), text_modality="dna")
+    return refused(capsys, str(cfg))
 
 
 def test_a_readable_init_from_passes_the_preflight(tmp_path, manifest, no_processes):
     hf = _hf_checkpoint(tmp_path, manifest)
-    cfg = _config(tmp_path, manifest, init_from=str(hf), text_modality="dna")
+    cfg = run_config(tmp_path, manifest, init_from=str(hf), text_modality="dna")
     with pytest.raises(AssertionError, match="a process was started"):
         main(["train", str(cfg)])
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import yaml
 from conftest import REPO
 
 from ulysses_mm.shards.manifest import Manifest
@@ -76,3 +77,26 @@ def train_rows(config: Path, out_dir: Path, *overrides: str, nproc: int = 1) -> 
     assert out.returncode == 0, out.stderr[-4000:]
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r for r in rows if r["kind"] == "train"}
+
+
+def run_config(tmp: Path, manifest: Path, **model) -> Path:
+    """A debug run config over ``manifest`` (W&B off), model fields overridden by ``model``."""
+    cfg = {
+        "model": {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, **model},
+        "data": {"train": str(manifest)},
+        "train": {"out_dir": str(tmp / "run")},
+        "logging": {"wandb": "disabled"},
+    }
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def refused(capsys, *argv: str) -> str:
+    """``ulysses-mm train ARGV`` refused in one line (exit 2); the line."""
+    from ulysses_mm.cli import main
+
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line
+    return err
