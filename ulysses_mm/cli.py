@@ -628,6 +628,57 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_evaluate)
 
 
+def _add_probe(sub: argparse._SubParsersAction) -> None:
+    def run_write(args: argparse.Namespace) -> int:
+        from ulysses_mm.tools.probe import halves, write_probe
+
+        d = write_probe(args.out, args.length, args.documents, args.eval_documents, args.seed)
+        edges = ",".join(str(e) for e in halves(d.length))
+        print(
+            f"wrote the probe of L={d.length:,} ({d.seq_len:,}-token samples, one document "
+            f"each):\n  train: {d.train}\n  held out: {d.eval}\n"
+            f"train on it: ulysses-mm train CONFIG data.train={d.train} parallel.sp=P\n"
+            f"then: ulysses-mm probe score RUN_DIR {d.eval}   (or ulysses-mm evaluate "
+            f"RUN_DIR {d.eval} --edges {edges})"
+        )
+        return 0
+
+    def run_score(args: argparse.Namespace) -> int:
+        from ulysses_mm.tools.probe import score
+
+        first, second = score(args.checkpoint, args.manifest, args.nproc)
+        print(
+            f"first half: {first:.4f} bits/base (unpredictable: 2 at best)\n"
+            f"second half: {second:.4f} bits/base (a copy from L bases back: 0 once the "
+            "model uses its context)"
+        )
+        return 0
+
+    p = sub.add_parser(
+        "probe",
+        help="a long-context probe: L random bases, then the same L again; its score",
+        description=(
+            "write: DNA documents of L random bases followed by the same L bases (and one "
+            "N), one per packed sample of 2L+4 tokens, prepared into a training and a "
+            "held-out dataset. score: bits per base of each half on the held-out one (the "
+            "first stays at 2, the second falls to 0 once the model copies from L back)."
+        ),
+    )
+    psub = p.add_subparsers(dest="probe_command", required=True, metavar="ACTION")
+    w = psub.add_parser("write", help="write the probe's train and held-out datasets")
+    w.add_argument("out", help="output directory (train/, eval/, src/)")
+    w.add_argument("--length", type=int, required=True, metavar="L", help="bases per half")
+    w.add_argument("--documents", type=int, default=2048, help="training documents (2048)")
+    w.add_argument("--eval-documents", type=int, default=64, help="held-out documents (64)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the bases (held out: seed+1)")
+    w.set_defaults(func=run_write)
+    s = psub.add_parser("score", help="bits per base of each half on a probe dataset")
+    s.add_argument("checkpoint", help="a run dir, its checkpoints/ dir or a step_* dir")
+    s.add_argument("manifest", help="the probe's held-out manifest.json")
+    s.add_argument("--nproc", type=int, default=None, help="processes (default: the run's sp)")
+    s.set_defaults(func=run_score)
+
+
 # One entry per subcommand, in the order `--help` lists them.
 _SUBCOMMANDS = [
     _add_demo,
@@ -638,6 +689,7 @@ _SUBCOMMANDS = [
     _add_export,
     _add_generate,
     _add_evaluate,
+    _add_probe,
     _add_report,
     _add_verify,
     _add_estimate,

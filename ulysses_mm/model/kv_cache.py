@@ -117,14 +117,21 @@ class CachedDecoder:
 
     ``keep`` (prefill): which of this process's prompt tokens go into the cache (the
     padding a sequence-parallel split adds does not); ``store`` (step): whether this
-    process keeps the new token's keys and values (one process of a split cache does)."""
+    process keeps the new token's keys and values (one process of a split cache does).
+    ``stepwise``: :meth:`start` feeds the prompt through :meth:`step`."""
 
     def __init__(
-        self, model: MultimodalLM, capacity: int, batch: int = 1, merge: Merge = local_merge
+        self,
+        model: MultimodalLM,
+        capacity: int,
+        batch: int = 1,
+        merge: Merge = local_merge,
+        stepwise: bool = False,
     ) -> None:
         self.model = model
         self.cache = KVCache.for_model(model, batch, capacity)
         self.merge = merge
+        self.stepwise = stepwise  # prefill token by token, never calling the attention core
         self.position = 0  # the document position of the next token
 
     def layers(self) -> list[DecoderLayer]:
@@ -160,8 +167,14 @@ class CachedDecoder:
         return tile_map(bb.norm, bb.tile_tokens, x)
 
     def start(self, input_ids: Tensor) -> Tensor:
-        """A prompt [b, n] (one document from its ``<doc>``) -> its last hidden state [b, D]."""
+        """A prompt [b, n] (one document from its ``<doc>``) -> its last hidden state [b, D].
+        ``stepwise``: one token at a time (one process of a sequence-parallel model, whose
+        attention core would wait for the others)."""
         b, n = input_ids.shape
+        if self.stepwise:
+            for i in range(n):
+                hidden = self.step(input_ids[:, i : i + 1])
+            return hidden
         pos = torch.arange(n, device=input_ids.device).expand(b, n)
         return self.prefill(input_ids, pos, torch.zeros_like(input_ids))[:, -1]
 

@@ -33,6 +33,7 @@ from ulysses_mm.train.flops import causal_pairs, peak_tflops, train_flops
 from ulysses_mm.train.logger import MetricsLogger
 from ulysses_mm.train.metrics import ModalitySums, peak_memory_mb
 from ulysses_mm.train.plan import plan_run, world_size
+from ulysses_mm.train.samples import wandb_media, write_samples
 from ulysses_mm.train.step import build_setup, train_step
 
 
@@ -148,6 +149,30 @@ class Trainer:
             self.engine.train()
         return {"kind": "eval", **result.metrics("eval/")}
 
+    def eval_media(self, metrics: dict[str, Any]) -> dict[str, Any] | None:
+        """W&B objects of an evaluation: its loss-by-position chart and, with
+        ``logging.samples``, one generated document per modality (rank 0 generates; the
+        other ranks wait for it at the next collective)."""
+        samples = {}
+        if self.cfg.logging.samples and self.rank0:
+            self.engine.eval()
+            try:
+                samples = write_samples(
+                    self.model,
+                    self.tokenizers,
+                    self.run_dir / "samples",
+                    self.step,
+                    self.cfg.logging.sample_tokens,
+                    self.cfg.train.seed,
+                )
+            finally:
+                self.engine.train()
+        if self.logger.run is None:
+            return None
+        prefix = "eval/position/"
+        position = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
+        return wandb_media(samples, position)
+
     def save(self) -> Path:
         path = checkpoint.save(
             self.engine,
@@ -191,7 +216,8 @@ class Trainer:
                     and t.eval_every
                     and self.step % t.eval_every == 0
                 ):
-                    self.logger.log(self.step, self.evaluate())
+                    metrics = self.evaluate()
+                    self.logger.log(self.step, metrics, self.eval_media(metrics))
                 if (
                     t.checkpoint_every and self.step % t.checkpoint_every == 0
                 ) or self.step == t.steps:
