@@ -19,6 +19,7 @@ subcommands run.
 from __future__ import annotations
 
 import io
+import json
 import time
 from pathlib import Path
 
@@ -32,7 +33,15 @@ CONFIG = REPO / "configs" / "debug-tiny.yaml"
 TOKENIZERS = ("dna-annotated.json", "audio-mulaw-16k.json", "video-vq-av.json", "text-bytes.json")
 
 
-def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, nproc: int = 2) -> int:
+def run_demo(
+    out: str = "build/demo",
+    steps: int = 40,
+    seq_len: int = 8192,
+    nproc: int = 2,
+    eval_batches: int = 1_000_000,
+) -> int:
+    """The demo in ``out``; ``eval_batches`` caps what the training eval and ``evaluate``
+    read (default: every sample)."""
     from ulysses_mm.shards.inspect import run_inspect
     from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
     from ulysses_mm.tools.evaluate import EvaluateOptions, plot_positions, run_evaluate
@@ -64,6 +73,7 @@ def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, npro
             f"data.train={shards / 'manifest.json'}",
             f"data.eval={shards / 'manifest.json'}",
             f"train.eval_every={steps}",
+            f"train.eval_batches={eval_batches}",  # what `evaluate` reads below
             f"train.out_dir={out_dir / 'run'}",
             f"train.steps={steps}",
             f"train.checkpoint_every={max(1, steps // 2)}",
@@ -80,8 +90,11 @@ def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, npro
     pick = _most_mixed_sample(str(shards / "manifest.json"))
     run_inspect(str(shards / "manifest.json"), sample=pick, png=str(sample_png), out=io.StringIO())
     position_png = run_dir / "loss_by_position.png"
-    evaluated = run_evaluate(result["checkpoint"], str(shards / "manifest.json"), EvaluateOptions())
+    evaluated = run_evaluate(
+        result["checkpoint"], str(shards / "manifest.json"), EvaluateOptions(batches=eval_batches)
+    )
     plot_positions(evaluated, position_png, "demo: loss by position (its training shards)")
+    position_png.with_suffix(".json").write_text(json.dumps(evaluated.to_json(), indent=1))
     print(
         f"\ndemo done in {time.perf_counter() - t0:.0f} s; final loss {result['final_loss']:.3f}\n"
         f"  shards:     {shards}/manifest.json\n"
@@ -90,7 +103,7 @@ def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, npro
         f"  W&B (offline, `wandb sync` to upload): {result['wandb_dir']}\n"
         f"  loss plot:  {loss_png}\n"
         f"  sample:     {sample_png}  (sample {pick}, the most mixed)\n"
-        f"  by position: {position_png}\n"
+        f"  by position: {position_png} (figures: {position_png.with_suffix('.json').name})\n"
         f"next: ulysses-mm export {result['checkpoint']} {out_dir / 'hf'}\n"
         + "".join(
             f"      ulysses-mm generate {result['checkpoint']} --modality {m} {prompt}"
