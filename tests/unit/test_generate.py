@@ -58,7 +58,7 @@ def test_attend_is_causal_attention_with_its_log_sum_exp():
     torch.manual_seed(1)
     q = torch.randn(2, 3, 4, 8)
     k, v = torch.randn(2, 10, 2, 8), torch.randn(2, 10, 2, 8)
-    out, lse = attend(q, k, v)
+    out, lse = attend(q, k.transpose(1, 2), v.transpose(1, 2))  # the cache is [b, hk, T, d]
     # the 3 queries are the last 3 of 10 positions: SDPA with the matching causal mask
     mask = torch.arange(10)[None, :] <= (7 + torch.arange(3))[:, None]
     kr, vr = k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
@@ -69,7 +69,8 @@ def test_attend_is_causal_attention_with_its_log_sum_exp():
     scores = torch.einsum("bthd,bshd->bths", q, kr) / math.sqrt(8)
     ref_lse = scores.masked_fill(~mask[None, :, None, :], -math.inf).logsumexp(-1)
     assert_close(lse, ref_lse)
-    empty_out, empty_lse = attend(q[:, -1:], k[:, :0], v[:, :0])
+    empty = torch.zeros(2, 2, 0, 8)
+    empty_out, empty_lse = attend(q[:, -1:], empty, empty)
     assert (empty_out == 0).all() and torch.isinf(empty_lse).all()
 
 

@@ -40,7 +40,8 @@ def local_merge(out: Tensor, lse: Tensor) -> Tensor:
 
 
 class KVCache:
-    """Per layer, keys and values [b, capacity, hk, d] and how many are filled."""
+    """Per layer, keys and values [b, hk, capacity, d] (head-major, so a step's
+    attention multiplies them as they lie) and how many are filled."""
 
     def __init__(
         self,
@@ -52,7 +53,7 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> None:
-        shape = (batch, capacity, kv_heads, head_dim)
+        shape = (batch, kv_heads, capacity, head_dim)
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.capacity = capacity
@@ -77,37 +78,37 @@ class KVCache:
         t = k.shape[1]
         if self.length + t > self.capacity:
             raise ValueError(f"KV cache of {self.capacity} tokens is full ({self.length} + {t})")
-        self.k[layer][:, self.length : self.length + t] = k
-        self.v[layer][:, self.length : self.length + t] = v
+        self.k[layer][:, :, self.length : self.length + t] = k.transpose(1, 2)
+        self.v[layer][:, :, self.length : self.length + t] = v.transpose(1, 2)
 
     def view(self, layer: int, extra: int = 0) -> tuple[Tensor, Tensor]:
-        """The filled keys and values of ``layer`` and ``extra`` written after them."""
+        """The filled keys and values of ``layer`` [b, hk, T, d] and ``extra`` written
+        after them."""
         end = self.length + extra
-        return self.k[layer][:, :end], self.v[layer][:, :end]
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def advance(self, t: int) -> None:
         self.length += t
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Queries [b, t, hq, d], the last t of the T keys/values [b, T, hk, d] -> (output
-    [b, t, hq, d], log-sum-exp [b, t, hq]), both fp32; query i sees keys up to T - t + i.
-    No keys (T = 0): output 0, log-sum-exp -inf (a part that weighs nothing in a merge)."""
+    """Queries [b, t, hq, d], the last t of the T cached keys/values [b, hk, T, d] ->
+    (output [b, t, hq, d], log-sum-exp [b, t, hq]), both fp32; query i sees keys up to
+    T - t + i. Products run in the cache's dtype, the softmax in fp32. No keys (T = 0):
+    output 0, log-sum-exp -inf (a part that weighs nothing in a merge)."""
     b, t, hq, d = q.shape
-    T, hk = k.shape[1], k.shape[2]
+    hk, T = k.shape[1], k.shape[2]
     rep = hq // hk
     # [b, t, hq, d] -> [b, hk, rep·t, d]: query head i reads kv head i // rep
-    qh = q.float().permute(0, 2, 1, 3).reshape(b, hk, rep * t, d)
-    kh = k.float().permute(0, 2, 3, 1)  # [b, T, hk, d] -> [b, hk, d, T]
-    vh = v.float().permute(0, 2, 1, 3)  # [b, T, hk, d] -> [b, hk, T, d]
-    scores = torch.matmul(qh, kh) / math.sqrt(d)  # [b, hk, rep·t, T]
+    qh = q.to(k.dtype).permute(0, 2, 1, 3).reshape(b, hk, rep * t, d)
+    scores = torch.matmul(qh, k.transpose(-1, -2)).float() / math.sqrt(d)  # [b, hk, rep·t, T]
     if t > 1:
         qpos = (T - t + torch.arange(t, device=q.device)).repeat(rep)  # [rep·t]
         allowed = torch.arange(T, device=q.device)[None, :] <= qpos[:, None]
         scores = scores.masked_fill(~allowed, -math.inf)
     lse = torch.logsumexp(scores, dim=-1)  # [b, hk, rep·t]
     probs = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
-    out = torch.matmul(probs, vh)  # [b, hk, rep·t, d]
+    out = torch.matmul(probs.to(v.dtype), v).float()  # [b, hk, rep·t, d]
     out = out.reshape(b, hq, t, d).transpose(1, 2)  # -> [b, t, hq, d]
     return out, lse.reshape(b, hq, t).transpose(1, 2)  # [b, t, hq]
 
@@ -191,7 +192,7 @@ class CachedDecoder:
             q, k, v = layer._qkv(x, cos, sin)  # [b, 1, h, d]
             if store:
                 self.cache.write(i, k, v)
-            ks, vs = self.cache.view(i, extra)  # [b, T, hk, d]
+            ks, vs = self.cache.view(i, extra)  # [b, hk, T, d]
             out, lse = attend(q, ks, vs)
             o = self.merge(out, lse).to(x.dtype)  # [b, 1, hq, d]
             x = layer._after_attention(x, o)
