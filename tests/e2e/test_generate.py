@@ -101,6 +101,12 @@ def test_same_seed_same_file_and_an_export_generates_the_same(demo, tmp_path, ca
     assert a.read_bytes() == b.read_bytes()
     seq = lambda p: str(SeqIO.read(p, "fasta").seq)  # noqa: E731
     assert seq(a) != seq(c)
+    # a prompt prefilled by 2 sequence-parallel processes, its cache split over them
+    one, two = tmp_path / "one.fa", tmp_path / "two.fa"
+    prompt = ["--prompt", str(DATA / "human_mt.fa"), "--prompt-tokens", "301"]
+    _generate(capsys, ckpt, *args, *prompt, "--seed", "1", "--out", str(one))
+    out = _generate(capsys, ckpt, *args, *prompt, "--seed", "1", "--nproc", "2", "--out", str(two))
+    assert "on cpu × 2" in out and two.read_bytes() == one.read_bytes()
     export = tmp_path / "hf"
     assert main(["export", ckpt, str(export)]) == 0
     assert (export / "tokenizers.json").is_file()

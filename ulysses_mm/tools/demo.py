@@ -107,7 +107,7 @@ def run_demo(
         f"next: ulysses-mm export {result['checkpoint']} {out_dir / 'hf'}\n"
         + "".join(
             f"      ulysses-mm generate {result['checkpoint']} --modality {m} {prompt}"
-            f"--new-tokens {n} --out {out_dir / ('generated.' + ext)}\n"
+            f"--new-tokens {n} --ignore-doc-end --out {out_dir / ('generated.' + ext)}\n"
             for m, prompt, n, ext in _GENERATE
         )
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -185,6 +186,8 @@ def cli(
     checkpoint: str, manifest: str, opts: EvaluateOptions, as_json: bool, png: str | None
 ) -> int:
     r = run_evaluate(checkpoint, manifest, opts)
+    if int(os.environ.get("RANK", "0")) != 0:  # one of a launched world's ranks: rank 0 writes
+        return 0
     if png:
         plot_positions(r, png, f"{Path(checkpoint).name} on {Path(manifest).parent.name}")
     if as_json:

@@ -22,7 +22,7 @@ Dims: M modalities, B bins.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -181,17 +181,6 @@ class EvalResult:
         }
 
 
-@dataclass
-class _Tally:
-    """This rank's sums, reduced once at the end."""
-
-    by_bin: Tensor  # [M, B] CE sums
-    bin_counts: Tensor  # [M, B]
-    units: Tensor  # [M]
-    samples: int = 0
-    sums: ModalitySums = field(default_factory=lambda: ModalitySums([]))
-
-
 @torch.no_grad()
 def evaluate_batches(
     rt: Setup,
@@ -207,67 +196,66 @@ def evaluate_batches(
     edge_list = list(edges) if edges is not None else log_edges()
     edge_t = torch.tensor(edge_list, dtype=torch.long, device=device)
     nb = len(edge_list) - 1
-    tables = {m: u.table.to(device) for m, u in (units or {}).items()}
+    units = units or {}
+    tables = {m: u.table.to(device) for m, u in units.items()}
     ns = space.num_specials
-    tally = _Tally(
-        torch.zeros(len(mods), nb, dtype=torch.float64, device=device),
-        torch.zeros(len(mods), nb, dtype=torch.float64, device=device),
-        torch.zeros(len(mods), dtype=torch.float64, device=device),
-        sums=ModalitySums(mods),
-    )
-    count = 0
+    # this rank's sums, reduced once at the end: CE and targets per (modality, bin) and
+    # units per modality
+    by_bin = torch.zeros(len(mods), nb, dtype=torch.float64, device=device)
+    bin_counts = torch.zeros(len(mods), nb, dtype=torch.float64, device=device)
+    unit_counts = torch.zeros(len(mods), dtype=torch.float64, device=device)
+    sums = ModalitySums(mods)  # the global per-modality figures, as training sums them
+    count = samples = 0
     for batch in batches:
         count += 1
-        tally.samples += batch.input_ids.shape[0]
+        samples += batch.input_ids.shape[0]
         local = rt.slice_of(batch)
         bins = position_bins(local, edge_t)
         _, report = forward_loss(rt.engine, local, rt.weights, rt.mesh, bins, nb)
-        tally.sums.add(report)
+        sums.add(report)
         assert report.by_bin is not None
-        tally.by_bin += report.by_bin.double()
+        by_bin += report.by_bin.double()
         target_mod = torch.where(local.labels == IGNORE, -1, local.label_modality)
         for i, m in enumerate(mods):
             sel = target_mod == i
             hit = sel & (bins >= 0)
-            tally.bin_counts[i] += torch.bincount(bins[hit], minlength=nb)[:nb].double()
+            bin_counts[i] += torch.bincount(bins[hit], minlength=nb)[:nb].double()
             if m in tables:
                 labels = local.labels[sel]
                 index = torch.where(labels < ns, labels, labels - space.range(m).start + ns)
-                tally.units[i] += tables[m][index].sum()
-    reduced = torch.cat([tally.by_bin.flatten(), tally.bin_counts.flatten(), tally.units])
-    samples = torch.tensor([float(tally.samples)], dtype=torch.float64, device=device)
+                unit_counts[i] += tables[m][index].sum()
+    reduced = torch.cat([by_bin.flatten(), bin_counts.flatten(), unit_counts])
+    seen = torch.tensor([float(samples)], dtype=torch.float64, device=device)
     if rt.mesh.distributed:
         dist.all_reduce(reduced, group=rt.mesh.world_group)
-        # samples: every sp rank of a dp group read the same ones
-        dist.all_reduce(samples, group=rt.mesh.world_group)
-        samples /= rt.mesh.sp
+        dist.all_reduce(seen, group=rt.mesh.world_group)
+        seen /= rt.mesh.sp  # every sp rank of a dp group read the same samples
     m_, b_ = len(mods), nb
     by_bin = reduced[: m_ * b_].view(m_, b_).cpu()
-    counts = reduced[m_ * b_ : 2 * m_ * b_].view(m_, b_).cpu()
+    bin_counts = reduced[m_ * b_ : 2 * m_ * b_].view(m_, b_).cpu()
     unit_counts = reduced[2 * m_ * b_ :].cpu()
     bins_out: dict[str, list[tuple[int, int, float, int]]] = {}
     for i, m in enumerate(mods):
         rows = [
-            (edge_list[j], edge_list[j + 1], float(by_bin[i, j] / counts[i, j]), int(counts[i, j]))
+            (
+                edge_list[j],
+                edge_list[j + 1],
+                float(by_bin[i, j] / bin_counts[i, j]),
+                int(bin_counts[i, j]),
+            )
             for j in range(b_)
-            if counts[i, j] > 0
+            if bin_counts[i, j] > 0
         ]
         if rows:
             bins_out[m] = rows
-    s = tally.sums
-    weights = rt.weights.tolist()
     return EvalResult(
         modalities=mods,
-        loss=s.weighted_mean(weights),
-        nats=s.means(),
-        targets={m: c for m, c in s.counts.items() if c},
-        units={
-            m: ((units or {})[m].name, float(unit_counts[i]))
-            for i, m in enumerate(mods)
-            if m in (units or {})
-        },
+        loss=sums.weighted_mean(rt.weights.tolist()),
+        nats=sums.means(),
+        targets={m: c for m, c in sums.counts.items() if c},
+        units={m: (units[m].name, float(unit_counts[i])) for i, m in enumerate(mods) if m in units},
         edges=edge_list,
         bins=bins_out,
         batches=count,
-        samples=int(samples.item()),
+        samples=int(seen.item()),
     )
