@@ -31,7 +31,7 @@ CHUNK_AUDIO = 8000  # 4 frames at 8 fps: 0.5 s of 16 kHz audio after every 4 fra
 def demo(tmp_path_factory):
     require_fixture(DATA.is_dir() and any(DATA.glob("*.webm")), "tests/data sample files")
     out = tmp_path_factory.mktemp("demo")
-    run_demo(str(out), steps=4, seq_len=1024, eval_batches=6)
+    run_demo(str(out), steps=4, seq_len=1024, eval_batches=6, samples=300)
     (ckpt,) = (out / "run" / "checkpoints").glob("step_00000004")
     return {"out": out, "ckpt": str(ckpt), "manifest": str(out / "shards" / "manifest.json")}
 
@@ -164,3 +164,19 @@ def test_evaluate_matches_the_training_eval_and_plots_by_position(demo):
         assert sum(b["targets"] for b in e["by_position"]) == e["targets"]
     png = (run / "loss_by_position.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_the_training_eval_logs_generated_samples(demo):
+    """``logging.samples``: at the eval, one document per modality, in RUN_DIR/samples and
+    in the offline W&B run as audio, video and text, beside the loss-by-position chart."""
+    run = Path(demo["out"]) / "run"
+    files = sorted(p.name for p in (run / "samples").iterdir())
+    assert files == [f"step_00000004_{m}" for m in ("audio.wav", "dna.fa", "text.txt", "video.mp4")]
+    wave, rate = soundfile.read(run / "samples" / "step_00000004_audio.wav")
+    assert rate == 16000 and wave.shape == (300,)
+    assert len(SeqIO.read(run / "samples" / "step_00000004_dna.fa", "fasta").seq) == 300
+    with av.open(str(run / "samples" / "step_00000004_video.mp4")) as c:
+        assert sum(1 for _ in c.decode(video=0)) == 1  # 300 ids: one whole frame of 257
+    (media,) = (run / "wandb").glob("offline-run-*/files/media")
+    kinds = {p.relative_to(media).parts[0] for p in media.rglob("*") if p.is_file()}
+    assert {"audio", "videos", "html", "table"} <= kinds

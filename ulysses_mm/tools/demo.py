@@ -39,9 +39,11 @@ def run_demo(
     seq_len: int = 8192,
     nproc: int = 2,
     eval_batches: int = 1_000_000,
+    samples: int = 0,
 ) -> int:
     """The demo in ``out``; ``eval_batches`` caps what the training eval and ``evaluate``
-    read (default: every sample)."""
+    read (default: every sample); ``samples`` > 0 turns ``logging.samples`` on with that
+    many ids per modality."""
     from ulysses_mm.shards.inspect import run_inspect
     from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
     from ulysses_mm.tools.evaluate import EvaluateOptions, plot_positions, run_evaluate
@@ -79,6 +81,8 @@ def run_demo(
             f"train.checkpoint_every={max(1, steps // 2)}",
             f"parallel.sp={nproc}",
             "logging.wandb=offline",
+            f"logging.samples={'true' if samples else 'false'}",
+            f"logging.sample_tokens={samples or 1}",
         ],
     )
     result = run_train(cfg, nproc, resume=False)

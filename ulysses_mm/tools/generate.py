@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ulysses_mm.core.errors import ConfigError, DataError, UserError
+from ulysses_mm.core.errors import ConfigError, DataError, UnsupportedError, UserError
 from ulysses_mm.core.layout import check_layout
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
 from ulysses_mm.model.generate import Sampling
@@ -66,6 +66,11 @@ class GenerateOptions:
             raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
         if self.nproc is not None and self.nproc < 1:
             raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UnsupportedError("--device cuda: no CUDA device is visible here")
 
     @property
     def sampling(self) -> Sampling:
