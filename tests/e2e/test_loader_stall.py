@@ -172,6 +172,17 @@ def test_a_manifest_error_status_is_one_line_naming_the_url(tmp_path, serve, sta
     assert took < START_S, f"took {took:.1f}s"
 
 
+def test_a_manifest_server_that_never_answers_is_one_line_within_the_read_timeout(tmp_path, serve):
+    """One streamed GET, not a size request and then a read: the stall is waited out once."""
+    base = serve("ok", manifest_mode="stall")
+    code, lines, took = _train(tmp_path, base, 1)
+    line = _one_line(lines)
+    assert code == 2, line
+    assert f"cannot read manifest {base}/manifest.json: no answer within the timeouts" in line
+    bound = CONNECT_S + READ_S + START_S
+    assert took < bound, f"took {took:.1f}s, bound {bound:.1f}s"
+
+
 @pytest.fixture
 def moto_process(monkeypatch) -> Iterator[tuple[subprocess.Popen, str]]:
     """The moto S3 server in a process of its own, which the test can SIGSTOP; it is
@@ -265,7 +276,9 @@ def test_an_s3_server_stopped_mid_run_ends_the_run_in_one_line(
             train.wait()
     shown = (line.rsplit("\r", 1)[-1] for line in err.decode(errors="replace").split("\n"))
     lines = [line for line in shown if line.strip()]
-    print(f"[s3 {sig.name} --nproc 2] exit {train.returncode}, {len(lines)} stderr lines, {took:.1f}s")
+    print(
+        f"[s3 {sig.name} --nproc 2] exit {train.returncode}, {len(lines)} stderr lines, {took:.1f}s"
+    )
     line = _one_line(lines)
     assert train.returncode == 1, line
     assert "rank " in line and "s3://bucket/ds/" in line, line
