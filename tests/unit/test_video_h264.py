@@ -226,6 +226,17 @@ def test_a_pyav_without_libx264_is_one_clear_error(monkeypatch):
         H264VideoTokenizer(_spec())
 
 
+def test_a_pyav_that_cannot_filter_packets_is_one_clear_error(monkeypatch):
+    import av
+
+    def old_pyav(description, in_stream=None, out_stream=None):
+        raise TypeError("Argument 'in_stream' has incorrect type")
+
+    monkeypatch.setattr(av, "BitStreamFilterContext", old_pyav)
+    with pytest.raises(ValueError, match="h264-test: this PyAV cannot filter H.264 packets"):
+        H264VideoTokenizer(_spec())
+
+
 def test_bad_params_are_one_clear_error():
     with pytest.raises(ValueError, match="multiple of 16"):
         H264VideoTokenizer(_spec(size=60))
@@ -233,6 +244,12 @@ def test_bad_params_are_one_clear_error():
         H264VideoTokenizer(_spec(preset="warp"))
     with pytest.raises(ValueError, match="tokens_per_frame"):
         H264VideoTokenizer(_spec(tokens_per_frame=0))
+    with pytest.raises(ValueError, match="slice_bytes"):
+        H264VideoTokenizer(_spec(slice_bytes=10))
+    with pytest.raises(ValueError, match="buffer_frames"):
+        H264VideoTokenizer(_spec(buffer_frames=0.5))
+    with pytest.raises(ValueError, match="intra_refresh"):
+        H264VideoTokenizer(_spec(intra_refresh="yes"))
     with pytest.raises(ValueError, match="vocab_size 65792"):
         H264VideoTokenizer(TokenizerSpec("x", "video", "video-h264", 256, {}))
 
