@@ -20,10 +20,12 @@ The stream is built for ids a model writes, not for a file:
   worth (filled at twice the average rate, half full at the start), bounds every frame,
   the first included. ``intra_refresh: false`` puts a keyframe every ``keyint`` frames
   instead, under the same bound.
-- **Damage stays local and heals.** Each slice holds at most ``slice_bytes`` bytes (its
-  start code is a resync point): a wrong id spoils the rest of its slice, which the
-  decoder conceals from the previous frame, and the next sweep that passes over the spoilt
-  area repairs it (at most two refresh periods). Frames are delimited by ``<eof>``, a
+- **Damage stays local and heals.** Each slice holds at most ``slice_bytes`` bytes (x264
+  splits a frame by size; a start code begins each slice, a point to resync): a wrong id
+  spoils the rest of its slice (concealed from the previous frame where the decoder sees
+  the error), what is predicted from it stays wrong until an intra refresh sweep has passed
+  over it, and from then on the frames are exactly the undamaged ones (within two refresh
+  periods). Frames are delimited by ``<eof>``, a
   special outside the video range, so wrong video ids never shift the following frames.
 - **Any frame is a place to start.** The SPS/PPS are a function of the params; they are
   kept out of the ids and the decoder makes them itself (:meth:`H264VideoTokenizer.headers`),
