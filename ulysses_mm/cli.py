@@ -381,6 +381,20 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print one JSON document (per-file exact / snr_db / psnr_db, and a summary)",
     )
+    e.add_argument(
+        "--damage",
+        type=float,
+        action="append",
+        metavar="RATE",
+        help="also decode after a fraction RATE of the ids was replaced by random ids of "
+        "the modality (video, audio; repeatable, e.g. --damage 0.001 --damage 0.01)",
+    )
+    e.add_argument(
+        "--seeds",
+        type=int,
+        default=5,
+        help="random draws per --damage rate, seeds 0..N-1 (default 5): mean and worst",
+    )
     e.set_defaults(func=run_eval)
 
 

@@ -34,7 +34,13 @@ from ulysses_mm.core.format import (
     segments_to_ids,
 )
 from ulysses_mm.core.tokenspace import EOF, TokenSpace, token_modalities
-from ulysses_mm.shards.manifest import MANIFEST_NAME, Manifest, read_verified_shard
+from ulysses_mm.shards.manifest import (
+    MANIFEST_NAME,
+    READ_TIMEOUTS,
+    Manifest,
+    read_shard,
+    read_verified_shard,
+)
 from ulysses_mm.shards.reader import read_samples
 from ulysses_mm.tokenize.base import Tokenizer
 from ulysses_mm.tokenize.table import TokenizerTable
@@ -55,10 +61,9 @@ def open_target(location: str, storage_options: Mapping[str, Any] | None = None)
     if location.endswith(".tar"):
         base = location.rsplit("/", 1)[0] if "/" in location else "."
         sibling = storage.join(base, MANIFEST_NAME)
+        probe = storage.with_timeouts(sibling, storage_options, *READ_TIMEOUTS)
         manifest = (
-            Manifest.load(sibling, storage_options)
-            if storage.exists(sibling, storage_options)
-            else None
+            Manifest.load(sibling, storage_options) if storage.exists(sibling, probe) else None
         )
         return Target(manifest, location)
     return Target(Manifest.load(location, storage_options), None)
@@ -81,7 +86,7 @@ def load_sample(
         if m is not None and entry is not None:
             data = read_verified_shard(m, entry)
         else:
-            data = storage.read_bytes(target.shard, storage_options)
+            data = read_shard(target.shard, storage_options)
         pos = k
         where = f"{name} #{pos}"
     samples = read_samples(data, where)
