@@ -3,6 +3,7 @@ tokenizers' grammars, the sampler, and the evaluation's bins and units."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -138,36 +139,42 @@ def test_video_grammar_forces_whole_frames_and_the_interleaved_audio():
     assert g2.next() == Next("video", vr.start, vr.stop)
 
 
-def test_generated_ids_decode_in_every_kind():
-    """An untrained model's ids, within the grammar, decode through each tokenizer."""
+def _generated(model, tok, space: TokenSpace, new: int) -> list[int]:
+    prompt = [DOC_START, space.boundary_token(tok.modality)]
+    decoder = CachedDecoder(model, len(prompt) + new)
+    got = generate(model, decoder, Grammar(tok, space, end=False), prompt, new, Sampling())
+    assert len(got.ids) == new and got.sampled > 0
+    return got.ids
+
+
+def test_generated_ids_decode_in_every_kind(tmp_path):
+    """An untrained model's ids, within the grammar, decode through each tokenizer (the
+    same seed giving the same ids)."""
+    h264 = json.loads((SPECS / "video-h264.json").read_text())
+    h264["params"] |= {"tokens_per_frame": 8, "buffer_frames": 1.0}  # frames of 32 ids at most
+    (tmp_path / "h264.json").write_text(json.dumps(h264))
+    h264_space = TokenSpace.from_vocab({"video": 65792})
+    h264_model = build_model(
+        ModelConfig(hidden_size=16, num_attention_heads=2, num_key_value_heads=1), h264_space
+    )
     model = _model()
-    for spec, new in (
-        ("dna-base.json", 40),
-        ("audio-mulaw-16k.json", 50),
-        ("text-bytes.json", 30),
-        ("video-vq.json", 3 * 257 + 100),
+    for spec, new, m, space, frames in (
+        (SPECS / "dna-base.json", 40, model, SPACE, 0),
+        (SPECS / "audio-mulaw-16k.json", 50, model, SPACE, 0),
+        (SPECS / "text-bytes.json", 30, model, SPACE, 0),
+        (SPECS / "video-vq.json", 257 + 20, model, SPACE, 1),  # a frame, a part frame
+        (tmp_path / "h264.json", 2 * 33 + 5, h264_model.eval(), h264_space, 2),
     ):
-        tok = load_tokenizer(SPECS / spec)
-        prompt = [DOC_START, SPACE.boundary_token(tok.modality)]
-        decoder = CachedDecoder(model, len(prompt) + new)
-        got = generate(model, decoder, Grammar(tok, SPACE, end=False), prompt, new, Sampling())
-        assert len(got.ids) == new and got.sampled > 0
-        media = decode_media(tok, SPACE, prompt, got.ids)
+        tok = load_tokenizer(spec)
+        ids = _generated(m, tok, space, new)
+        assert _generated(m, tok, space, new) == ids
+        media = decode_media(tok, space, [DOC_START, space.boundary_token(tok.modality)], ids)
         if media.kind == "mp4":
-            assert media.frames is not None and media.frames.shape == (3, 256, 256, 3)
+            assert media.frames is not None and media.frames.shape == (frames, 256, 256, 3), spec
         elif media.kind == "wav":
             assert media.wave is not None and len(media.wave) == new
         else:
             assert len(media.text) > 0
-        again = generate(
-            model,
-            CachedDecoder(model, len(prompt) + new),
-            Grammar(tok, SPACE, end=False),
-            prompt,
-            new,
-            Sampling(),
-        )
-        assert again.ids == got.ids  # same seed, same ids
 
 
 def test_allowed_mask_is_the_heads_slice():

@@ -9,8 +9,10 @@ given the ids so far (a prompt, then what was sampled):
 - DNA, text, mu-law audio: any id of the range, or ``</doc>`` (the document ends);
 - codec audio: quantizer q's ids at the q-th id of each frame (ids say their quantizer);
 - ``video-vq``: exactly ``(size/patch)²`` video ids per frame, then ``<eof>`` (forced);
-- ``video-h264``: packet ids or ``<eof>`` (frames are ragged; a bad packet decodes as the
-  previous frame);
+- ``video-h264``: slice ids or ``<eof>`` (frames are ragged; a bad slice is concealed),
+  ``<eof>`` forced once a frame holds 4 VBV buffers' worth of ids (``4 · buffer_frames ·
+  tokens_per_frame``, far past any frame the encoder writes), so a model that never
+  closes a frame still makes frames;
 - a video spec that interleaves audio (``params.audio``): after every ``chunk_frames``
   frames ``<|audio|>`` is forced, the audio head then writes that chunk's samples
   (``chunk_frames / fps`` seconds at the audio spec's rate), then ``<|video|>`` is
@@ -55,6 +57,7 @@ class Grammar:
         self.end = (DOC_END,) if end else ()
         self.frame: int | None = None  # ids per frame of a fixed-frame video kind
         self.ragged_frames = False
+        self.max_frame = 0  # ids a ragged frame may reach before <eof> is forced
         self.quantizers = int(getattr(tokenizer, "n_q", 0) or 0)  # codec audio
         self.codebook = int(getattr(tokenizer, "codebook_size", 0) or 0)
         self.audio: str | None = None  # the interleaved audio modality
@@ -63,6 +66,9 @@ class Grammar:
                 self.frame = tokenizer.tokens_per_frame
             else:
                 self.ragged_frames = True
+                p = tokenizer.params
+                buffer = float(p.get("buffer_frames", 2.0))
+                self.max_frame = int(4 * buffer * tokenizer.tokens_per_frame)
             if tokenizer.audio is not None and tokenizer.audio.modality in space.modalities:
                 self.audio = tokenizer.audio.modality
                 a = space.range(self.audio)
@@ -124,6 +130,8 @@ class Grammar:
                 return Next(m, forced=EOF)
             return Next(m, self.lo, self.hi)
         if self.ragged_frames:
+            if self.max_frame and self.in_frame >= self.max_frame:
+                return Next(m, forced=EOF)
             return Next(m, self.lo, self.hi, (EOF,))
         if self.quantizers > 1 and self.codebook:
             q = self.ids_in_run % self.quantizers
