@@ -509,8 +509,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"wrote {r['out']}: {r['what']} ({r['kind']}); {r['new_ids']:,} new ids "
             f"({r['sampled']:,} sampled{', ended by </doc>' if r['ended'] else ''}) after a "
-            f"{r['prompt_ids']:,}-id prompt, {r['tokens_per_s']:,.1f} ids/s on {r['device']}"
-            f" × {r['processes']}"
+            f"{r['prompt_ids']:,}-id prompt; {r['tokens_per_s']:,.1f} ids/s with the prefill, "
+            f"on {r['device']} × {r['processes']}"
         )
     return 0
 
