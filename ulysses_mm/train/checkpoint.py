@@ -9,6 +9,8 @@ Layout under ``RUN_DIR/checkpoints``::
         model.safetensors     the consolidated weights (what ``ulysses-mm export`` reads)
         run_config.yaml       the resolved run config
         token_space.json      the model's token space
+        tokenizers.json       the tokenizer specs of its training data (what ``generate``
+                              and ``evaluate`` tokenize and decode with)
     latest                    the tag of the newest COMPLETE checkpoint
 
 Every rank writes its DeepSpeed files, then all ranks meet at a barrier, and only then
@@ -39,6 +41,7 @@ LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "run_config.yaml"
 SPACE_FILE = "token_space.json"
+TOKENIZERS_FILE = "tokenizers.json"
 # DeepSpeed's optimizer partitions, one per rank (ZeRO >= 1; bf16_ before them in bf16)
 _OPTIM_PARTITIONS = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"
 
@@ -75,6 +78,7 @@ def save(
     config: dict[str, Any],
     space: TokenSpace,
     keep: int,
+    tokenizers: dict[str, Any] | None = None,
 ) -> Path:
     from safetensors.torch import save as save_safetensors
 
@@ -95,6 +99,8 @@ def save(
         )
         _atomic_text(path / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False))
         _atomic_text(path / SPACE_FILE, json.dumps(space.to_dict(), indent=1) + "\n")
+        if tokenizers is not None:
+            _atomic_text(path / TOKENIZERS_FILE, json.dumps(tokenizers, indent=1) + "\n")
     _barrier()  # every rank's files are on disk
     if rank0:
         _atomic_text(ckpt_dir / LATEST, tag + "\n")

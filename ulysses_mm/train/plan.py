@@ -104,6 +104,11 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
             where = f"data.train: {source.location}"
             modality_pools(source.sample_tokens(), source.token_space.modalities, mods, where)
     check_loader_config(cfg, sources)
+    if cfg.logging.samples and cfg.deepspeed.zero_stage == 3:
+        raise ConfigError(
+            "logging.samples generates on rank 0 alone, which ZeRO-3's partitioned weights do "
+            "not allow; set deepspeed.zero_stage below 3 or logging.samples=false"
+        )
     check_kernel_config(cfg.parallel.attention, cfg.deepspeed.precision)
     m = cfg.model
     dp = check_layout(
