@@ -212,7 +212,12 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
-    cfg = load_pipeline_config(args.pipeline, args.overrides)
+    overrides = list(args.overrides)
+    if args.engine:
+        overrides.append(f"engine={args.engine}")
+    if args.address is not None:
+        overrides.append(f"ray_address={args.address}")
+    cfg = load_pipeline_config(args.pipeline, overrides)
     if args.print_config:
         import yaml
 
@@ -244,6 +249,17 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         nargs="*",
         help=_overrides_help()
         + ", e.g. output=out/dna 'sources=[data/*.fa.gz]' pack.seq_len=65536",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        help="what runs the partitions: this machine's process pool (local, the default) or "
+        "a Ray cluster (ray; pip install 'ulysses-mm[ray]'); the same bytes either way",
+    )
+    p.add_argument(
+        "--address",
+        help="with --engine ray: the cluster to join ('auto' for the one `ray start` began "
+        "here, HOST:PORT); none: start a local Ray",
     )
     p.add_argument(
         "--print-config", action="store_true", help="print the resolved pipeline config and exit"

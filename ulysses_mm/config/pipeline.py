@@ -101,7 +101,12 @@ class PipelineConfig:
         "",
     )
     keep_staging: bool = _help("Keep the staging directory after a successful run.", False)
-    workers: int = _help("Tokenizer worker processes (0 = one per CPU core).", 0)
+    workers: int = _help(
+        "engine=local: tokenizer worker processes (0 = one per CPU core); engine=ray: "
+        "partition tasks running at once, and the CPUs of a local Ray it starts (0 = as "
+        "many as the cluster has CPUs).",
+        0,
+    )
     progress: bool = _help("Show a progress bar (tqdm) on stderr.", True)
     engine: str = _help(
         "What runs the partitions: 'local' (a process pool on this machine) or 'ray' (the "

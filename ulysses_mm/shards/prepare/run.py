@@ -215,7 +215,7 @@ def _engine(cfg: PipelineConfig) -> Engine:
     if cfg.engine == "ray":
         from ulysses_mm.shards.prepare.ray_engine import RayEngine
 
-        return RayEngine(cfg.ray_address)
+        return RayEngine(cfg.ray_address, cfg.workers)
     return LocalEngine(cfg.workers)
 
 
