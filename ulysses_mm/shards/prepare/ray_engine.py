@@ -18,6 +18,7 @@ and the next run skips them.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -110,10 +111,15 @@ class RayEngine:
             cause = e.cause if e.cause is not None else e
             text = str(cause).strip().splitlines()
             why = f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
-            raise partition_failed(task, why, log_dir, str(e)) from None
+            raise partition_failed(task, why, log_dir, _plain(str(e))) from None
         except ray.exceptions.RayError as e:  # the worker died on every attempt, a lost node
             why = (
                 f"its worker died on each of {MAX_RETRIES + 1} attempts (crash, out of memory or "
                 f"a lost node): {type(e).__name__}"
             )
-            raise partition_failed(task, why, log_dir, str(e)) from None
+            raise partition_failed(task, why, log_dir, _plain(str(e))) from None
+
+
+def _plain(text: str) -> str:
+    """Ray's traceback text without its terminal colours."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
