@@ -65,10 +65,14 @@ class Codes:
             raise ValueError(f"{ns} specials and {len(tok.letters)} bases do not fit a byte")
         self.table = bytes(_BAD if v == _BAD else ns + v for v in tok.table)
         fast = bytearray(self.table)  # whitespace is never a base on the fast paths
-        for b in WS:
+        for b in WS + b"+":  # a FASTQ sequence line starting '+' is the parser's '+' line
             fast[b] = _BAD
         fast[ord("\n")] = _SEP
         self.fast = bytes(fast)
+        lines = bytearray(self.table)  # whitespace a FASTA line may end with: look closer
+        for b in b"\t\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0":
+            lines[b] = _BAD
+        self.fasta = bytes(lines)
         self.head = bytes([DOC_START, space.boundary_token(tok.modality)])
         self.tail = bytes([DOC_END])
         self.ns, self.shift = ns, r.start - ns
@@ -93,6 +97,7 @@ class _Out:
         self.codes = codes
         self.parts: list[bytes] = []
         self.lens: list[int] = []
+        self.many: list[np.ndarray] = []  # lengths of whole documents, after self.lens
         self.size = 0
         self.continues = False  # the next block's first piece carries on an open document
         self.open = False  # the last piece's document is not finished
@@ -120,24 +125,28 @@ class _Out:
         self.size += 1
         self.open = False
 
-    def documents(self, codes: bytes, lens: list[int]) -> None:
-        """Whole framed documents."""
+    def documents(self, codes: bytes, lens: np.ndarray) -> None:
+        """Whole framed documents (after the pieces so far, which must not leave one open)."""
+        if self.lens:
+            self.many.append(np.array(self.lens, dtype=np.int64))
+            self.lens = []
         self.parts.append(codes)
-        self.lens += lens
+        self.many.append(lens)
         self.size += len(codes)
 
     def flush(self) -> TokenBlock | None:
-        if not self.lens:
+        if not self.lens and not self.many:
             return None
+        lens = np.concatenate([*self.many, np.array(self.lens, dtype=np.int64)])
         block = TokenBlock(
             self.codes.tokens(b"".join(self.parts)),
-            np.array(self.lens, dtype=np.int64),
-            np.full(len(self.lens), self.codes.modality, dtype=np.int64),
+            lens,
+            np.full(len(lens), self.codes.modality, dtype=np.int64),
             continues=self.continues,
             closed=not self.open,
         )
         self.continues = self.open
-        self.parts, self.lens, self.size = [], [], 0
+        self.parts, self.lens, self.many, self.size = [], [], [], 0
         return block
 
 
@@ -350,12 +359,13 @@ class _Fasta(_Reader):
     def _bases(self, lines: bytes) -> None:
         if self.rid is None:  # blank lines before the first record
             return
-        table = self.codes.table
         seq = lines.translate(None, b"\n ")
-        if _OTHER_WS.search(seq) is not None:  # the parser's rule, line by line
-            seq = b"".join(ln.rstrip(WS) for ln in lines.split(b"\n")).replace(b" ", b"")
-        codes = seq.translate(table)
+        codes = seq.translate(self.codes.fasta)
         bad = codes.find(_BAD)
+        if bad >= 0 and _OTHER_WS.search(seq) is not None:  # the parser's rule, line by line
+            seq = b"".join(ln.rstrip(WS) for ln in lines.split(b"\n")).replace(b" ", b"")
+            codes = seq.translate(self.codes.table)
+            bad = codes.find(_BAD)
         if bad >= 0:
             raise DecodeError(
                 f"{self.source}#{self.rid}: character {chr(seq[bad])!r} (byte 0x{seq[bad]:02x}) "
@@ -434,11 +444,10 @@ class _Fastq(_Reader):
             ok = min(ok, k - 1)
         if plus.count(b"+") != k:  # a '+' line with more: it must repeat the '@' line
             ok = min(ok, next((i for i in range(k) if not _plus_ok(heads[i], plus[i])), k))
-        ls = list(map(len, seqs))
-        if ls != list(map(len, quals)) or 0 in ls:
-            ok = min(ok, next(i for i in range(k) if ls[i] != len(quals[i]) or not ls[i]))
-        if any(map(bytes.startswith, seqs, repeat(b"+"))):  # the parser takes it for the '+'
-            ok = min(ok, next(i for i in range(k) if seqs[i].startswith(b"+")))
+        ls = np.fromiter(map(len, seqs), dtype=np.int64, count=k)
+        bad_len = (ls != np.fromiter(map(len, quals), dtype=np.int64, count=k)) | (ls == 0)
+        if bad_len.any():
+            ok = min(ok, int(np.argmax(bad_len)))
         if not ok:
             return 0
         codes = b"\n".join(seqs[:ok]).translate(self.codes.fast)
@@ -450,7 +459,7 @@ class _Fastq(_Reader):
             codes = codes[: codes.rfind(_SEP, 0, bad)]
         self.out.documents(
             self.codes.head + codes.replace(bytes([_SEP]), self.join) + self.codes.tail,
-            [n + 3 for n in ls[:ok]],
+            ls[:ok] + 3,
         )
         self.records += ok
         return 4 * ok
