@@ -178,7 +178,7 @@ def peak_rss_mb(fasta: Path, out: Path) -> dict[str, float]:
     ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-c", _MEASURE, *args], env=env, capture_output=True, text=True
+        [sys.executable, "-c", _MEASURE, *args], env=env, cwd=REPO, capture_output=True, text=True
     )
     if proc.returncode:
         raise SystemExit(proc.stderr)
