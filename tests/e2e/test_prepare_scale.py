@@ -169,6 +169,24 @@ def test_a_ray_worker_killed_mid_partition_is_retried_and_the_bytes_do_not_chang
     assert not outcome["result"].crashed  # type: ignore[attr-defined]
 
 
+def test_an_input_that_kills_its_ray_worker_twice_is_skipped_as_on_the_local_engine(
+    ray_local, tmp_path
+):
+    make_inputs(tmp_path, n_dna=2, bad=False)
+    (tmp_path / "data" / "crash.seq").write_text("ACGT\nCRASH\n")
+    pipeline = write_pipeline(tmp_path, str(tmp_path / "out"))
+    entries = {}
+    for engine in ("local", "ray"):
+        cfg = load_pipeline_config(
+            pipeline, ["progress=false", f"output={tmp_path / engine}", f"engine={engine}"]
+        )
+        result = prepare(cfg)
+        assert [Path(c).name for c in result.crashed] == ["crash.seq"]
+        entries[engine] = [e.to_dict() for e in result.manifest.inputs]
+    assert entries["ray"] == entries["local"]
+    assert files_of(tmp_path / "ray") == files_of(tmp_path / "local")
+
+
 def test_a_killed_driver_rerun_skips_the_partitions_it_finished(corpus, tmp_path):
     """SIGKILL `ulysses-mm prepare` once a partition is finished; the rerun takes it (and
     checks its shards), redoes the rest, and a partition whose shard was damaged is redone."""

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.prepare.assemble import Assembler, InOrder, write_partition
 from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask, completed
-from ulysses_mm.shards.prepare.pool import WorkerConfig, run_pool, tokenize_input
+from ulysses_mm.shards.prepare.pool import CRASHED, WorkerConfig, run_pool, tokenize_input
 from ulysses_mm.shards.prepare.route import (
     Plan,
     PrepareError,
@@ -40,6 +40,7 @@ from ulysses_mm.shards.prepare.route import (
     Task,
     partition_staging,
     plan_inputs,
+    skipped,
 )
 from ulysses_mm.tokenize import registry
 from ulysses_mm.tokenize.base import Tokenizer, TokenizerSpec
@@ -153,9 +154,20 @@ def plan_partition(job: Job, task: PartitionTask, ctx: _Context) -> Plan:
     )
 
 
+# An input its worker process died on this many times (a decoder crash, the OOM killer) is
+# skipped as the local pool skips one that kills a process of its own.
+CRASHES_TO_SKIP = 2
+
+
 def run_partition(job: Job, task: PartitionTask) -> PartitionResult:
     """The whole partition in this process: taken from an earlier run if that finished
-    it, else its inputs tokenized one after the other and packed into its shards."""
+    it, else its inputs tokenized one after the other and packed into its shards.
+
+    Before an input is tokenized, a count of attempts at it is left in the staging
+    directory and removed after: when the engine runs the partition again because its
+    process died, an input found with :data:`CRASHES_TO_SKIP` attempts is the one that
+    killed it (twice, so a worker killed from outside costs nothing) and is recorded as
+    skipped; its partition then finishes."""
     done = completed(job, task)
     if done is not None:
         return done
@@ -173,7 +185,16 @@ def run_partition(job: Job, task: PartitionTask) -> PartitionResult:
                 tok = ctx.tokenizer(t.modality)
             except Exception as e:  # cannot happen for specs the driver loaded; say so
                 raise RuntimeError(f"tokenizer for {t.modality}: {e}") from e
-            outcome = tokenize_input(t, tok, ctx.space, job.worker.storage_options)
+            mark = Path(t.staged + ".attempts")  # survives this process, not a success
+            attempts = int(mark.read_text() or 0) if mark.exists() else 0
+            if attempts >= CRASHES_TO_SKIP:
+                outcome = skipped(
+                    t.source, CRASHED, modality=t.modality, reusable=False, crashed=True
+                )
+            else:
+                mark.write_text(str(attempts + 1))
+                outcome = tokenize_input(t, tok, ctx.space, job.worker.storage_options)
+            mark.unlink(missing_ok=True)
             yield Result(outcome, t.staged)
 
     result = write_partition(job, task, ctx.space, results())

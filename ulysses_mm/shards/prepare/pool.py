@@ -33,6 +33,8 @@ from ulysses_mm.shards.prepare.route import Outcome, Task, commit, skipped
 from ulysses_mm.tokenize import registry
 from ulysses_mm.tokenize.base import DecodeError, TokenBlock, Tokenizer, TokenizerSpec
 
+CRASHED = "the worker process died while decoding this file (crash or out of memory)"
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -246,7 +248,7 @@ def _alone(task: Task, config: WorkerConfig, ctx: Any) -> Outcome:
     except cf.process.BrokenProcessPool:
         return skipped(
             task.source,
-            "the worker process died while decoding this file (crash or out of memory)",
+            CRASHED,
             modality=task.modality,
             reusable=False,
             crashed=True,
