@@ -9,9 +9,10 @@ spec's 16 kHz mono), through one pipeline (``dna-base`` + ``audio-mulaw-16k``) c
 - Ray with 1 worker and with 2 (``workers`` = partition tasks at once, on a local Ray of
   that many CPUs).
 
-Each run is its own driver process, timed around ``prepare`` alone (a local Ray's start is
-left out and printed apart); its peak RSS is the driver's own (``ru_maxrss``), the workers
-not counted. ``identical`` says every file of the dataset (shards and manifest) equals the
+Each engine is its own driver process, which runs ``prepare`` ``--repeats`` times (the
+fastest counts: the host may be shared), timed around ``prepare`` alone (a local Ray's
+start is left out and printed apart); its peak RSS is the driver's own (``ru_maxrss``),
+the workers not counted. ``identical`` says every file of the dataset (shards and manifest) equals the
 local engine's. The driver is then run again on ``--many`` inputs (small FASTA files) to show
 that its memory does not grow with the number of inputs. The last line is::
 
@@ -63,28 +64,35 @@ def make_corpus(root: Path, fasta: int, audio: int, bases: int, seconds: float) 
 
 _RUN = """
 import json, os, resource, sys, time
-engine, workers = sys.argv[1], int(sys.argv[2])
+engine, workers, repeats, output = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
-cfg = load_pipeline_config(None, sys.argv[3:] + [f"engine={engine}", f"workers={workers}"])
 start = 0.0
 if engine == "ray":
     import ray
     t = time.perf_counter()
     ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     start = time.perf_counter() - t
-t = time.perf_counter()
-result = prepare(cfg, out=open(os.devnull, "w"))
-wall = time.perf_counter() - t
+walls = []
+for r in range(repeats):  # each into an output of its own; the last one is compared
+    out = output if r == repeats - 1 else f"{output}-{r}"
+    extra = [f"engine={engine}", f"workers={workers}", f"output={out}"]
+    cfg = load_pipeline_config(None, sys.argv[5:] + extra)
+    t = time.perf_counter()
+    result = prepare(cfg, out=open(os.devnull, "w"))
+    walls.append(time.perf_counter() - t)
 rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 tokens = sum(result.manifest.tokens.values())
-print(json.dumps({"wall": wall, "start": start, "rss": rss, "tokens": tokens}))
+print(json.dumps({"wall": min(walls), "start": start, "rss": rss, "tokens": tokens}))
 """
 
 
-def run(engine: str, workers: int, overrides: list[str]) -> dict[str, float]:
+def run(
+    engine: str, workers: int, output: Path, overrides: list[str], repeats: int = 1
+) -> dict[str, float]:
+    """One driver process: ``repeats`` runs of ``prepare``, the fastest one's wall time."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", _RUN, engine, str(workers), *overrides],
+        [sys.executable, "-c", _RUN, engine, str(workers), str(repeats), str(output), *overrides],
         env=env,
         cwd=REPO,
         capture_output=True,
@@ -111,6 +119,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0, help="seconds per WAV file")
     ap.add_argument("--partitions", type=int, default=8, help="shards.partitions")
     ap.add_argument("--many", type=int, default=2000, help="inputs of the driver-memory run")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per engine; the fastest counts")
     args = ap.parse_args()
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name)
@@ -135,7 +144,7 @@ def main() -> None:
     reference = ""
     for engine, workers in [("local", 1), ("ray", 1), ("ray", 2)]:
         out = root / f"out-{engine}-{workers}"
-        r = run(engine, workers, [*common, *sources, f"output={out}"])
+        r = run(engine, workers, out, [*common, *sources], args.repeats)
         d = digest(out)
         reference = reference or d
         results[(engine, workers)] = (r, d == reference)
@@ -146,7 +155,7 @@ def main() -> None:
         )
     # the driver's memory against the number of inputs: many small FASTA files
     many = make_corpus(root / "many", args.many, 0, 200, 0)
-    small = run("ray", 2, [*common, f"sources=[{many}/*]", f"output={root / 'out-many'}"])
+    small = run("ray", 2, root / "out-many", [*common, f"sources=[{many}/*]"])
     r2 = results[("ray", 2)][0]
     print(
         f"driver peak RSS: {r2['rss']:.0f} MB at {inputs} inputs, {small['rss']:.0f} MB at "

@@ -234,13 +234,16 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         "prepare",
         help="tokenize raw files, pack them and write WebDataset shards + manifest.json",
         description=(
-            "Run a pipeline spec (pipelines/*.yaml): expand the sources, tokenize each file "
-            "in worker processes, pack the documents into samples of pack.seq_len tokens and "
-            "write shards and manifest.json to the output (a directory or fsspec URL). "
-            "Undecodable inputs are skipped and recorded; the run fails only if every input "
-            "fails. A killed run, started again, reuses finished work and ends with the same "
-            "bytes. Relative paths in the file resolve against the file's directory, those "
-            "given here against the current directory."
+            "Run a pipeline spec (pipelines/*.yaml): expand the sources, cut them into "
+            "partitions (shards.partition_bytes), tokenize each file, pack the documents into "
+            "samples of pack.seq_len tokens and write shards and manifest.json to the output "
+            "(a directory or fsspec URL), on this machine's worker processes or on a Ray "
+            "cluster (--engine ray), with the same bytes. Undecodable inputs are skipped and "
+            "recorded; the run fails only if every input fails or a partition fails for "
+            "another reason. A killed run, started again, skips the partitions it finished, "
+            "reuses staged work and ends with the same bytes. Relative paths in the file "
+            "resolve against the file's directory, those given here against the current "
+            "directory."
         ),
     )
     p.add_argument("pipeline", help="pipeline spec YAML (e.g. pipelines/dna.yaml)")

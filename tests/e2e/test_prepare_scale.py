@@ -348,3 +348,21 @@ def test_a_streaming_tokenizer_reads_a_bucket_object_without_a_local_copy(
     task = Task(0, "s3://one/g.fa", "dna", str(tmp_path / "entry"), str(tmp_path / "fetch"))
     outcome = pool.tokenize_input(task, tok, space, opts)
     assert outcome.ok and outcome.documents == 2 and outcome.tokens == 2 * 303
+
+
+def test_the_local_engine_never_imports_ray(tmp_path):
+    """Ray is an optional extra: a local prepare and the CLI import it only for engine=ray."""
+    make_inputs(tmp_path, n_dna=1, bad=False)
+    pipeline = write_pipeline(tmp_path, str(tmp_path / "out"), workers=1)
+    probe = (
+        "import sys\n"
+        "from ulysses_mm import cli\n"
+        "from ulysses_mm.shards.prepare import ray_engine\n"
+        "from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare\n"
+        f"prepare(load_pipeline_config({str(pipeline)!r}))\n"
+        "assert 'ray' not in sys.modules, 'ray was imported'\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], env=ENV, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr

@@ -140,3 +140,22 @@ def test_a_document_left_open_is_refused(tmp_path):
     with pytest.raises(DecodeError, match="never ends"):
         w.commit()
     w.abort()
+
+
+@pytest.mark.parametrize("hold", [1 << 20, 100], ids=["in-memory", "spilled"])
+def test_a_held_entry_reads_back_the_same_and_leaves_nothing(tmp_path, hold):
+    rng = np.random.default_rng(2)
+    mods = [0, 1, 0]
+    docs = [_doc(rng, SPACE.modalities[m], int(n)) for m, n in zip(mods, [90, 4, 200])]
+    w = StagedWriter(str(tmp_path / "held"), SPACE, hold=hold)
+    for block in _pieces(docs, mods, [10, 60, 95]):
+        w.add(block)
+    w.commit()
+    assert any(tmp_path.iterdir()) == (hold == 100)  # spilled to a local file past hold
+    blocks = list(w.blocks(3, "held", chunk=64))
+    whole = [DocumentBlock.from_documents(docs, mods, SPACE.dtype())]
+    for a, b in zip(pack(whole, 32, SPACE.dtype()), pack(blocks, 32, SPACE.dtype()), strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.segments, b.segments)
+    w.abort()
+    assert not any(tmp_path.iterdir())

@@ -88,8 +88,16 @@ class Assembler:
                 skip_reason=o.skip_reason,
             )
         )
-        for block in staged_blocks(result.staged, o.documents, self.packer.dtype, o.source):
-            self._write(self.packer.add(block))
+        if result.held is not None:  # tokenized by this process, for it alone
+            blocks = result.held.blocks(o.documents, o.source)
+        else:
+            blocks = staged_blocks(result.staged, o.documents, self.packer.dtype, o.source)
+        try:
+            for block in blocks:
+                self._write(self.packer.add(block))
+        finally:
+            if result.held is not None:
+                result.held.abort()
         self.tokens += o.tokens
 
     @property

@@ -5,8 +5,9 @@ bytes do not depend on the engine or on how many workers it has:
 
 1. :func:`~ulysses_mm.shards.prepare.partition.completed`: an earlier run finished it
    (fragment and shards checked): take that;
-2. :func:`~ulysses_mm.shards.prepare.pool.tokenize_input` for each input not already
-   staged, into the partition's staging directory;
+2. :mod:`~ulysses_mm.shards.prepare.pool`'s tokenizing of each input not already staged
+   into a staged entry (committed in the partition's staging directory for another
+   process to pack; held in memory, spilling to a local file, for this one);
 3. :func:`~ulysses_mm.shards.prepare.assemble.write_partition`: pack its inputs in input
    order into its shards and fragment.
 
@@ -32,7 +33,7 @@ from tqdm import tqdm
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.prepare.assemble import Assembler, InOrder, write_partition
 from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask, completed
-from ulysses_mm.shards.prepare.pool import CRASHED, WorkerConfig, run_pool, tokenize_input
+from ulysses_mm.shards.prepare.pool import CRASHED, WorkerConfig, run_pool, tokenize_held
 from ulysses_mm.shards.prepare.route import (
     Plan,
     PrepareError,
@@ -154,6 +155,10 @@ def plan_partition(job: Job, task: PartitionTask, ctx: _Context) -> Plan:
     )
 
 
+# A Ray task packs what it tokenized itself: an input's documents wait in memory up to this
+# many bytes, then in a local file, never committed (the task's unit of resume is the
+# partition's fragment).
+HOLD_BYTES = 64 << 20
 # An input its worker process died on this many times (a decoder crash, the OOM killer) is
 # skipped as the local pool skips one that kills a process of its own.
 CRASHES_TO_SKIP = 2
@@ -193,9 +198,10 @@ def run_partition(job: Job, task: PartitionTask) -> PartitionResult:
                 )
             else:
                 mark.write_text(str(attempts + 1))
-                outcome = tokenize_input(t, tok, ctx.space, job.worker.storage_options)
+                so = job.worker.storage_options
+                outcome, held = tokenize_held(t, tok, ctx.space, so, HOLD_BYTES)
             mark.unlink(missing_ok=True)
-            yield Result(outcome, t.staged)
+            yield Result(outcome, t.staged, held=held)
 
     result = write_partition(job, task, ctx.space, results())
     if not job.keep_staging:

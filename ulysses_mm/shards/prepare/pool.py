@@ -128,12 +128,36 @@ def _blocks(tok: Tokenizer, path: str, space: TokenSpace) -> Iterator[TokenBlock
 def tokenize_input(
     task: Task, tok: Tokenizer, space: TokenSpace, storage_options: dict[str, Any]
 ) -> Outcome:
-    """Tokenize one input into its staged entry (in whichever process runs it); its
-    outcome. A streaming tokenizer reads the input where it is (a bucket's object
-    included); any other gets a local file (a remote input is copied for it, then
-    removed)."""
+    """Tokenize one input into its staged entry, committed for the process that packs it
+    and for later runs; its outcome."""
+    outcome, _ = _tokenize(
+        task, tok, space, storage_options, staged.StagedWriter(task.staged, space)
+    )
+    if outcome.reusable:  # the outcome commits the entry: written after the documents
+        commit(task.staged, outcome)
+    return outcome
+
+
+def tokenize_held(
+    task: Task, tok: Tokenizer, space: TokenSpace, storage_options: dict[str, Any], hold: int
+) -> tuple[Outcome, staged.StagedWriter | None]:
+    """Tokenize one input for this process to pack: its outcome and its entry, held in
+    memory up to ``hold`` bytes (then in a local file), never committed."""
+    writer = staged.StagedWriter(task.staged, space, hold=hold)
+    return _tokenize(task, tok, space, storage_options, writer)
+
+
+def _tokenize(
+    task: Task,
+    tok: Tokenizer,
+    space: TokenSpace,
+    storage_options: dict[str, Any],
+    writer: staged.StagedWriter,
+) -> tuple[Outcome, staged.StagedWriter | None]:
+    """The input's outcome, and ``writer`` holding its documents when it is ok. A streaming
+    tokenizer reads the input where it is (a bucket's object included); any other gets a
+    local file (a remote input is copied for it, then removed)."""
     fetched: Path | None = None
-    writer = staged.StagedWriter(task.staged, space)
     try:
         if tok.streams:
             with storage.open_input(task.source, storage_options) as f:
@@ -149,35 +173,33 @@ def tokenize_input(
         writer.commit()
     except DecodeError as e:
         writer.abort()
-        outcome = skipped(task.source, one_line(str(e)) or type(e).__name__, modality=task.modality)
+        reason = one_line(str(e)) or type(e).__name__
+        return skipped(task.source, reason, modality=task.modality), None
     except Exception as e:  # a tokenizer that broke the contract; keep going, say so
         writer.abort()
-        outcome = skipped(
+        return skipped(
             task.source,
             f"unexpected {type(e).__name__}: {one_line(str(e))}",
             modality=task.modality,
             reusable=False,  # may be transient (network, memory): retried by the next run
-        )
+        ), None
     except BaseException:
         writer.abort()
         raise
-    else:
-        # a tokenizer of records (text's .jsonl lines) may count those it skipped
-        outcome = Outcome(
-            task.source,
-            "ok",
-            modality=task.modality,
-            documents=writer.documents,
-            tokens=writer.tokens,
-            skipped_records=int(getattr(tok, "skipped_records", 0) or 0),
-            skip_reason=one_line(str(getattr(tok, "first_skip_reason", "") or "")),
-        )
     finally:
         if fetched is not None:
             fetched.unlink(missing_ok=True)
-    if outcome.reusable:  # the outcome commits the entry: written after the documents
-        commit(task.staged, outcome)
-    return outcome
+    # a tokenizer of records (text's .jsonl lines) may count those it skipped
+    outcome = Outcome(
+        task.source,
+        "ok",
+        modality=task.modality,
+        documents=writer.documents,
+        tokens=writer.tokens,
+        skipped_records=int(getattr(tok, "skipped_records", 0) or 0),
+        skip_reason=one_line(str(getattr(tok, "first_skip_reason", "") or "")),
+    )
+    return outcome, writer
 
 
 def tokenize(task: Task) -> Outcome:

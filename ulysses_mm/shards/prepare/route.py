@@ -159,6 +159,7 @@ class Result:
     outcome: Outcome
     staged: str = ""
     reused: bool = False  # found in the staging directory, not tokenized by this run
+    held: Any = None  # a StagedWriter this process holds the documents in, not committed
 
 
 @dataclass

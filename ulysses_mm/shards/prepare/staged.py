@@ -15,6 +15,7 @@ has been read to the end without an error: a bad input is skipped whole, whateve
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,16 +48,28 @@ def remove(stem: str) -> None:
 class StagedWriter:
     """Appends checked :class:`TokenBlock` pieces to a staged entry; ``commit`` makes the
     files appear under their names, ``abort`` removes them. ``documents`` and ``tokens``
-    count what was written."""
+    count what was written.
 
-    def __init__(self, stem: str, space: TokenSpace) -> None:
+    With ``hold`` > 0 the entry is for this process only (tokenized and packed by the same
+    one, as a Ray task does): it stays in memory up to ``hold`` bytes, then goes on in
+    files that are neither synced to disk nor committed, and :meth:`blocks` reads it back.
+    """
+
+    def __init__(self, stem: str, space: TokenSpace, hold: int = 0) -> None:
         self.space = space
         self.dtype = space.dtype()
         self.final = _paths(stem)
         self.tmp = tuple(p.parent / temp_name(p.name) for p in self.final)
         self.final[0].parent.mkdir(parents=True, exist_ok=True)
-        self._tokens: IO[bytes] = open(self.tmp[0], "wb")  # noqa: SIM115 (commit/abort close it)
-        self._docs: IO[bytes] = open(self.tmp[1], "wb")  # noqa: SIM115
+        self.hold = hold
+        self.durable = not hold  # committed for other processes and later runs
+        self._tokens: IO[bytes]
+        self._docs: IO[bytes]
+        if hold:
+            self._tokens, self._docs = io.BytesIO(), io.BytesIO()
+        else:
+            self._tokens = open(self.tmp[0], "wb")  # noqa: SIM115 (commit/abort close it)
+            self._docs = open(self.tmp[1], "wb")  # noqa: SIM115
         self._rows: list[np.ndarray] = []
         self._pending_rows = 0
         self.documents = 0
@@ -67,6 +80,8 @@ class StagedWriter:
     def add(self, block: TokenBlock) -> None:
         """Check ``block`` (DecodeError saying what is wrong) and append it."""
         t, lengths, mods = self._check(block)
+        if self.hold and self.tokens * self.dtype.itemsize + t.nbytes > self.hold:
+            self._spill()
         self._tokens.write(np.ascontiguousarray(t).data)
         self.tokens += len(t)
         n = len(lengths)
@@ -141,12 +156,24 @@ class StagedWriter:
             self._docs.write(np.concatenate(self._rows).tobytes())
         self._rows, self._pending_rows = [], 0
 
+    def _spill(self) -> None:
+        """A held entry past ``hold``: from memory to (unsynced) files."""
+        files = []
+        for held, tmp in zip((self._tokens, self._docs), self.tmp):
+            f = open(tmp, "w+b")  # noqa: SIM115 (blocks/abort close it)
+            f.write(held.getbuffer())  # type: ignore[attr-defined]
+            files.append(f)
+        self._tokens, self._docs = files
+        self.hold = 0
+
     def commit(self) -> None:
         """Every block added: the files under their final names (DecodeError if the
-        tokenizer left a document open)."""
+        tokenizer left a document open). A held entry is only closed for reading."""
         if self._open_mod >= 0:
             raise DecodeError("the tokenizer produced an invalid document: the last one never ends")
         self._flush_rows()
+        if not self.durable:
+            return
         for f in (self._tokens, self._docs):
             f.flush()
             os.fsync(f.fileno())
@@ -154,7 +181,15 @@ class StagedWriter:
         for tmp, final in zip(self.tmp, self.final):
             os.replace(tmp, final)
 
+    def blocks(self, n_docs: int, where: str, chunk: int = CHUNK_TOKENS) -> Iterator[DocumentBlock]:
+        """A held entry's documents, as :func:`staged_blocks` reads a committed one."""
+        for f in (self._tokens, self._docs):
+            f.flush()
+            f.seek(0)
+        yield from _read_blocks(self._tokens, self._docs, n_docs, self.dtype, where, chunk)
+
     def abort(self) -> None:
+        """Close and remove what was written (a held entry, once packed, too)."""
         for f in (self._tokens, self._docs):
             f.close()
         for tmp in self.tmp:
@@ -167,53 +202,56 @@ def staged_blocks(
     """A committed entry's documents as blocks of at most ``chunk`` tokens (a document
     longer than that in several, each after the first ``continues``), checked against the
     ``n_docs`` its outcome records."""
+    tokens_path, docs_path = _paths(stem)
+    with open(tokens_path, "rb") as ft, open(docs_path, "rb") as fd:
+        yield from _read_blocks(ft, fd, n_docs, np.dtype(dtype), where, chunk)
+
+
+def _read_blocks(
+    ft: IO[bytes], fd: IO[bytes], n_docs: int, dtype: np.dtype, where: str, chunk: int
+) -> Iterator[DocumentBlock]:
     from ulysses_mm.shards.prepare.route import PrepareError
 
-    dtype = np.dtype(dtype)
-    tokens_path, docs_path = _paths(stem)
     seen = 0
-    with open(tokens_path, "rb") as ft, open(docs_path, "rb") as fd:
-        lengths = mods = np.zeros(0, dtype=np.int64)
-        k = 0  # next row of the buffered document table
-        open_rest, open_mod = 0, 0  # tokens still to come of a document cut by the last block
-        while True:
-            raw = ft.read(chunk * dtype.itemsize)
-            if not raw:
-                break
-            t = np.frombuffer(raw, dtype=dtype)
-            out_len: list[np.ndarray] = []
-            out_mod: list[np.ndarray] = []
-            used, continues = 0, False
-            if open_rest:
-                take = min(open_rest, len(t))
+    lengths = mods = np.zeros(0, dtype=np.int64)
+    k = 0  # next row of the buffered document table
+    open_rest, open_mod = 0, 0  # tokens still to come of a document cut by the last block
+    while True:
+        raw = ft.read(chunk * dtype.itemsize)
+        if not raw:
+            break
+        t = np.frombuffer(raw, dtype=dtype)
+        out_len: list[np.ndarray] = []
+        out_mod: list[np.ndarray] = []
+        used, continues = 0, False
+        if open_rest:
+            take = min(open_rest, len(t))
+            out_len.append(np.array([take]))
+            out_mod.append(np.array([open_mod]))
+            open_rest -= take
+            used, continues = take, True
+        while used < len(t):
+            if k == len(lengths):
+                rows = np.frombuffer(fd.read(_DOC_ROWS * 16), dtype=np.int64).reshape(-1, 2)
+                if not len(rows):
+                    raise PrepareError(f"staged entry of {where} holds fewer documents than tokens")
+                lengths, mods, k = rows[:, 0], rows[:, 1], 0
+                seen += len(rows)
+            cum = np.cumsum(lengths[k:])
+            fit = int(np.searchsorted(cum, len(t) - used, side="right"))
+            if fit:
+                out_len.append(lengths[k : k + fit])
+                out_mod.append(mods[k : k + fit])
+                used += int(cum[fit - 1])
+                k += fit
+            if used < len(t) and k < len(lengths):  # the next document is cut here
+                take = len(t) - used
                 out_len.append(np.array([take]))
-                out_mod.append(np.array([open_mod]))
-                open_rest -= take
-                used, continues = take, True
-            while used < len(t):
-                if k == len(lengths):
-                    rows = np.frombuffer(fd.read(_DOC_ROWS * 16), dtype=np.int64).reshape(-1, 2)
-                    if not len(rows):
-                        raise PrepareError(
-                            f"staged entry of {where} holds fewer documents than tokens"
-                        )
-                    lengths, mods, k = rows[:, 0], rows[:, 1], 0
-                    seen += len(rows)
-                cum = np.cumsum(lengths[k:])
-                fit = int(np.searchsorted(cum, len(t) - used, side="right"))
-                if fit:
-                    out_len.append(lengths[k : k + fit])
-                    out_mod.append(mods[k : k + fit])
-                    used += int(cum[fit - 1])
-                    k += fit
-                if used < len(t) and k < len(lengths):  # the next document is cut here
-                    take = len(t) - used
-                    out_len.append(np.array([take]))
-                    out_mod.append(mods[k : k + 1])
-                    open_rest, open_mod = int(lengths[k]) - take, int(mods[k])
-                    used, k = len(t), k + 1
-            yield DocumentBlock(t, np.concatenate(out_len), np.concatenate(out_mod), continues)
-        rest = len(fd.read()) // 16
+                out_mod.append(mods[k : k + 1])
+                open_rest, open_mod = int(lengths[k]) - take, int(mods[k])
+                used, k = len(t), k + 1
+        yield DocumentBlock(t, np.concatenate(out_len), np.concatenate(out_mod), continues)
+    rest = len(fd.read()) // 16
     if open_rest or seen + rest != n_docs or k != len(lengths) or rest:
         raise PrepareError(
             f"staged entry of {where} holds {seen + rest} documents, expected {n_docs}"
