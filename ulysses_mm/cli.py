@@ -212,7 +212,12 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 def _cmd_prepare(args: argparse.Namespace) -> int:
     from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
-    cfg = load_pipeline_config(args.pipeline, args.overrides)
+    overrides = list(args.overrides)
+    if args.engine:
+        overrides.append(f"engine={args.engine}")
+    if args.address is not None:
+        overrides.append(f"ray_address={args.address}")
+    cfg = load_pipeline_config(args.pipeline, overrides)
     if args.print_config:
         import yaml
 
@@ -229,13 +234,16 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         "prepare",
         help="tokenize raw files, pack them and write WebDataset shards + manifest.json",
         description=(
-            "Run a pipeline spec (pipelines/*.yaml): expand the sources, tokenize each file "
-            "in worker processes, pack the documents into samples of pack.seq_len tokens and "
-            "write shards and manifest.json to the output (a directory or fsspec URL). "
-            "Undecodable inputs are skipped and recorded; the run fails only if every input "
-            "fails. A killed run, started again, reuses finished work and ends with the same "
-            "bytes. Relative paths in the file resolve against the file's directory, those "
-            "given here against the current directory."
+            "Run a pipeline spec (pipelines/*.yaml): expand the sources, cut them into "
+            "partitions (shards.partition_bytes), tokenize each file, pack the documents into "
+            "samples of pack.seq_len tokens and write shards and manifest.json to the output "
+            "(a directory or fsspec URL), on this machine's worker processes or on a Ray "
+            "cluster (--engine ray), with the same bytes. Undecodable inputs are skipped and "
+            "recorded; the run fails only if every input fails or a partition fails for "
+            "another reason. A killed run, started again, skips the partitions it finished, "
+            "reuses staged work and ends with the same bytes. Relative paths in the file "
+            "resolve against the file's directory, those given here against the current "
+            "directory."
         ),
     )
     p.add_argument("pipeline", help="pipeline spec YAML (e.g. pipelines/dna.yaml)")
@@ -244,6 +252,17 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
         nargs="*",
         help=_overrides_help()
         + ", e.g. output=out/dna 'sources=[data/*.fa.gz]' pack.seq_len=65536",
+    )
+    p.add_argument(
+        "--engine",
+        choices=["local", "ray"],
+        help="what runs the partitions: this machine's process pool (local, the default) or "
+        "a Ray cluster (ray; pip install 'ulysses-mm[ray]'); the same bytes either way",
+    )
+    p.add_argument(
+        "--address",
+        help="with --engine ray: the cluster to join ('auto' for the one `ray start` began "
+        "here, HOST:PORT); none: start a local Ray",
     )
     p.add_argument(
         "--print-config", action="store_true", help="print the resolved pipeline config and exit"

@@ -202,7 +202,7 @@ def test_killed_run_restarted_gives_identical_output(reference, tmp_path, trigge
     # the reference's data, made slow; delay_s changes the spec hash in the manifest, so the
     # manifest is compared with an uninterrupted run of this very pipeline
     path = write_pipeline(tmp_path, str(out), delay_s=0.25, workers=1)
-    staging = tmp_path / "out.staging" / "documents"
+    staging = tmp_path / "out.staging" / "documents" / "part-00000"
 
     def fired() -> bool:
         if trigger == "staged":

@@ -5,7 +5,8 @@ pipeline config's ``tokenizer_kinds`` (so spawned workers and CLI subprocesses f
 
 - ``test-lines`` (dna): a text file, one document per non-empty line of ``ACGTN``; any
   other character is a DecodeError naming the line; ``CRASH`` kills the worker process,
-  ``RAISE`` raises a RuntimeError (a tokenizer breaking the contract).
+  ``RAISE`` raises a RuntimeError (a tokenizer breaking the contract). Params: ``delay_s``
+  (sleep per input), ``pid_dir`` (touch ``PID-NAME`` there as an input starts).
 - ``test-bytes`` (audio): the file's bytes, one token per byte (``byte % vocab``).
 - ``test-frames`` (video): the file's bytes in frames of ``frame_tokens`` tokens, each
   followed by ``<eof>``; optionally interleaved with ``<|audio|>`` runs.
@@ -40,6 +41,9 @@ BASES = "ACGTN"
 
 class LinesTokenizer(Tokenizer):
     def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
+        pid_dir = self.spec.params.get("pid_dir")
+        if pid_dir:  # which process reads which input, for tests that kill one
+            Path(pid_dir, f"{os.getpid()}-{Path(path).name}").touch()
         time.sleep(float(self.spec.params.get("delay_s", 0)))
         text = Path(path).read_text(errors="replace")
         if not text.strip():
@@ -194,10 +198,16 @@ def make_inputs(root: Path, n_dna: int = 6, bad: bool = True, seed: int = 0) -> 
 
 
 def write_pipeline(
-    root: Path, output: str, seq_len: int = 512, delay_s: float = 0.0, **extra
+    root: Path,
+    output: str,
+    seq_len: int = 512,
+    delay_s: float = 0.0,
+    pid_dir: str = "",
+    **extra,
 ) -> Path:
     tok = root / "tok"
-    write_spec(tok, "lines", "dna", "test-lines", 5, delay_s=delay_s)
+    lines = {"delay_s": delay_s, **({"pid_dir": pid_dir} if pid_dir else {})}
+    write_spec(tok, "lines", "dna", "test-lines", 5, **lines)
     write_spec(tok, "bytes", "audio", "test-bytes", 256)
     write_spec(tok, "frames", "video", "test-frames", 64, **VIDEO)
     spec: dict[str, Any] = {

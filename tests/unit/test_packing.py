@@ -165,3 +165,38 @@ def test_packed_samples_feed_the_model_batch():
             if start + length < 64 and start + length < s.real_tokens:
                 # the last token of a piece does not predict the next document's <doc>
                 assert batch.labels[b, start + length - 1].item() < 0
+
+
+def cut_anywhere(rng, docs, mods) -> list[DocumentBlock]:
+    """The same documents as blocks cut at random token positions, a document split
+    across blocks carried on by ``continues`` (as staged entries are read back)."""
+    tokens = np.concatenate(docs).astype(SPACE.dtype())
+    lengths = np.array([len(d) for d in docs])
+    ends = np.cumsum(lengths)
+    cuts = sorted({int(c) for c in rng.integers(1, len(tokens), size=6)})
+    blocks, open_doc = [], -1
+    for a, b in itertools.pairwise([0, *cuts, len(tokens)]):
+        first = int(np.searchsorted(ends, a, side="right"))  # the doc holding token a
+        last = int(np.searchsorted(ends, b - 1, side="right"))
+        lens = [
+            min(int(ends[d]), b) - max(int(ends[d] - lengths[d]), a) for d in range(first, last + 1)
+        ]
+        blocks.append(DocumentBlock(tokens[a:b], lens, mods[first : last + 1], first == open_doc))
+        open_doc = last
+    return blocks
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_blocks_cut_inside_documents_pack_to_the_same_samples(seed):
+    rng = np.random.default_rng(seed)
+    docs, mods = random_docs(rng, int(rng.integers(2, 30)), 300)
+    seq_len = int(rng.integers(8, 200))
+    whole = list(
+        pack([DocumentBlock.from_documents(docs, mods, SPACE.dtype())], seq_len, SPACE.dtype())
+    )
+    cut = list(pack(cut_anywhere(rng, docs, mods), seq_len, SPACE.dtype()))
+    assert len(cut) == len(whole)
+    for a, b in zip(whole, cut):
+        assert a.index == b.index
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.segments, b.segments)

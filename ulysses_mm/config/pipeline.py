@@ -5,8 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ulysses_mm.config.parse import ConfigError
+from ulysses_mm.config.parse import ConfigError, check_ranges
 from ulysses_mm.config.parse import option as _help
+
+ENGINES = ("local", "ray")
 
 
 @dataclass
@@ -30,14 +32,28 @@ class ShardConfig:
         "Start a new shard when the next sample would take the tar file past this size "
         "(a single larger sample still gets a shard of its own).",
         256 << 20,
+        ge=1,
     )
-    max_samples: int = _help("Also start a new shard after this many samples (0 = no limit).", 0)
+    max_samples: int = _help(
+        "Also start a new shard after this many samples (0 = no limit).", 0, ge=0
+    )
+    partition_bytes: int = _help(
+        "Cut the sorted inputs into partitions of about this many input bytes, each packed "
+        "and written on its own (part-PPPPP/shard-N.tar) and a unit of work for the engine "
+        "(an input larger than this is a partition of its own; 0 = one partition). One "
+        "partition is laid out as shard-N.tar.",
+        1 << 30,
+        ge=0,
+    )
+    partitions: int = _help(
+        "Cut the inputs into this many partitions of about equal input bytes instead "
+        "(0 = by partition_bytes).",
+        0,
+        ge=0,
+    )
 
     def __post_init__(self) -> None:
-        if self.max_bytes < 1:
-            raise ConfigError(f"shards.max_bytes must be >= 1, got {self.max_bytes}")
-        if self.max_samples < 0:
-            raise ConfigError(f"shards.max_samples must be >= 0, got {self.max_samples}")
+        check_ranges("shards", self)
 
 
 @dataclass
@@ -85,9 +101,26 @@ class PipelineConfig:
         "",
     )
     keep_staging: bool = _help("Keep the staging directory after a successful run.", False)
-    workers: int = _help("Tokenizer worker processes (0 = one per CPU core).", 0)
+    workers: int = _help(
+        "engine=local: tokenizer worker processes (0 = one per CPU core); engine=ray: "
+        "partition tasks running at once, and the CPUs of a local Ray it starts (0 = as "
+        "many as the cluster has CPUs).",
+        0,
+    )
     progress: bool = _help("Show a progress bar (tqdm) on stderr.", True)
+    engine: str = _help(
+        "What runs the partitions: 'local' (a process pool on this machine) or 'ray' (the "
+        "tasks of a Ray cluster; pip install 'ulysses-mm[ray]'). Same bytes either way.",
+        "local",
+    )
+    ray_address: str = _help(
+        "The Ray cluster to join with engine=ray: 'auto' (the one `ray start` began on this "
+        "machine), HOST:PORT, ray://HOST:PORT; '' = start a local Ray.",
+        "",
+    )
 
     def __post_init__(self) -> None:
         if self.workers < 0:
             raise ConfigError(f"workers must be >= 0, got {self.workers}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")

@@ -11,7 +11,8 @@ one row per piece of a document inside the sample, in the columns of
       start       first token of the piece inside the sample
       length      tokens in the piece (>= 1); rows are sorted by start and contiguous
       modality    index into the token space's modalities (the document's primary one)
-      doc_id      dataset-global document index (0, 1, … in packing order)
+      doc_id      document index (0, 1, … in packing order) within the sample's partition;
+                  dataset-wide = the partition's first_doc_id (manifest) + doc_id
       pos_offset  position of the piece's first token inside its document (0 at <doc>)
 
 Index the columns by name (``seg[:, SEG_MODALITY]``), never by number. In a shard a sample
@@ -47,7 +48,7 @@ class ShardFormatError(DataError):
 class PackedSample:
     """One training sample: ``tokens [seq_len]`` (token-space dtype) and its segment table."""
 
-    index: int  # dataset-global sample index (the shard __key__)
+    index: int  # sample index: the shard __key__ (within its partition, see the manifest)
     tokens: np.ndarray  # [seq_len], unsigned
     segments: np.ndarray  # int64 [rows, NUM_COLUMNS], SEGMENT_COLUMNS
 

@@ -26,6 +26,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -440,23 +441,42 @@ def sha256_file(path: str | Path) -> str:
 # ------------------------------------------------------------------------ inputs
 
 
+@dataclass(frozen=True)
+class InputFile:
+    """An input as listed: where it is, its size, and what identifies its content cheaply
+    (size and mtime, or the object store's ETag / generation), from the listing itself."""
+
+    location: str
+    size: int
+    identity: dict[str, Any]
+
+
 def expand_sources(
     patterns: Iterable[str], storage_options: Mapping[str, Any] | None = None
 ) -> tuple[list[str], list[str]]:
-    """(sorted unique input files, patterns that matched nothing).
+    """(sorted unique input files, patterns that matched nothing): see :func:`list_inputs`."""
+    files, unmatched = list_inputs(patterns, storage_options)
+    return [f.location for f in files], unmatched
+
+
+def list_inputs(
+    patterns: Iterable[str], storage_options: Mapping[str, Any] | None = None
+) -> tuple[list[InputFile], list[str]]:
+    """(input files sorted by location, unique; patterns that matched nothing).
 
     A pattern is a path, a glob (``**`` recurses, ``{fa,gb}`` lists alternatives), a
-    directory (every file under it), or the same as an fsspec URL. Hidden files
-    (``.name``) found by globs or directories are ignored (editor or temporary files)."""
-    found: set[str] = set()
+    directory (every file under it), or the same as an fsspec URL (``s3://b/x/**/*.fa.gz``),
+    listed once with the sizes the listing reports. Hidden files (``.name``) found by globs
+    or directories are ignored (editor or temporary files)."""
+    found: dict[str, InputFile] = {}
     unmatched: list[str] = []
     for pattern in patterns:
         hits = [h for alt in expand_braces(pattern) for h in _expand_one(alt, storage_options)]
         if hits:
-            found.update(hits)
+            found.update((h.location, h) for h in hits)
         else:
             unmatched.append(pattern)
-    return sorted(found), unmatched
+    return [found[k] for k in sorted(found)], unmatched
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -485,35 +505,50 @@ def expand_braces(pattern: str) -> list[str]:
     return [pattern]
 
 
-def _expand_one(pattern: str, storage_options: Mapping[str, Any] | None) -> list[str]:
+def _local_input(path: str) -> InputFile:
+    st = os.stat(path)
+    return InputFile(path, st.st_size, {"size": st.st_size, "mtime_ns": st.st_mtime_ns})
+
+
+def _identity(info: Mapping[str, Any]) -> dict[str, Any]:
+    ident: dict[str, Any] = {"size": int(info.get("size") or 0)}
+    for key in ("ETag", "etag", "md5Hash", "crc32c", "LastModified", "mtime", "created"):
+        if info.get(key) is not None:
+            ident[key] = str(info[key])
+    return ident
+
+
+def _expand_one(pattern: str, storage_options: Mapping[str, Any] | None) -> list[InputFile]:
     if is_local(pattern):
         p = str(local_path(pattern))
         if os.path.isdir(p):
             return [
-                str(f)
+                _local_input(str(f))
                 for f in Path(p).rglob("*")
                 if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
             ]
         if _glob.has_magic(p):
             return [
-                f
+                _local_input(f)
                 for f in _glob.glob(p, recursive=True)
                 if os.path.isfile(f) and not os.path.basename(f).startswith(".")
             ]
-        return [p] if os.path.isfile(p) else []
+        return [_local_input(p)] if os.path.isfile(p) else []
     fs, path = url_to_fs(pattern, storage_options)
+    infos: dict[str, Any]
     if _glob.has_magic(path):
-        paths = [q for q in fs.glob(path) if fs.isfile(q)]
+        infos = fs.glob(path, detail=True)
     elif fs.isdir(path):
-        paths = [q for q in fs.find(path)]
+        infos = fs.find(path, detail=True)
     elif fs.exists(path):
-        paths = [path]
+        infos = {path: fs.info(path)}
     else:
-        paths = []
+        infos = {}
     return [
-        fs.unstrip_protocol(q)
-        for q in paths
-        if not q.rstrip("/").rsplit("/", 1)[-1].startswith(".")
+        InputFile(fs.unstrip_protocol(q), int(info.get("size") or 0), _identity(info))
+        for q, info in infos.items()
+        if info.get("type", "file") == "file"
+        and not q.rstrip("/").rsplit("/", 1)[-1].startswith(".")
     ]
 
 
@@ -523,12 +558,7 @@ def input_identity(location: str, storage_options: Mapping[str, Any] | None = No
         st = local_path(location).stat()
         return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
     fs, path = url_to_fs(location, storage_options)
-    info = fs.info(path)
-    ident: dict[str, Any] = {"size": int(info.get("size") or 0)}
-    for key in ("ETag", "etag", "md5Hash", "crc32c", "LastModified", "mtime", "created"):
-        if info.get(key) is not None:
-            ident[key] = str(info[key])
-    return ident
+    return _identity(fs.info(path))
 
 
 def fetch(location: str, dest_dir: Path, storage_options: Mapping[str, Any] | None = None) -> Path:
@@ -542,3 +572,44 @@ def fetch(location: str, dest_dir: Path, storage_options: Mapping[str, Any] | No
     with fs.open(path, "rb") as src, open(dest, "wb") as out:
         shutil.copyfileobj(src, out, _CHUNK)
     return dest
+
+
+def open_input(location: str, storage_options: Mapping[str, Any] | None = None) -> IO[bytes]:
+    """A binary file object that reads ``location`` front to back: a local file, or an
+    object read through ranged requests in blocks of a few MiB (never copied whole)."""
+    if is_local(location):
+        return open(local_path(location), "rb")
+    fs, path = url_to_fs(location, storage_options)
+    return fs.open(path, "rb", block_size=_CHUNK, cache_type="readahead")
+
+
+def size_and_sha256(
+    location: str, storage_options: Mapping[str, Any] | None = None
+) -> tuple[int, str]:
+    """(bytes, sha256) of a file or object, read in chunks."""
+    h, size = hashlib.sha256(), 0
+    if is_local(location):
+        f: IO[bytes] = open(local_path(location), "rb")  # noqa: SIM115
+    else:
+        fs, path = url_to_fs(location, storage_options)
+        f = fs.open(path, "rb")
+    with f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def list_dirs(location: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Names of the directories (URL prefixes) directly inside ``location`` ([] if absent)."""
+    if is_local(location):
+        d = local_path(location)
+        return sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
+    fs, path = url_to_fs(location, storage_options)
+    if not fs.exists(path):
+        return []
+    return sorted(
+        str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+        for e in fs.ls(path, detail=True)
+        if e.get("type") == "directory"
+    )

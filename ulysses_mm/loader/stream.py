@@ -185,12 +185,13 @@ class ShardStream:
         shard = int(source.shards_of(np.array([index]))[0])
         at = index - manifest.shards[shard].first_sample
         sample = self._shard((source.m, shard))[at]
-        if sample.index != index:
+        key = manifest.sample_key(shard, index)  # within its partition, when there are several
+        if sample.index != key:
             raise ShardFormatError(
                 f"{manifest.shard_location(shard)}: sample {at} has key {sample.index}, "
-                f"expected {index}"
+                f"expected {key}"
             )
-        return sample
+        return sample if key == index else replace(sample, index=index)
 
     def upcoming_shards(self, positions: int = 0) -> list[tuple[tuple[int, int], int]]:
         """The shards the next ``positions`` positions read, in first-use order, with sizes

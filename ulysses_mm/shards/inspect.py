@@ -82,7 +82,9 @@ def load_sample(
         where = f"{m.shards[shard].url} #{pos}"
     else:
         name = target.shard.rsplit("/", 1)[-1]
-        entry = next((s for s in m.shards if s.url == name), None) if m else None
+        given = target.shard
+        shards = m.shards if m is not None else []
+        entry = next((s for s in shards if given == s.url or given.endswith("/" + s.url)), None)
         if m is not None and entry is not None:
             data = read_verified_shard(m, entry)
         else:

@@ -17,7 +17,8 @@ Layout (JSON object, ``format_version`` 1)::
                              modality of the document they belong to, specials included;
                              sum(tokens) + pad_tokens == num_samples * seq_len
     pad_tokens
-    shards                   [{url (relative to the manifest), samples, first_sample, bytes, sha256}]
+    shards                   [{url (relative to the manifest), samples, first_sample, bytes, sha256
+                               [, partition]}]
     modality_runs            [[modality, tokens], ...]: the packed token stream (every sample's
                              segments in order) as runs of one modality, so the tokens of each
                              modality in every sample follow without reading a shard
@@ -27,7 +28,15 @@ Layout (JSON object, ``format_version`` 1)::
                                out, e.g. bad .jsonl lines, and the first one's reason]}
                               | {source, status "skipped", reason}], in packing order
     config                   the resolved pipeline config, less where and how it ran
-                             (output, staging, workers, storage options, progress)
+                             (output, staging, workers, engine, storage options, progress)
+    partitions               only for a dataset of several partitions (shards in
+                             ``part-PPPPP/``): [{first_input, inputs, input_bytes,
+                             first_sample, samples, first_doc_id, documents, runs}], each
+                             packed on its own. Inside a partition's shards the sample keys
+                             and document ids count from 0: sample ``first_sample + k`` has
+                             key ``k``, document id ``d`` is ``first_doc_id + d``; its
+                             ``runs`` entries of ``modality_runs`` are its token stream.
+                             The inputs' ``first_doc_id`` are dataset-wide.
 
 Nothing in it depends on time, host or output location, so equal data give equal bytes.
 """
@@ -70,6 +79,7 @@ class ShardEntry:
     first_sample: int
     bytes: int
     sha256: str
+    partition: int | None = None  # in a dataset of several partitions
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,6 +88,33 @@ class ShardEntry:
             "first_sample": self.first_sample,
             "bytes": self.bytes,
             "sha256": self.sha256,
+            **({"partition": self.partition} if self.partition is not None else {}),
+        }
+
+
+@dataclass
+class PartitionEntry:
+    """One partition of the inputs, packed on its own (see the module docstring)."""
+
+    first_input: int
+    inputs: int
+    input_bytes: int
+    first_sample: int
+    samples: int
+    first_doc_id: int
+    documents: int
+    runs: int  # its entries of modality_runs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "first_input": self.first_input,
+            "inputs": self.inputs,
+            "input_bytes": self.input_bytes,
+            "first_sample": self.first_sample,
+            "samples": self.samples,
+            "first_doc_id": self.first_doc_id,
+            "documents": self.documents,
+            "runs": self.runs,
         }
 
 
@@ -126,6 +163,8 @@ class Manifest:
     config: dict[str, Any] = field(default_factory=dict)
     # the token stream as [(modality, tokens)] runs; None = not recorded (an older prepare)
     modality_runs: list[tuple[str, int]] | None = None
+    # several partitions, each packed on its own; None: one
+    partitions: list[PartitionEntry] | None = None
     format_version: int = FORMAT_VERSION
     # where it was loaded from / saved to (not serialised)
     location: str = field(default="", compare=False, repr=False)
@@ -151,6 +190,14 @@ class Manifest:
             return entry.url
         base = self.location.rsplit("/", 1)[0] if "/" in self.location else "."
         return storage.join(base, entry.url)
+
+    def sample_key(self, shard: int | ShardEntry, index: int) -> int:
+        """The key sample ``index`` (dataset-wide) has inside ``shard``: the index itself,
+        or in a dataset of several partitions, its index within the shard's partition."""
+        entry = self.shards[shard] if isinstance(shard, int) else shard
+        if entry.partition is None or self.partitions is None:
+            return index
+        return index - self.partitions[entry.partition].first_sample
 
     def shard_of_sample(self, index: int) -> tuple[int, int]:
         """(shard number, position inside it) of global sample ``index``."""
@@ -181,15 +228,26 @@ class Manifest:
             col[:] = n
             col[-1] -= self.pad_tokens
             return out
-        lengths = np.array([t for _, t in self.modality_runs], dtype=np.int64)
-        which = np.array([mods.index(m) for m, _ in self.modality_runs], dtype=np.int64)
-        ends = np.concatenate([[0], np.cumsum(lengths)])
-        bounds = np.arange(self.num_samples + 1, dtype=np.int64) * n
-        for k in range(len(mods)):
-            # tokens of modality k before stream position x: piecewise linear in x
-            cum = np.concatenate([[0], np.cumsum(np.where(which == k, lengths, 0))])
-            at = np.interp(bounds, ends, cum)
-            out[:, k] = np.diff(np.rint(at).astype(np.int64))
+        # each partition's stream starts a sample of its own
+        parts = self.partitions or [
+            PartitionEntry(0, 0, 0, 0, self.num_samples, 0, 0, len(self.modality_runs))
+        ]
+        r0 = 0
+        for part in parts:
+            runs = self.modality_runs[r0 : r0 + part.runs]
+            r0 += part.runs
+            if not runs or not part.samples:
+                continue
+            lengths = np.array([t for _, t in runs], dtype=np.int64)
+            which = np.array([mods.index(m) for m, _ in runs], dtype=np.int64)
+            ends = np.concatenate([[0], np.cumsum(lengths)])
+            bounds = np.arange(part.samples + 1, dtype=np.int64) * n
+            rows = out[part.first_sample : part.first_sample + part.samples]
+            for k in range(len(mods)):
+                # tokens of modality k before stream position x: piecewise linear in x
+                cum = np.concatenate([[0], np.cumsum(np.where(which == k, lengths, 0))])
+                at = np.interp(bounds, ends, cum)
+                rows[:, k] = np.diff(np.rint(at).astype(np.int64))
         return out
 
     def check_token_space(self, space: TokenSpace) -> None:
@@ -220,6 +278,11 @@ class Manifest:
             **(
                 {"modality_runs": [[m, t] for m, t in self.modality_runs]}
                 if self.modality_runs is not None
+                else {}
+            ),
+            **(
+                {"partitions": [p.to_dict() for p in self.partitions]}
+                if self.partitions is not None
                 else {}
             ),
         }
@@ -310,6 +373,7 @@ class Manifest:
                     first_sample=_int(s["first_sample"]),
                     bytes=_int(s["bytes"]),
                     sha256=str(s["sha256"]),
+                    partition=None if s.get("partition") is None else _int(s["partition"]),
                 )
                 for s in data["shards"]
             ]
@@ -334,6 +398,15 @@ class Manifest:
             modality_runs = None if runs is None else [(str(m), _int(t)) for m, t in runs]
         except (TypeError, ValueError) as e:
             raise fail(f"modality_runs must be [modality, tokens] pairs: {e!r}") from e
+        parts = data.get("partitions")
+        try:
+            partitions = (
+                None
+                if parts is None
+                else [PartitionEntry(**{k: _int(p[k]) for k in _PARTITION_KEYS}) for p in parts]
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise fail(f"malformed partition entry: {e!r}") from e
         m = cls(
             name=data["name"],
             token_space=space,
@@ -346,6 +419,7 @@ class Manifest:
             pad_tokens=data["pad_tokens"],
             config=data["config"],
             modality_runs=modality_runs,
+            partitions=partitions,
         )
         if data["dtype"] != m.dtype:
             raise fail(f"dtype {data['dtype']!r} does not match the token space ({m.dtype})")
@@ -398,6 +472,48 @@ class Manifest:
         docs = sum(e.documents for e in self.inputs if e.status == "ok")
         if docs != self.num_documents:
             raise fail(f"inputs hold {docs} documents, num_documents says {self.num_documents}")
+        if self.partitions is not None:
+            self._validate_partitions(fail)
+
+    def _validate_partitions(self, fail: Any) -> None:
+        parts = self.partitions or []
+        first_sample = first_doc = first_input = runs = 0
+        for i, p in enumerate(parts):
+            if (p.first_sample, p.first_doc_id, p.first_input) != (
+                first_sample,
+                first_doc,
+                first_input,
+            ):
+                raise fail(f"partition {i} does not start where partition {i - 1} ends")
+            first_sample += p.samples
+            first_doc += p.documents
+            first_input += p.inputs
+            runs += p.runs
+        if first_sample != self.num_samples or first_doc != self.num_documents:
+            raise fail("the partitions' samples or documents do not add up to the dataset's")
+        if self.modality_runs is not None and runs != len(self.modality_runs):
+            raise fail(
+                f"the partitions hold {runs} modality runs, the dataset {len(self.modality_runs)}"
+            )
+        for i, s in enumerate(self.shards):
+            k = s.partition
+            if k is None or not 0 <= k < len(parts):
+                raise fail(f"shard {i} ({s.url}) names no partition of the {len(parts)}")
+            part = parts[k]
+            if not part.first_sample <= s.first_sample < part.first_sample + part.samples:
+                raise fail(f"shard {i} ({s.url}) lies outside its partition {k}")
+
+
+_PARTITION_KEYS = (
+    "first_input",
+    "inputs",
+    "input_bytes",
+    "first_sample",
+    "samples",
+    "first_doc_id",
+    "documents",
+    "runs",
+)
 
 
 def _int(value: Any) -> int:

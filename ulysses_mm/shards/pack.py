@@ -10,9 +10,12 @@ save nothing here, because documents are allowed to cross sample boundaries.
 Each sample carries a segment table (:mod:`ulysses_mm.core.format`), one row per piece of
 a document inside it.
 
-Documents arrive in blocks (all documents of one input file, concatenated), and a block
-is cut with a few vectorised ``searchsorted`` calls per sample, so cost is per sample and
-per block, not per token or per document.
+Documents arrive in blocks (consecutive documents of one input file, concatenated), and a
+block is cut with a few vectorised ``searchsorted`` calls per sample, so cost is per sample
+and per block, not per token or per document. A block may begin with the rest of the
+previous block's last document (``continues``), so an input of any size is packed from
+bounded pieces; the samples are the same however the stream is cut into blocks (a
+document's adjacent pieces inside one sample are one segment row).
 """
 
 from __future__ import annotations
@@ -39,11 +42,14 @@ class DocumentBlock:
     """Consecutive documents, e.g. all documents of one input file, concatenated.
 
     ``tokens`` is 1-D; document ``i`` is ``tokens[offsets[i]:offsets[i + 1]]`` with
-    ``offsets = [0, cumsum(lengths)]``; ``modalities[i]`` is its modality index."""
+    ``offsets = [0, cumsum(lengths)]``; ``modalities[i]`` is its modality index. With
+    ``continues``, document 0 is the rest of the previous block's last document (the
+    same document id, its positions counted on)."""
 
     tokens: np.ndarray
     lengths: np.ndarray  # int64 [docs]
     modalities: np.ndarray  # int64 [docs]
+    continues: bool = False
 
     def __post_init__(self) -> None:
         self.tokens = np.asarray(self.tokens).reshape(-1)
@@ -94,6 +100,7 @@ class Packer:
         self._buf = np.empty(self.seq_len, dtype=self.dtype)  # a fresh buffer per sample
         self._fill = 0
         self._rows: list[np.ndarray] = []
+        self._open_pos = 0  # tokens placed so far of the last document (for a continuation)
 
     @property
     def pending_tokens(self) -> int:
@@ -106,11 +113,19 @@ class Packer:
         keep = block.lengths > 0  # an empty document has no tokens to place
         lengths = block.lengths[keep]
         mods = block.modalities[keep]
-        doc_ids = self.next_doc + np.flatnonzero(keep).astype(np.int64)
-        self.next_doc += len(block.lengths)
+        first = self.next_doc - 1 if block.continues else self.next_doc
+        doc_ids = first + np.flatnonzero(keep).astype(np.int64)
+        self.next_doc = first + len(block.lengths)
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         total = int(offsets[-1])
+        # each document's position at the block's start: 0, or its earlier pieces' tokens
+        base = np.zeros(len(lengths), dtype=np.int64)
+        if block.continues and len(block.lengths) and keep[0]:
+            base[0] = self._open_pos
+        if len(block.lengths):
+            carried = self._open_pos if block.continues and len(block.lengths) == 1 else 0
+            self._open_pos = carried + int(block.lengths[-1])
         pos = 0
         while pos < total:
             take = min(n - self._fill, total - pos)
@@ -126,7 +141,7 @@ class Packer:
             rows[:, SEG_LENGTH] = stops - starts
             rows[:, SEG_MODALITY] = mods[i0:i1]
             rows[:, SEG_DOC] = doc_ids[i0:i1]
-            rows[:, SEG_POS] = starts - offsets[i0:i1]
+            rows[:, SEG_POS] = starts - offsets[i0:i1] + base[i0:i1]
             self._rows.append(rows)
             self._fill += take
             pos = end
@@ -142,6 +157,13 @@ class Packer:
         segments = (
             np.concatenate(self._rows) if self._rows else np.zeros((0, NUM_COLUMNS), np.int64)
         )
+        same = segments[1:, SEG_DOC] == segments[:-1, SEG_DOC]
+        if same.any():  # a document's pieces from consecutive blocks: one row
+            head = np.concatenate([[True], ~same])
+            run = np.cumsum(head) - 1
+            lengths = np.bincount(run, weights=segments[:, SEG_LENGTH]).astype(np.int64)
+            segments = segments[head]
+            segments[:, SEG_LENGTH] = lengths
         self._buf[self._fill :] = PAD
         sample = PackedSample(self.next_sample, self._buf, segments)
         self.next_sample += 1

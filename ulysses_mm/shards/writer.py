@@ -135,8 +135,8 @@ class ShardWriter:
     """Writes samples into size-limited shards in a local ``directory``.
 
     Each shard is written under a temporary name in ``directory``; once closed,
-    ``publish(temp_path, record)`` must move it to its final place. ``close`` finishes
-    the last shard and returns every record."""
+    ``publish(temp_path, record)`` must move it to its final place (``record.name``, which
+    starts with ``prefix``). ``close`` finishes the last shard and returns every record."""
 
     def __init__(
         self,
@@ -144,8 +144,10 @@ class ShardWriter:
         publish: Callable[[Path, ShardRecord], None],
         max_bytes: int = 256 << 20,
         max_samples: int = 0,
+        prefix: str = "",
     ) -> None:
         self.directory = Path(directory)
+        self.prefix = prefix  # of the records' names (a partition's folder, "part-00007/")
         self.directory.mkdir(parents=True, exist_ok=True)
         self.publish = publish
         self.max_bytes = max_bytes
@@ -194,7 +196,7 @@ class ShardWriter:
         if self._hw.size != expected:  # the rollover arithmetic relies on this
             raise RuntimeError(f"shard size {self._hw.size} != predicted {expected}")
         record = ShardRecord(
-            name=shard_name(len(self.records)),
+            name=self.prefix + shard_name(len(self.records)),
             samples=self._samples,
             first_sample=self._first,
             bytes=self._hw.size,

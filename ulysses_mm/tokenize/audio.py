@@ -234,8 +234,9 @@ class _Resampler:
     alone), or for ``"swr"`` libswresample's own filter in the same call as the downmix.
 
     PyAV's resampler is a filter graph whose per-call overhead dominates for codecs with
-    small frames (mp3, vorbis), so decoded frames of the same format are joined
-    (``to_ndarray`` / ``from_ndarray``, format-agnostic) before each call.
+    small frames (mp3, vorbis), so decoded frames of the same format are joined in an
+    ``av.AudioFifo`` (FFmpeg's sample FIFO, any format, no copy through numpy) before each
+    call.
     """
 
     def __init__(self, rate: int, method: str = "sharp") -> None:
@@ -243,7 +244,7 @@ class _Resampler:
         self.method = method
         self.resampler: Any = None
         self.soxr: _RateStream | None = None  # the rate change for the current input rate
-        self.pending: list[np.ndarray] = []
+        self.pending: Any = None  # an av.AudioFifo of frames of one format
         self.pending_samples = 0
         self.key: tuple[str, str, int] | None = None
         self.out: list[np.ndarray] = []
@@ -256,7 +257,12 @@ class _Resampler:
             if self.key is not None and key[2] != self.key[2]:
                 self._finish_rate()  # a new input rate: end the old filter's stream
             self.key = key
-        self.pending.append(frame.to_ndarray())
+        if self.pending is None:
+            import av
+
+            self.pending = av.AudioFifo()
+        frame.pts = None  # the fifo joins samples; it need not check their timing
+        self.pending.write(frame)
         self.pending_samples += frame.samples
         if self.pending_samples >= frame.sample_rate // 2:
             self._flush_pending()
@@ -264,12 +270,10 @@ class _Resampler:
     def _flush_pending(self) -> None:
         import av
 
-        if not self.pending or self.key is None:
+        if self.pending is None or not self.pending_samples or self.key is None:
             return
-        data = np.concatenate(self.pending, axis=1) if len(self.pending) > 1 else self.pending[0]
-        self.pending, self.pending_samples = [], 0
-        frame = av.AudioFrame.from_ndarray(data, format=self.key[0], layout=self.key[1])
-        frame.sample_rate = self.key[2]
+        frame = self.pending.read()
+        self.pending, self.pending_samples = None, 0
         if self.resampler is None:
             out_rate = self.rate if self.method == "swr" else None  # None: keep the input's
             self.resampler = av.AudioResampler(format="s16", layout="mono", rate=out_rate)

@@ -9,6 +9,11 @@ another ``<|m|>`` (a clip interleaving video and audio). A bad input raises
 spec is a :class:`~ulysses_mm.core.errors.DataError` naming its file, raised when the
 tokenizer is built. Kinds check their params with :mod:`ulysses_mm.tokenize.params` and
 frame their ids with :mod:`ulysses_mm.tokenize.framing`.
+
+A kind that can read a byte stream (``streams = True``) also gives its documents as
+:class:`TokenBlock` pieces through :meth:`Tokenizer.encode_stream`, from a file object
+opened on a local file or straight on an object in a bucket: memory is then bounded by
+the block, not by the record or the file, and no local copy of the input is made.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, ClassVar
 
 import numpy as np
 
@@ -126,8 +131,29 @@ class TokenDocument:
     tokens: np.ndarray  # 1-D integer array
 
 
+@dataclass
+class TokenBlock:
+    """Documents of one input, or pieces of them, as a streaming tokenizer gives them.
+
+    Piece ``i`` is ``tokens[offsets[i]:offsets[i + 1]]`` (``offsets = [0, cumsum(lengths)]``)
+    of modality index ``modalities[i]`` (token-space order). With ``continues``, piece 0
+    carries on the document the previous block left open; unless ``closed``, the last
+    piece's document goes on in the next block. Every other piece is a whole document,
+    ``<doc> … </doc>``, so a record longer than a block is given in pieces and no one
+    holds it whole."""
+
+    tokens: np.ndarray  # 1-D, the token space's dtype
+    lengths: np.ndarray  # int64 [pieces], each >= 1
+    modalities: np.ndarray  # int64 [pieces]
+    continues: bool = False
+    closed: bool = True
+
+
 class Tokenizer(ABC):
     """Raw file -> token documents, and tokens -> something a person can inspect."""
+
+    # True: encode_stream reads a binary file object (no local copy of a remote input)
+    streams: ClassVar[bool] = False
 
     def __init__(self, spec: TokenizerSpec) -> None:
         self.spec = spec
@@ -139,6 +165,12 @@ class Tokenizer(ABC):
     @abstractmethod
     def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
         """Decode and tokenize one file; raise DecodeError for a bad input."""
+
+    def encode_stream(self, f: IO[bytes], source: str, space: TokenSpace) -> Iterator[TokenBlock]:
+        """The documents of the input read from ``f`` (named ``source`` in errors), as
+        blocks of bounded size, the same tokens :meth:`encode_file` gives; only for a kind
+        with ``streams = True``."""
+        raise NotImplementedError(f"tokenizer kind {self.spec.kind!r} does not read streams")
 
     def companion_specs(self) -> list[TokenizerSpec]:
         """Specs of the other modalities this tokenizer's documents also hold (a video spec

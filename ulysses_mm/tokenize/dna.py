@@ -49,7 +49,13 @@ import numpy as np
 
 from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.base import DecodeError, TokenDocument, Tokenizer, TokenizerSpec
+from ulysses_mm.tokenize.base import (
+    DecodeError,
+    TokenBlock,
+    TokenDocument,
+    Tokenizer,
+    TokenizerSpec,
+)
 from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
 from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
 
@@ -131,13 +137,21 @@ def iter_annotated_records(path: str, fmt: str | None = None) -> Iterator[tuple[
                 raise DecodeError(f"{path}: the spec says {fmt}, the file looks like {sniffed}")
             fmt = sniffed
             handle.seek(0)
-            yield from _parse(path, handle, fmt)
-    except (ValueError, EOFError, OSError, UnicodeError, AssertionError, zlib.error) as e:
-        # Biopython parse errors are ValueError/AssertionError; gzip gives EOFError
-        # (truncated) or BadGzipFile / zlib.error (OSError-like) for corrupt data.
-        text = str(e).strip()
-        reason = text.splitlines()[0] if text else type(e).__name__
-        raise DecodeError(f"{path}: cannot read as {fmt or 'a sequence file'}: {reason}") from None
+            yield from parse_records(path, handle, fmt)
+    except READ_ERRORS as e:
+        raise read_error(path, fmt, e) from None
+
+
+# Biopython parse errors are ValueError/AssertionError; gzip gives EOFError (truncated) or
+# BadGzipFile / zlib.error (OSError-like) for corrupt data.
+READ_ERRORS = (ValueError, EOFError, OSError, UnicodeError, AssertionError, zlib.error)
+
+
+def read_error(path: str, fmt: str | None, e: BaseException) -> DecodeError:
+    """A parser's or gzip's failure on ``path`` as one DecodeError line."""
+    text = str(e).strip()
+    reason = text.splitlines()[0] if text else type(e).__name__
+    return DecodeError(f"{path}: cannot read as {fmt or 'a sequence file'}: {reason}")
 
 
 def genbank_text(rec: Any) -> str:
@@ -150,7 +164,7 @@ def genbank_text(rec: Any) -> str:
     return "\n".join(lines)
 
 
-def _parse(path: str, handle: IO[str], fmt: str) -> Iterator[tuple[str, str, str]]:
+def parse_records(path: str, handle: IO[str], fmt: str) -> Iterator[tuple[str, str, str]]:
     from Bio import SeqIO
     from Bio.Seq import UndefinedSequenceError
     from Bio.SeqIO.FastaIO import SimpleFastaParser
@@ -176,6 +190,8 @@ def _parse(path: str, handle: IO[str], fmt: str) -> Iterator[tuple[str, str, str
 
 class DnaTokenizer(Tokenizer):
     """kind ``dna-base``: one token per base under the spec's case/IUPAC/invalid policy."""
+
+    streams = True
 
     def __init__(self, spec: TokenizerSpec) -> None:
         super().__init__(spec)
@@ -240,14 +256,32 @@ class DnaTokenizer(Tokenizer):
 
     def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
         source = str(path)
-        frame = DocumentFramer(space, self.modality)  # KeyError here if the space lacks dna
+        DocumentFramer(space, self.modality)  # KeyError here if the space lacks dna
         if not Path(source).is_file():
             raise DecodeError(f"{source}: no such file")
-        fmt = self.params["format"]
+        records = iter_annotated_records(source, self.params["format"])
+        n = 0
+        for done, doc in self.documents(source, records, space):
+            n = done
+            yield doc
+        if n == 0:
+            raise DecodeError(f"{source}: no sequence records")
+
+    def documents(
+        self,
+        source: str,
+        records: Iterator[tuple[str, str, str]],
+        space: TokenSpace,
+        first: int = 0,
+    ) -> Iterator[tuple[int, TokenDocument]]:
+        """(records so far, document) for each record of ``records`` (id, sequence,
+        header), numbered from ``first``: its sequence's document, after or around its
+        header's when the spec annotates."""
+        frame = DocumentFramer(space, self.modality)
         text_frame = None if self.text is None else DocumentFramer(space, self.text.modality)
         seen: dict[str, int] = {}
-        n = 0
-        for rec_id, seq, header in iter_annotated_records(source, fmt):
+        n = first
+        for rec_id, seq, header in records:
             rid = rec_id or f"record{n}"
             k = seen.get(rid, 0)
             seen[rid] = k + 1
@@ -258,12 +292,17 @@ class DnaTokenizer(Tokenizer):
             if text_frame is not None and header.strip():
                 words = text_frame(self.text.encode_text(header))  # <doc> <|text|> … </doc>
                 if self.place == "document":
-                    yield TokenDocument(source, key + "#header", self.text.modality, words)
+                    yield n, TokenDocument(source, key + "#header", self.text.modality, words)
                 else:  # <doc> <|text|> … <|dna|> bases </doc>
                     tokens = np.concatenate([words[:-1], tokens[1:]])
-            yield TokenDocument(source, key, self.modality, tokens)
-        if n == 0:
-            raise DecodeError(f"{source}: no sequence records")
+            yield n, TokenDocument(source, key, self.modality, tokens)
+
+    def encode_stream(self, f: IO[bytes], source: str, space: TokenSpace) -> Iterator[TokenBlock]:
+        """The documents of ``f`` (plain or gzip) as blocks, the tokens :meth:`encode_file`
+        gives, read in bounded blocks (:mod:`ulysses_mm.tokenize.dna_stream`)."""
+        from ulysses_mm.tokenize.dna_stream import stream_blocks
+
+        return stream_blocks(self, f, source, space)
 
     # ------------------------------------------------------------------ decode
     def decode_local(self, ids: np.ndarray) -> str:

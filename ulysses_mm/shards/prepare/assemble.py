@@ -1,14 +1,16 @@
-"""The dataset side of ``prepare``: inputs' documents, taken in input order, packed into
-samples and written into shards, and every input recorded for the manifest.
+"""The dataset side of ``prepare``: a partition's inputs' documents, taken in input order,
+packed into samples and written into the partition's shards, every input recorded.
 
 Workers finish in any order; :class:`InOrder` hands their results on in input order and
 :class:`Assembler` packs them in that order, so packing, document ids, shard boundaries and
-bytes are a function of the inputs and the config alone.
+bytes are a function of the partition's inputs and the config alone.
+:func:`write_partition` is the one function that turns a partition's tokenized inputs into
+its shards and fragment, whichever engine tokenized them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Generic, TypeVar
 
 import numpy as np
@@ -16,8 +18,17 @@ import numpy as np
 from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY, PackedSample
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.manifest import InputEntry
-from ulysses_mm.shards.pack import DocumentBlock, Packer
-from ulysses_mm.shards.prepare.route import Result, read_documents
+from ulysses_mm.shards.pack import Packer
+from ulysses_mm.shards.prepare.partition import (
+    Job,
+    PartitionResult,
+    PartitionTask,
+    part_prefix,
+    save_fragment,
+)
+from ulysses_mm.shards.prepare.publish import Output
+from ulysses_mm.shards.prepare.route import Result
+from ulysses_mm.shards.prepare.staged import staged_blocks
 from ulysses_mm.shards.writer import ShardRecord, ShardWriter
 
 T = TypeVar("T")
@@ -53,7 +64,7 @@ class Assembler:
         self.counts = np.zeros(len(space.modalities), dtype=np.int64)  # per modality
         self.modalities = space.modalities
         # the token stream as runs of one modality: [modality index, tokens]
-        self._runs: list[list[int]] = []
+        self.runs: list[list[int]] = []
 
     @property
     def any_ok(self) -> bool:
@@ -65,7 +76,6 @@ class Assembler:
         if not o.ok:
             self.entries.append(InputEntry(o.source, "skipped", reason=o.reason))
             return
-        block = DocumentBlock(*read_documents(result.staged, o.documents, o.source))
         self.entries.append(
             InputEntry(
                 o.source,
@@ -78,13 +88,22 @@ class Assembler:
                 skip_reason=o.skip_reason,
             )
         )
-        self._write(self.packer.add(block))
+        if result.held is not None:  # tokenized by this process, for it alone
+            blocks = result.held.blocks(o.documents, o.source)
+        else:
+            blocks = staged_blocks(result.staged, o.documents, self.packer.dtype, o.source)
+        try:
+            for block in blocks:
+                self._write(self.packer.add(block))
+        finally:
+            if result.held is not None:
+                result.held.abort()
         self.tokens += o.tokens
 
     @property
     def modality_runs(self) -> list[tuple[str, int]]:
         """The packed token stream as ``(modality, tokens)`` runs (for the manifest)."""
-        return [(self.modalities[m], t) for m, t in self._runs]
+        return [(self.modalities[m], t) for m, t in self.runs]
 
     def finish(self) -> list[ShardRecord]:
         """The padded last sample written, the last shard closed: every shard's record."""
@@ -96,8 +115,60 @@ class Assembler:
             seg = sample.segments
             np.add.at(self.counts, seg[:, SEG_MODALITY], seg[:, SEG_LENGTH])
             for m, n in zip(seg[:, SEG_MODALITY].tolist(), seg[:, SEG_LENGTH].tolist()):
-                if self._runs and self._runs[-1][0] == m:
-                    self._runs[-1][1] += n
+                if self.runs and self.runs[-1][0] == m:
+                    self.runs[-1][1] += n
                 else:
-                    self._runs.append([m, n])
+                    self.runs.append([m, n])
             self.writer.write(sample)
+
+
+def write_partition(
+    job: Job,
+    task: PartitionTask,
+    space: TokenSpace,
+    results: Iterable[Result],
+    on_input: Callable[[Result, Assembler], None] | None = None,
+) -> PartitionResult:
+    """Pack a partition's inputs (``results``, one per input in input order) into its
+    shards, publish them, write its fragment; what it holds. ``on_input`` is called after
+    each input (progress)."""
+    output = Output(job.output, job.worker.storage_options, job.staging, task.index, job.multi)
+    writer = ShardWriter(
+        output.write_dir,
+        output.publish,
+        job.max_bytes,
+        job.max_samples,
+        prefix=part_prefix(task.index, job.multi),
+    )
+    assembler = Assembler(space, job.seq_len, writer)
+    reused, crashed = 0, []
+    try:
+        for done in results:
+            assembler.add(done)
+            reused += done.reused
+            if done.outcome.crashed:
+                crashed.append(done.outcome.source)
+            if on_input is not None:
+                on_input(done, assembler)
+        records = assembler.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    if len(assembler.entries) != len(task.inputs):
+        raise RuntimeError(
+            f"partition {task.index}: {len(assembler.entries)} results for {len(task.inputs)} inputs"
+        )
+    result = PartitionResult(
+        index=task.index,
+        key=task.key(job),
+        entries=assembler.entries,
+        shards=records,
+        documents=assembler.packer.next_doc,
+        samples=assembler.packer.next_sample,
+        counts=[int(c) for c in assembler.counts],
+        runs=[(m, t) for m, t in assembler.runs],
+        reused_inputs=reused,
+        crashed=crashed,
+    )
+    save_fragment(job, result)
+    return result

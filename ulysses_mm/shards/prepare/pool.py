@@ -19,7 +19,7 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,9 +28,12 @@ import numpy as np
 
 from ulysses_mm.core import storage
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
-from ulysses_mm.shards.prepare.route import Outcome, Task, commit, skipped, write_documents
+from ulysses_mm.shards.prepare import staged
+from ulysses_mm.shards.prepare.route import Outcome, Task, commit, skipped
 from ulysses_mm.tokenize import registry
-from ulysses_mm.tokenize.base import DecodeError, Tokenizer, TokenizerSpec
+from ulysses_mm.tokenize.base import DecodeError, TokenBlock, Tokenizer, TokenizerSpec
+
+CRASHED = "the worker process died while decoding this file (crash or out of memory)"
 
 
 @dataclass(frozen=True)
@@ -106,94 +109,169 @@ def check_document(tokens: Any, modality: str, space: TokenSpace) -> np.ndarray:
     return t.astype(space.dtype(), copy=False)
 
 
-def tokenize(task: Task) -> Outcome:
-    """Tokenize one input into its staged entry (in a worker process); its outcome."""
-    w = _worker
-    assert w is not None, "tokenize runs in a worker process started by run_pool"
-    space = w.space
-    docs: list[np.ndarray] = []
-    mods: list[int] = []
-    fetched: Path | None = None
-    try:
-        tok = w.tokenizer(task.modality)
-        local = storage.fetch(task.source, Path(task.fetch_dir), w.storage_options)
-        fetched = None if storage.is_local(task.source) else local
-        for doc in tok.encode_file(str(local), space):
-            try:
-                docs.append(check_document(doc.tokens, doc.modality, space))
-            except ValueError as e:
-                raise DecodeError(
-                    f"tokenizer {tok.spec.name!r} produced an invalid document {doc.key!r}: {e}"
-                ) from e
-            mods.append(space.index(doc.modality))
-        if not docs:
-            raise DecodeError("no documents (empty input)")
-    except DecodeError as e:
-        outcome = skipped(task.source, one_line(str(e)) or type(e).__name__, modality=task.modality)
-    except Exception as e:  # a tokenizer that broke the contract; keep going, say so
-        outcome = skipped(
-            task.source,
-            f"unexpected {type(e).__name__}: {one_line(str(e))}",
-            modality=task.modality,
-            reusable=False,  # may be transient (network, memory): retried by the next run
-        )
-    else:
-        tokens = np.concatenate(docs)
-        # a tokenizer of records (text's .jsonl lines) may count those it skipped
-        outcome = Outcome(
-            task.source,
-            "ok",
-            modality=task.modality,
-            documents=len(docs),
-            tokens=len(tokens),
-            skipped_records=int(getattr(tok, "skipped_records", 0) or 0),
-            skip_reason=one_line(str(getattr(tok, "first_skip_reason", "") or "")),
-        )
-        write_documents(
-            task.staged,
+def _blocks(tok: Tokenizer, path: str, space: TokenSpace) -> Iterator[TokenBlock]:
+    """A non-streaming tokenizer's documents, each checked, one block each."""
+    for doc in tok.encode_file(path, space):
+        try:
+            tokens = check_document(doc.tokens, doc.modality, space)
+        except ValueError as e:
+            raise DecodeError(
+                f"tokenizer {tok.spec.name!r} produced an invalid document {doc.key!r}: {e}"
+            ) from e
+        yield TokenBlock(
             tokens,
-            np.array([len(d) for d in docs], np.int64),
-            np.array(mods, np.int64),
+            np.array([len(tokens)], np.int64),
+            np.array([space.index(doc.modality)], np.int64),
         )
-    finally:
-        if fetched is not None:
-            fetched.unlink(missing_ok=True)
+
+
+def tokenize_input(
+    task: Task, tok: Tokenizer, space: TokenSpace, storage_options: dict[str, Any]
+) -> Outcome:
+    """Tokenize one input into its staged entry, committed for the process that packs it
+    and for later runs; its outcome."""
+    outcome, _ = _tokenize(
+        task, tok, space, storage_options, staged.StagedWriter(task.staged, space)
+    )
     if outcome.reusable:  # the outcome commits the entry: written after the documents
         commit(task.staged, outcome)
     return outcome
 
 
+def tokenize_held(
+    task: Task, tok: Tokenizer, space: TokenSpace, storage_options: dict[str, Any], hold: int
+) -> tuple[Outcome, staged.StagedWriter | None]:
+    """Tokenize one input for this process to pack: its outcome and its entry, held in
+    memory up to ``hold`` bytes (then in a local file), never committed."""
+    writer = staged.StagedWriter(task.staged, space, hold=hold)
+    return _tokenize(task, tok, space, storage_options, writer)
+
+
+def _tokenize(
+    task: Task,
+    tok: Tokenizer,
+    space: TokenSpace,
+    storage_options: dict[str, Any],
+    writer: staged.StagedWriter,
+) -> tuple[Outcome, staged.StagedWriter | None]:
+    """The input's outcome, and ``writer`` holding its documents when it is ok. A streaming
+    tokenizer reads the input where it is (a bucket's object included); any other gets a
+    local file (a remote input is copied for it, then removed)."""
+    fetched: Path | None = None
+    try:
+        if tok.streams:
+            with storage.open_input(task.source, storage_options) as f:
+                for block in tok.encode_stream(f, task.source, space):
+                    writer.add(block)
+        else:
+            local = storage.fetch(task.source, Path(task.fetch_dir), storage_options)
+            fetched = None if storage.is_local(task.source) else local
+            for block in _blocks(tok, str(local), space):
+                writer.add(block)
+        if not writer.documents:
+            raise DecodeError("no documents (empty input)")
+        writer.commit()
+    except DecodeError as e:
+        writer.abort()
+        reason = one_line(str(e)) or type(e).__name__
+        return skipped(task.source, reason, modality=task.modality), None
+    except Exception as e:  # a tokenizer that broke the contract; keep going, say so
+        writer.abort()
+        return skipped(
+            task.source,
+            f"unexpected {type(e).__name__}: {one_line(str(e))}",
+            modality=task.modality,
+            reusable=False,  # may be transient (network, memory): retried by the next run
+        ), None
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if fetched is not None:
+            fetched.unlink(missing_ok=True)
+    # a tokenizer of records (text's .jsonl lines) may count those it skipped
+    outcome = Outcome(
+        task.source,
+        "ok",
+        modality=task.modality,
+        documents=writer.documents,
+        tokens=writer.tokens,
+        skipped_records=int(getattr(tok, "skipped_records", 0) or 0),
+        skip_reason=one_line(str(getattr(tok, "first_skip_reason", "") or "")),
+    )
+    return outcome, writer
+
+
+def tokenize(task: Task) -> Outcome:
+    """Tokenize one input in a worker process started by :func:`run_pool`."""
+    w = _worker
+    assert w is not None, "tokenize runs in a worker process started by run_pool"
+    try:
+        tok = w.tokenizer(task.modality)
+    except Exception as e:
+        return skipped(
+            task.source,
+            f"unexpected {type(e).__name__}: {one_line(str(e))}",
+            modality=task.modality,
+            reusable=False,
+        )
+    return tokenize_input(task, tok, w.space, w.storage_options)
+
+
 def run_pool(
-    tasks: list[Task], workers: int, config: WorkerConfig
+    tasks: Iterable[Task], workers: int, config: WorkerConfig, window: int = 0
 ) -> Iterator[tuple[Task, Outcome]]:
-    """Each task with its outcome, as they finish. If a worker process dies, the
-    unfinished tasks are rerun one per fresh process so the one that kills its process is
-    found and recorded, and every other input still gets done."""
+    """Each task with its outcome, as they finish, with at most ``window`` (default 4 per
+    worker) submitted and unfinished at a time, so a long input list is never all in
+    flight. If a worker process dies, the unfinished tasks are rerun one per fresh
+    process so the one that kills its process is found and recorded, and every other
+    input still gets done (the rest in a fresh pool)."""
     ctx = multiprocessing.get_context("spawn")
-    retry: list[Task] = []
-    with cf.ProcessPoolExecutor(
-        max_workers=workers, mp_context=ctx, initializer=_init, initargs=(config,)
-    ) as pool:
-        futures = {pool.submit(tokenize, t): t for t in tasks}
-        for fut in cf.as_completed(futures):
-            try:
-                yield futures[fut], fut.result()
-            except cf.process.BrokenProcessPool:
-                retry.append(futures[fut])
-    for task in sorted(retry, key=lambda t: t.index):
-        try:
-            with cf.ProcessPoolExecutor(
-                max_workers=1, mp_context=ctx, initializer=_init, initargs=(config,)
-            ) as pool:
-                yield task, pool.submit(tokenize, task).result()
-        except cf.process.BrokenProcessPool:
-            yield (
-                task,
-                skipped(
-                    task.source,
-                    "the worker process died while decoding this file (crash or out of memory)",
-                    modality=task.modality,
-                    reusable=False,
-                    crashed=True,
-                ),
-            )
+    window = window or 4 * workers
+    pending = iter(tasks)
+    exhausted = False
+    while not exhausted:
+        retry: list[Task] = []
+        with cf.ProcessPoolExecutor(
+            max_workers=workers, mp_context=ctx, initializer=_init, initargs=(config,)
+        ) as pool:
+            futures: dict[cf.Future[Outcome], Task] = {}
+            broken = False
+            while True:
+                while not broken and len(futures) < window:
+                    task = next(pending, None)
+                    if task is None:
+                        exhausted = True
+                        break
+                    futures[pool.submit(tokenize, task)] = task
+                if not futures:
+                    break
+                done, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                for fut in sorted(done, key=lambda f: futures[f].index):
+                    task = futures.pop(fut)
+                    try:
+                        outcome = fut.result()
+                    except cf.process.BrokenProcessPool:
+                        retry.append(task)
+                        broken = True
+                        continue
+                    yield task, outcome
+        for task in sorted(retry, key=lambda t: t.index):
+            yield task, _alone(task, config, ctx)
+
+
+def _alone(task: Task, config: WorkerConfig, ctx: Any) -> Outcome:
+    """Tokenize ``task`` in a process of its own: its outcome, or that it killed it."""
+    try:
+        with cf.ProcessPoolExecutor(
+            max_workers=1, mp_context=ctx, initializer=_init, initargs=(config,)
+        ) as pool:
+            return pool.submit(tokenize, task).result()
+    except cf.process.BrokenProcessPool:
+        return skipped(
+            task.source,
+            CRASHED,
+            modality=task.modality,
+            reusable=False,
+            crashed=True,
+        )

@@ -3,38 +3,49 @@
 Shards are written where they can be published atomically: in the output directory itself
 (then renamed into place) or, for a URL, in a local upload area (uploaded, then moved).
 A previous dataset's manifest is removed just before its first shard is replaced, so a
-manifest never describes shards it does not match.
+manifest never describes shards it does not match. Each partition has its own
+:class:`Output` (its own folder when the dataset has several), so partitions written at
+the same time on different machines never touch each other's files.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Mapping
 from pathlib import Path
+from typing import Any
 
-from ulysses_mm.config import PipelineConfig
 from ulysses_mm.core import storage
 from ulysses_mm.shards.manifest import MANIFEST_NAME
 from ulysses_mm.shards.writer import ShardRecord
 
-_SHARD_RE = re.compile(r"^shard-(\d{6})\.tar$")
+_SHARD_RE = re.compile(r"^shard-\d{6}\.tar$")
+_PART_RE = re.compile(r"^part-\d{5}$")
 
 
 class Output:
-    """A dataset's destination (a local directory or a URL)."""
+    """Partition ``index``'s destination in a dataset at ``url`` (a directory or a URL)."""
 
-    def __init__(self, cfg: PipelineConfig, staging: Path) -> None:
-        self.url = cfg.output
-        self.so = dict(cfg.storage_options)
-        self.local = storage.is_local(cfg.output)
-        storage.makedirs(self.url, self.so)
-        self.write_dir = storage.local_path(self.url) if self.local else staging / "upload"
+    def __init__(
+        self, url: str, storage_options: Mapping[str, Any], staging: str, index: int, multi: bool
+    ) -> None:
+        self.url = url
+        self.so = dict(storage_options)
+        self.local = storage.is_local(url)
+        sub = f"part-{index:05d}" if multi else ""
+        self.dir_url = storage.join(url, sub) if sub else url
+        storage.makedirs(self.dir_url, self.so)
+        if self.local:
+            self.write_dir = storage.local_path(self.dir_url)
+        else:
+            self.write_dir = Path(staging) / "upload" / (sub or "part")
         self.write_dir.mkdir(parents=True, exist_ok=True)
-        storage.remove_stale_temps(self.url, self.so)
+        storage.remove_stale_temps(self.dir_url, self.so)
         if not self.local:
             for p in self.write_dir.iterdir():
                 p.unlink()
         self.claimed = False
-        self.manifest_url = storage.join(self.url, MANIFEST_NAME)
+        self.manifest_url = storage.join(url, MANIFEST_NAME)
 
     def publish(self, tmp: Path, record: ShardRecord) -> None:
         if not self.claimed:  # the old manifest must go before its first shard changes
@@ -42,8 +53,21 @@ class Output:
             self.claimed = True
         storage.publish_file(tmp, storage.join(self.url, record.name), self.so)
 
-    def remove_stale_shards(self, keep: int) -> None:
-        for name in storage.list_names(self.url, self.so):
-            m = _SHARD_RE.match(name)
-            if m and int(m.group(1)) >= keep:
-                storage.remove(storage.join(self.url, name), self.so)
+
+def remove_stale_shards(
+    url: str, storage_options: Mapping[str, Any], keep: Collection[str]
+) -> None:
+    """Remove the shards under ``url`` (``shard-N.tar`` and ``part-P/shard-N.tar``) that
+    are not in ``keep`` (names relative to ``url``), and partition folders left empty."""
+    so = dict(storage_options)
+    for name in storage.list_names(url, so):
+        if _SHARD_RE.match(name) and name not in keep:
+            storage.remove(storage.join(url, name), so)
+    for sub in storage.list_dirs(url, so):
+        if not _PART_RE.match(sub):
+            continue
+        where = storage.join(url, sub)
+        for name in storage.list_names(where, so):
+            if _SHARD_RE.match(name) and f"{sub}/{name}" not in keep:
+                storage.remove(storage.join(where, name), so)
+        storage.remove_empty_dir(where, so)

@@ -4,9 +4,9 @@ An input is routed by its file name to one of the pipeline's tokenizers (:func:`
 then tokenized into a staged entry in the staging directory, named by a hash of (input
 path, size, mtime or ETag, tokenizer spec and artifact hashes, token space)::
 
-    STAGING/documents/KEY.npz    the documents: tokens (concatenated), lengths, modalities
-    STAGING/documents/KEY.json   the input's :class:`Outcome`, written after the .npz: the
-                             entry's commit mark
+    STAGING/documents/part-PPPPP/KEY.{tokens,docs}   the documents (:mod:`.staged`)
+    STAGING/documents/part-PPPPP/KEY.json            the input's :class:`Outcome`, written
+                                                     after them: the entry's commit mark
 
 A rerun finds committed entries and does not tokenize those inputs again
 (:func:`plan_inputs`). Every value here is numpy or plain Python: spawned workers import
@@ -24,16 +24,15 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ulysses_mm.config import PipelineConfig
 from ulysses_mm.core import storage
 from ulysses_mm.core.errors import UserError
 from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.shards.prepare import staged
 from ulysses_mm.tokenize import registry
 from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
 
-STAGED_VERSION = 1
+STAGED_VERSION = 2
 
 
 class PrepareError(UserError, RuntimeError):
@@ -160,6 +159,7 @@ class Result:
     outcome: Outcome
     staged: str = ""
     reused: bool = False  # found in the staging directory, not tokenized by this run
+    held: Any = None  # a StagedWriter this process holds the documents in, not committed
 
 
 @dataclass
@@ -186,13 +186,23 @@ def staging_dir(cfg: PipelineConfig) -> Path:
     return Path(tempfile.gettempdir()) / f"ulysses-mm-staging-{digest}"
 
 
+def partition_staging(staging: str | Path, index: int) -> Path:
+    """Partition ``index``'s staged entries: its own directory, which only the one attempt
+    at the partition running at a time writes to."""
+    return Path(staging) / "documents" / f"part-{index:05d}"
+
+
 def staged_key(
-    source: str, modality: str, spec: TokenizerSpec, space: TokenSpace, so: Mapping[str, Any]
+    source: str,
+    identity: Mapping[str, Any],
+    modality: str,
+    spec: TokenizerSpec,
+    space: TokenSpace,
 ) -> str:
     ident = {
         "v": STAGED_VERSION,
         "source": source,
-        "input": storage.input_identity(source, so),
+        "input": dict(identity),
         "modality": modality,
         "spec": [spec.sha256, spec.artifact_sha256],
         "space": space.to_dict(),
@@ -200,44 +210,29 @@ def staged_key(
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:40]
 
 
-def write_documents(stem: str, tokens: np.ndarray, lengths: np.ndarray, mods: np.ndarray) -> None:
-    """The entry's documents, atomically (before its outcome commits it)."""
-    with storage.atomic_local_file(Path(stem + ".npz")) as f:
-        np.savez(f, tokens=tokens, lengths=lengths, modalities=mods)  # type: ignore[arg-type]
-
-
 def commit(stem: str, outcome: Outcome) -> None:
     storage.atomic_write_local(Path(stem + ".json"), outcome.to_json())
 
 
-def read_documents(stem: str, n_docs: int, where: str) -> tuple[np.ndarray, ...]:
-    """(tokens, lengths, modalities) of a committed ok entry, checked against its outcome."""
-    with np.load(stem + ".npz", allow_pickle=False) as z:
-        arrays = z["tokens"], z["lengths"], z["modalities"]
-    if len(arrays[1]) != n_docs:
-        raise PrepareError(
-            f"staged entry of {where} holds {len(arrays[1])} documents, expected {n_docs}"
-        )
-    return arrays
-
-
 def plan_inputs(
-    cfg: PipelineConfig,
-    files: list[str],
-    specs: list[TokenizerSpec],
+    inputs: Sequence[storage.InputFile],
+    first_input: int,
+    specs: Sequence[TokenizerSpec],
     space: TokenSpace,
-    staging: Path,
+    suffixes: Mapping[str, Sequence[str]],
+    staged_dir: Path,
 ) -> Plan:
-    """Route every input; what is known already (unsupported, unreadable, or staged by an
-    earlier run), and a task for each of the rest."""
+    """Route every input of a partition (numbered from ``first_input``); what is known
+    already (unsupported, or staged by an earlier run), and a task for each of the rest."""
     by_modality = {s.modality: s for s in specs}
     kinds = {s.modality: s.kind for s in specs}
-    staged_dir = staging / "documents"
     staged_dir.mkdir(parents=True, exist_ok=True)
     storage.remove_stale_temps(str(staged_dir))
+    fetch_dir = staged_dir.parent.parent / "fetch"
     plan = Plan({}, [])
-    for i, source in enumerate(files):
-        modality = route(source, kinds, cfg.suffixes)
+    for i, f in enumerate(inputs, start=first_input):
+        source = f.location
+        modality = route(source, kinds, suffixes)
         if modality is None:
             suffix = Path(source.rsplit("/", 1)[-1]).suffix or "(none)"
             reason = (
@@ -246,16 +241,12 @@ def plan_inputs(
             )
             plan.known[i] = Result(skipped(source, reason))
             continue
-        try:
-            key = staged_key(source, modality, by_modality[modality], space, cfg.storage_options)
-        except OSError as e:
-            plan.known[i] = Result(skipped(source, f"cannot stat: {e}"))
-            continue
+        key = staged_key(source, f.identity, modality, by_modality[modality], space)
         stem = str(staged_dir / key)
         if os.path.exists(stem + ".json"):
             done = Outcome.from_json(Path(stem + ".json").read_bytes())
-            if not done.ok or os.path.exists(stem + ".npz"):
+            if not done.ok or staged.exists(stem):
                 plan.known[i] = Result(done, stem, reused=True)
                 continue
-        plan.tasks.append(Task(i, source, modality, stem, str(staging / "fetch" / key)))
+        plan.tasks.append(Task(i, source, modality, stem, str(fetch_dir / key)))
     return plan

@@ -1,20 +1,26 @@
-"""``ulysses-mm prepare``: raw files to packed WebDataset shards and a manifest, restartably.
+"""``ulysses-mm prepare``: raw files to packed WebDataset shards and a manifest, restartably,
+on this machine or on a Ray cluster.
 
-Two phases, chosen so that a run killed at any instant (SIGKILL included) and started
-again ends with exactly the bytes of an uninterrupted run:
+The sorted inputs are cut into partitions (:mod:`ulysses_mm.shards.prepare.partition`, a
+function of the inputs' sizes alone), and an engine (:mod:`ulysses_mm.shards.prepare.engine`:
+this machine's process pool, or Ray's tasks) does each partition:
 
-1. **Tokenize** (a pool of spawned worker processes, :mod:`ulysses_mm.shards.prepare.pool`).
-   Each input is routed by its file name to one of the pipeline's tokenizers and turned
-   into token documents, which are validated and written, atomically, to a staged entry in
-   the staging directory (:mod:`ulysses_mm.shards.prepare.route`). A rerun finds finished entries
-   and does not tokenize those inputs again. An input that cannot be decoded is recorded
-   with its one-line reason and skipped.
-2. **Pack and write** (this process, overlapping phase 1, :mod:`ulysses_mm.shards.prepare.assemble`).
-   Inputs are taken in sorted order and their documents in file order, whatever order the
-   workers finish in, so packing, document ids, shard boundaries and bytes are a function
-   of the inputs and the config alone. Shards appear under their final names only when
-   complete (:mod:`ulysses_mm.shards.prepare.publish`); ``manifest.json`` is written last. The
-   staging directory is removed at the end unless ``keep_staging``.
+1. **Tokenize**. Each input is routed by its file name to one of the pipeline's
+   tokenizers and turned into token documents, which are checked and written, as they
+   stream out of the tokenizer, to a staged entry in the staging directory
+   (:mod:`ulysses_mm.shards.prepare.staged`). A rerun finds finished entries and does not
+   tokenize those inputs again. An input that cannot be decoded is recorded with its
+   one-line reason and skipped.
+2. **Pack and write** (:mod:`ulysses_mm.shards.prepare.assemble`). The partition's inputs
+   are taken in sorted order and their documents in file order, whatever order the workers
+   finish in, so packing, document ids, shard boundaries and bytes are a function of the
+   inputs and the config alone, on any engine with any number of workers. Shards appear
+   under their final names only when complete (:mod:`ulysses_mm.shards.prepare.publish`);
+   the partition's fragment is written last, so a killed run, started again, skips the
+   partitions it finished.
+
+``manifest.json`` is written last, from every partition's result; the staging directory
+is removed at the end unless ``keep_staging``.
 
 A run in which no input gives a document writes nothing and leaves nothing behind: the
 output directories it created and its staging directory are removed, and the error says
@@ -27,16 +33,16 @@ Paths: relative paths written in a pipeline file resolve against the file's dire
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
-
-from tqdm import tqdm
 
 from ulysses_mm.config import (
     ConfigError,
@@ -49,19 +55,24 @@ from ulysses_mm.config import (
 )
 from ulysses_mm.core import storage
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.shards.manifest import InputEntry, Manifest, ShardEntry
-from ulysses_mm.shards.prepare.assemble import Assembler, InOrder
-from ulysses_mm.shards.prepare.pool import WorkerConfig, run_pool
-from ulysses_mm.shards.prepare.publish import Output
-from ulysses_mm.shards.prepare.route import (
-    Plan,
-    PrepareError,
-    Result,
-    load_specs,
-    plan_inputs,
-    staging_dir,
+from ulysses_mm.shards.manifest import (
+    MANIFEST_NAME,
+    InputEntry,
+    Manifest,
+    PartitionEntry,
+    ShardEntry,
 )
-from ulysses_mm.shards.writer import ShardRecord, ShardWriter
+from ulysses_mm.shards.prepare.engine import Engine, LocalEngine, Progress, human
+from ulysses_mm.shards.prepare.partition import (
+    Job,
+    PartitionResult,
+    PartitionTask,
+    partition_inputs,
+    remove_fragments,
+)
+from ulysses_mm.shards.prepare.pool import WorkerConfig
+from ulysses_mm.shards.prepare.publish import remove_stale_shards
+from ulysses_mm.shards.prepare.route import PrepareError, load_specs, staging_dir
 from ulysses_mm.tokenize.base import TokenizerSpec, spec_table
 
 __all__ = ["PrepareError", "PrepareResult", "load_pipeline_config", "prepare", "print_summary"]
@@ -71,7 +82,17 @@ __all__ = ["PrepareError", "PrepareResult", "load_pipeline_config", "prepare", "
 _PATH_KEYS = ("sources", "tokenizers", "output", "staging")
 # Config keys that say where and how a run happened, not what it produced: left out of
 # the manifest so equal data give equal manifest bytes (storage options may hold secrets).
-_RUN_ONLY_KEYS = ("output", "staging", "keep_staging", "workers", "progress", "storage_options")
+_RUN_ONLY_KEYS = (
+    "output",
+    "staging",
+    "keep_staging",
+    "workers",
+    "progress",
+    "storage_options",
+    "engine",
+    "ray_address",
+)
+_PARTITION_KEYS = ("partition_bytes", "partitions")
 
 
 # ------------------------------------------------------------------------ config
@@ -123,11 +144,14 @@ class PrepareResult:
     reused: int  # inputs taken from the staging directory
     seconds: float
     crashed: list[str] = field(default_factory=list)  # inputs whose worker process died
+    engine: str = "local"
+    partitions: int = 1
+    resumed: int = 0  # partitions an earlier run had finished
 
 
 def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
     """Run a pipeline; returns the manifest written. Raises PrepareError when no dataset
-    can be made (every input failed, no inputs matched, a bad spec)."""
+    can be made (every input failed, no inputs matched, a bad spec, a partition failed)."""
     out = out or sys.stdout
     t0 = time.perf_counter()
     so = dict(cfg.storage_options)
@@ -135,77 +159,127 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
     staging = staging_dir(cfg)
     # the directories this run creates, so that a run that writes nothing removes them
     new_dirs = [storage.missing_dirs(str(staging)), storage.missing_dirs(cfg.output, so)]
-    files, unmatched = storage.expand_sources(cfg.sources, so)
-    plan = plan_inputs(cfg, files, specs, space, staging)
-
-    output = Output(cfg, staging)
-    writer = ShardWriter(
-        output.write_dir, output.publish, cfg.shards.max_bytes, cfg.shards.max_samples
+    inputs, unmatched = storage.list_inputs(cfg.sources, so)
+    ranges = partition_inputs(
+        [f.size for f in inputs], cfg.shards.partition_bytes, cfg.shards.partitions
     )
-    assembler = Assembler(space, cfg.pack.seq_len, writer)
-    crashed: list[str] = []
-    bar = tqdm(
-        total=len(files), unit="file", desc="prepare", disable=not cfg.progress, file=sys.stderr
+    job = Job(
+        worker=_worker_config(cfg, specs, space),
+        suffixes={k: list(v) for k, v in cfg.suffixes.items()},
+        output=cfg.output,
+        staging=str(staging),
+        seq_len=cfg.pack.seq_len,
+        max_bytes=cfg.shards.max_bytes,
+        max_samples=cfg.shards.max_samples,
+        multi=len(ranges) > 1,
+        keep_staging=cfg.keep_staging,
+        run_key=_run_key(cfg, specs, space),
     )
+    tasks = [PartitionTask(p, a, inputs[a:b]) for p, (a, b) in enumerate(ranges)]
+    storage.makedirs(cfg.output, so)
+    storage.remove_stale_temps(cfg.output, so)
+    staging.mkdir(parents=True, exist_ok=True)
+    engine = _engine(cfg)
+    progress = Progress(len(inputs), len(tasks), cfg.progress)
     try:
-        for done in _in_input_order(plan, _worker_config(cfg, specs, space), cfg.workers):
-            assembler.add(done)
-            if done.outcome.crashed:
-                crashed.append(done.outcome.source)
-            bar.update(1)
-            rate = assembler.tokens / max(time.perf_counter() - t0, 1e-9)
-            bar.set_postfix(
-                tokens=_human(assembler.tokens),
-                tok_s=_human(rate),
-                samples=assembler.packer.next_sample,
-            )
-        assert len(assembler.entries) == len(files)
-        entries = assembler.entries + [
-            InputEntry(p, "skipped", reason="matches no file") for p in unmatched
-        ]
-        if not assembler.any_ok:  # nothing to write: leave nothing behind
-            writer.abort()
-            _remove_traces(cfg, staging, new_dirs)
-            raise PrepareError(_nothing_written(entries))
-        records = assembler.finish()
-    except BaseException:
-        writer.abort()
-        bar.close()
-        raise
-    bar.close()
-    output.remove_stale_shards(len(records))
-    manifest = _manifest(cfg, specs, space, assembler, records, entries)
-    manifest.save(output.manifest_url, so)
+        results = engine.run(job, tasks, progress) if tasks else []
+    finally:
+        progress.close()
+    entries = [e for r in results for e in r.entries]
+    entries += [InputEntry(p, "skipped", reason="matches no file") for p in unmatched]
+    if not any(e.status == "ok" for e in entries):  # nothing to write: leave nothing behind
+        _remove_traces(cfg, staging, new_dirs)
+        raise PrepareError(_nothing_written(entries))
+    manifest = _manifest(cfg, specs, space, tasks, results, entries)
+    remove_stale_shards(cfg.output, so, {s.url for s in manifest.shards})
+    location = storage.join(cfg.output, MANIFEST_NAME)
+    manifest.save(location, so)
+    remove_fragments(cfg.output, so)
     if not cfg.keep_staging:
         shutil.rmtree(staging, ignore_errors=True)
     result = PrepareResult(
-        manifest, output.manifest_url, plan.reused, time.perf_counter() - t0, crashed
+        manifest,
+        location,
+        sum(r.reused_inputs for r in results),
+        time.perf_counter() - t0,
+        [c for r in results for c in r.crashed],
+        engine.name,
+        len(tasks),
+        sum(r.resumed for r in results),
     )
     print_summary(result, out)
     return result
+
+
+def _engine(cfg: PipelineConfig) -> Engine:
+    if cfg.engine == "ray":
+        from ulysses_mm.shards.prepare.ray_engine import RayEngine
+
+        return RayEngine(cfg.ray_address, cfg.workers)
+    return LocalEngine(cfg.workers)
 
 
 def _manifest(
     cfg: PipelineConfig,
     specs: list[TokenizerSpec],
     space: TokenSpace,
-    assembler: Assembler,
-    records: list[ShardRecord],
+    tasks: list[PartitionTask],
+    results: list[PartitionResult],
     entries: list[InputEntry],
 ) -> Manifest:
-    counts = assembler.counts
+    """The dataset's manifest from its partitions' results: their samples and documents
+    numbered on across partitions."""
+    multi = len(results) > 1
+    shards: list[ShardEntry] = []
+    parts: list[PartitionEntry] = []
+    runs: list[tuple[str, int]] = []
+    counts = [0] * len(space.modalities)
+    first_sample = first_doc = 0
+    for task, r in zip(tasks, results):
+        for rec in r.shards:
+            shards.append(
+                ShardEntry(
+                    rec.name,
+                    rec.samples,
+                    first_sample + rec.first_sample,
+                    rec.bytes,
+                    rec.sha256,
+                    r.index if multi else None,
+                )
+            )
+        for e in r.entries:
+            if e.status == "ok":
+                e.first_doc_id += first_doc
+        part_runs = [(space.modalities[m], t) for m, t in r.runs]
+        parts.append(
+            PartitionEntry(
+                task.first_input,
+                len(task.inputs),
+                task.bytes,
+                first_sample,
+                r.samples,
+                first_doc,
+                r.documents,
+                len(part_runs),
+            )
+        )
+        runs += part_runs
+        counts = [a + b for a, b in zip(counts, r.counts)]
+        first_sample += r.samples
+        first_doc += r.documents
     return Manifest(
         name=cfg.name,
         token_space=space,
         tokenizers=dict(spec_table(specs)),
         seq_len=cfg.pack.seq_len,
-        shards=[ShardEntry(r.name, r.samples, r.first_sample, r.bytes, r.sha256) for r in records],
+        shards=shards,
         inputs=entries,
-        num_documents=assembler.packer.next_doc,
+        num_documents=first_doc,
         tokens={m: int(c) for m, c in zip(space.modalities, counts)},
-        pad_tokens=assembler.packer.next_sample * cfg.pack.seq_len - int(counts.sum()),
-        config=_recorded_config(cfg),
-        modality_runs=assembler.modality_runs,
+        pad_tokens=first_sample * cfg.pack.seq_len - sum(counts),
+        config=_recorded_config(cfg, multi),
+        modality_runs=runs,
+        partitions=parts if multi else None,
     )
 
 
@@ -221,20 +295,22 @@ def _worker_config(
     )
 
 
-def _in_input_order(plan: Plan, config: WorkerConfig, workers: int) -> Iterator[Result]:
-    """Every input's result in input order: the known ones first, the others as the
-    workers finish them."""
-    order: InOrder[Result] = InOrder()
-    yield from order.put_all(plan.known.items())
-    if plan.tasks:
-        n = min(workers or os.cpu_count() or 1, len(plan.tasks))
-        for task, outcome in run_pool(plan.tasks, n, config):
-            yield from order.put(task.index, Result(outcome, task.staged))
+def _run_key(cfg: PipelineConfig, specs: list[TokenizerSpec], space: TokenSpace) -> str:
+    """Identifies what shapes the data: the recorded config, the token space, the specs."""
+    ident = {
+        "config": _recorded_config(cfg, multi=True),
+        "space": space.to_dict(),
+        "specs": [[s.sha256, s.artifact_sha256] for s in specs],
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _remove_traces(cfg: PipelineConfig, staging: Path, new_dirs: list[list[str]]) -> None:
-    """After a run that wrote nothing: its staging directory (unless ``keep_staging``) and
-    the directories it created, where they are empty."""
+    """After a run that wrote nothing: its fragments and empty partition folders, its
+    staging directory (unless ``keep_staging``) and the directories it created, where they
+    are empty."""
+    remove_fragments(cfg.output, cfg.storage_options)
+    remove_stale_shards(cfg.output, cfg.storage_options, ())
     if not cfg.keep_staging:
         shutil.rmtree(staging, ignore_errors=True)
     for dirs in new_dirs:  # each deepest first: stop at the first one still in use
@@ -252,19 +328,17 @@ def _nothing_written(entries: list[InputEntry]) -> str:
     return f"every input failed ({len(entries)} inputs), no dataset written: {reasons}{more}"
 
 
-def _recorded_config(cfg: PipelineConfig) -> dict[str, Any]:
+def _recorded_config(cfg: PipelineConfig, multi: bool) -> dict[str, Any]:
+    """The config that shaped the data. How the inputs were partitioned is part of it only
+    when there are several partitions: the bytes of a dataset of one are the same whatever
+    setting made it one."""
     data = to_dict(cfg)
     for key in _RUN_ONLY_KEYS:
         data.pop(key, None)
+    if not multi:
+        for key in _PARTITION_KEYS:
+            data["shards"].pop(key, None)
     return data
-
-
-def _human(n: float) -> str:
-    for unit in ("", "k", "M", "G", "T"):
-        if abs(n) < 1000:
-            return f"{n:.3g}{unit}"
-        n /= 1000
-    return f"{n:.3g}P"
 
 
 def print_summary(result: PrepareResult, out: TextIO) -> None:
@@ -285,8 +359,12 @@ def print_summary(result: PrepareResult, out: TextIO) -> None:
         f"({size / 2**20:.1f} MiB) -> {result.location}",
         file=out,
     )
+    parts = f"{result.partitions} partition{'s' * (result.partitions != 1)}"
+    if result.resumed:
+        parts += f" ({result.resumed} finished by an earlier run)"
     print(
-        f"  {result.seconds:.1f} s, {_human(real / max(result.seconds, 1e-9))} tokens/s",
+        f"  {result.seconds:.1f} s, {human(real / max(result.seconds, 1e-9))} tokens/s; "
+        f"{parts} on the {result.engine} engine",
         file=out,
     )
     for e in skipped:

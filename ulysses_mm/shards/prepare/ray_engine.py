@@ -1,0 +1,125 @@
+"""The Ray engine: each partition is one Ray task running
+:func:`~ulysses_mm.shards.prepare.engine.run_partition`, anywhere in the cluster.
+
+Ray is imported here only, and this module only when a pipeline says ``engine: ray``
+(``ulysses-mm prepare PIPELINE --engine ray``), so the local engine needs no Ray. With no
+address a local Ray is started (``workers`` CPUs, default all) and shut down at the end; an
+address (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``) joins a running cluster, whose
+nodes must have ulysses-mm installed and see the pipeline's tokenizer specs at the same
+paths; inputs and output are best given as URLs every node can reach.
+
+A task whose worker process dies (killed, out of memory, its node lost) is retried by Ray
+(``max_retries``); a retried partition starts again from its inputs, so its bytes do not
+change. A task that raises fails the run at once, in one line naming the partition, its
+traceback in ``STAGING/logs/partition-PPPPP.log``; the partitions already written stay,
+and the next run skips them.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ulysses_mm.core.errors import StorageError, UnsupportedError
+from ulysses_mm.shards.prepare.engine import Progress, partition_failed, run_partition
+from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask
+
+MAX_RETRIES = 3  # attempts after a worker process dies, per partition
+
+
+def connect(address: str, cpus: int) -> tuple[Any, bool]:
+    """``(ray, started)``: the ray module, connected (``started``: this call started a
+    local Ray, which the caller shuts down)."""
+    try:
+        import ray
+    except ImportError:
+        raise UnsupportedError(
+            "engine=ray needs Ray: pip install 'ulysses-mm[ray]' (or engine=local)"
+        ) from None
+    if ray.is_initialized():
+        return ray, False
+    kw: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
+    if address:
+        kw["address"] = address
+    else:  # a local Ray of our own
+        kw.update(include_dashboard=False, num_cpus=cpus or None)
+    try:
+        ray.init(**kw)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        where = f"at {address}" if address else "locally"
+        raise StorageError(f"cannot start or join a Ray cluster {where}: {e}") from None
+    return ray, True
+
+
+class RayEngine:
+    """Partitions as Ray tasks, at most ``workers`` at a time (0: as many as the cluster
+    has CPUs for, ``cpus`` each)."""
+
+    name = "ray"
+
+    def __init__(self, address: str = "", workers: int = 0, cpus: float = 1.0) -> None:
+        self.address = address
+        self.workers = workers
+        self.cpus = cpus
+
+    def run(
+        self, job: Job, tasks: Sequence[PartitionTask], progress: Progress
+    ) -> list[PartitionResult]:
+        ray, started = connect(self.address, self.workers)
+        try:
+            return self._run(ray, job, tasks, progress)
+        finally:
+            if started:
+                ray.shutdown()
+
+    def _run(
+        self, ray: Any, job: Job, tasks: Sequence[PartitionTask], progress: Progress
+    ) -> list[PartitionResult]:
+        remote = ray.remote(num_cpus=self.cpus, max_retries=MAX_RETRIES, retry_exceptions=False)(
+            run_partition
+        )
+        window = self.workers or max(1, int(ray.cluster_resources().get("CPU", 1) // self.cpus))
+        window = max(window, 1)
+        todo = list(tasks)
+        running: dict[Any, PartitionTask] = {}
+        results: dict[int, PartitionResult] = {}
+        job_ref = ray.put(job)
+        try:
+            while todo or running:
+                while todo and len(running) < window:
+                    t = todo.pop(0)
+                    running[remote.remote(job_ref, t)] = t
+                ready, _ = ray.wait(list(running), num_returns=1)
+                for ref in ready:
+                    t = running.pop(ref)
+                    results[t.index] = self._get(ray, ref, t, job)
+                    progress.partition_done(results[t.index], inputs_counted=False)
+        finally:
+            for ref in running:  # a failed run: stop what is still going
+                ray.cancel(ref, force=True)
+        return [results[t.index] for t in tasks]
+
+    @staticmethod
+    def _get(ray: Any, ref: Any, task: PartitionTask, job: Job) -> PartitionResult:
+        log_dir = Path(job.staging) / "logs"
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayTaskError as e:
+            cause = e.cause if e.cause is not None else e
+            text = str(cause).strip().splitlines()
+            why = f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
+            raise partition_failed(task, why, log_dir, _plain(str(e))) from None
+        except ray.exceptions.RayError as e:  # the worker died on every attempt, a lost node
+            why = (
+                f"its worker died on each of {MAX_RETRIES + 1} attempts (crash, out of memory or "
+                f"a lost node): {type(e).__name__}"
+            )
+            raise partition_failed(task, why, log_dir, _plain(str(e))) from None
+
+
+def _plain(text: str) -> str:
+    """Ray's traceback text without its terminal colours."""
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)
