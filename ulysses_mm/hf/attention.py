@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -240,7 +240,7 @@ def isolate_documents(core: str = "sdpa", kernel: str = "auto") -> str:
     call this first). Returns ``core``."""
     from transformers import AttentionInterface
 
-    original: Callable[..., Any] | None = AttentionInterface._global_mapping.get(core)
+    original = cast("Callable[..., Any] | None", AttentionInterface._global_mapping.get(core))
     if isinstance(original, Backend):  # already isolated
         return core
     if original is None:
