@@ -85,12 +85,12 @@ def token_names(
     text_tokenizer: str | Path | None = None,
 ) -> list[str]:
     """One unique, whitespace-free name per id of ``space`` (index = id)."""
-    text_tokens = None
+    text_tokens: list[str] | None = None
     if text_tokenizer is not None:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(text_tokenizer), local_files_only=True)
-        text_tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
+        text_tokens = [str(t) for t in tok.convert_ids_to_tokens(list(range(len(tok))))]
     names = list(space.specials)
     for r in space.ranges:
         labels = modality_labels(
