@@ -1,12 +1,12 @@
 """DeepSpeed's ``UlyssesSPAttentionHF`` vs ``attn_implementation="ulysses_mm"`` inside the
 same transformers model (Llama, 8 query heads, 4 kv heads), side by side on gloo.
 
-At SP=2, for 8K and 16K tokens, one document and packed documents, each configuration
-runs in a fresh world of 2 processes (so peak RSS is its own): forward + backward of the
-whole model, loss = each rank's targets over the global count (as both Trainer paths
-compute it). Printed per configuration and backend: tokens/s (slowest rank, median of the
-timed steps), peak RSS per rank (the larger of the two) and its rise during the steps, the
-loss, and whether packed documents attend across each other (the logits of documents 1..
+At SP=2 on 2 processes, for 8K and 16K tokens, one document and packed documents:
+forward + backward of the whole model, loss = each rank's targets over the global count
+(as both Trainer paths compute it). Printed per configuration and backend: tokens/s (both
+backends in one world, steps interleaved, slowest rank, median), peak RSS per rank over
+one step (each backend alone in a fresh world, the larger rank) and its rise, the loss,
+and whether packed documents attend across each other (the logits of documents 1..
 change when only document 0's tokens change). DeepSpeed gets what its adapter gives a rank
 (contiguous tokens and position ids) and wraps transformers' SDPA, the core Accelerate
 accepts on CPU; ours gets :func:`ulysses_mm.hf.shard_inputs`.
@@ -107,7 +107,7 @@ def _setup(backend: str, mesh, n: int, model):
         )
 
 
-def worker(backend: str, n: int, packed: bool, steps: int, warmup: int) -> dict:
+def _world():
     import deepspeed
     import torch.distributed as dist
 
@@ -117,58 +117,89 @@ def worker(backend: str, n: int, packed: bool, steps: int, warmup: int) -> dict:
     torch.set_num_threads(1)
     init_distributed("gloo")
     deepspeed.init_distributed(dist_backend="gloo", verbose=False)
-    mesh = Mesh.build(dist.get_world_size())
+    return Mesh.build(dist.get_world_size())
+
+
+def _step(model, inputs, count) -> float:
+    import torch.distributed as dist
+
+    share = model(**inputs, num_items_in_batch=count).loss
+    share.backward()
+    model.zero_grad(set_to_none=True)
+    loss = share.detach().clone()
+    dist.all_reduce(loss)  # the shares add up to the global mean
+    return float(loss)
+
+
+def _crosses(backend, model, mesh, ids, pos, targets, lengths) -> float:
+    """Max |change| of the logits of documents 1.. when only document 0's tokens change."""
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        base = model(**_inputs(backend, mesh, ids, pos, targets)).logits
+        other = ids.clone()
+        other[0, : lengths[0]] = (other[0, : lengths[0]] + 1) % MODEL["vocab_size"]
+        moved = model(**_inputs(backend, mesh, other, pos, targets)).logits
+    delta = (base - moved).abs().amax(dim=-1)[0]  # this rank's tokens (contiguous: ring 1)
+    n_local = ids.shape[1] // mesh.sp
+    later = torch.arange(mesh.sp_rank * n_local, (mesh.sp_rank + 1) * n_local) >= lengths[0]
+    value = torch.tensor(float(delta[later].max()) if later.any() else 0.0)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return float(value)
+
+
+def timing_worker(n: int, packed: bool, steps: int, warmup: int) -> dict:
+    """Both backends in one world, steps interleaved (so load drift hits both alike)."""
+    import torch.distributed as dist
+
+    mesh = _world()
+    ids, pos, targets, lengths = _sample(n, packed, MODEL["vocab_size"])
+    count = (targets != IGNORE).sum()
+    models, inputs = {}, {}
+    for backend in ("deepspeed", "ours"):
+        models[backend] = _model()
+        _setup(backend, mesh, n, models[backend])
+        inputs[backend] = _inputs(backend, mesh, ids, pos, targets)
+    times: dict[str, list[float]] = {"deepspeed": [], "ours": []}
+    loss = {}
+    for i in range(warmup + steps):
+        for backend in ("ours", "deepspeed") if i % 2 else ("deepspeed", "ours"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss[backend] = _step(models[backend], inputs[backend], count)
+            dt = torch.tensor(time.perf_counter() - t0)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank
+            if i >= warmup:
+                times[backend].append(float(dt))
+    out = {"docs": len(lengths)}
+    for backend, model in models.items():
+        cross = float("nan")
+        if len(lengths) > 1:
+            cross = _crosses(backend, model, mesh, ids, pos, targets, lengths)
+        out[backend] = {
+            "tokens_per_s": n / statistics.median(times[backend]),
+            "loss": loss[backend],
+            "cross": cross,
+        }
+    return out
+
+
+def memory_worker(backend: str, n: int, packed: bool) -> dict:
+    """One backend alone in a fresh world: peak RSS over one step, and its rise."""
+    import torch.distributed as dist
+
+    mesh = _world()
     model = _model()
     _setup(backend, mesh, n, model)
-    ids, pos, targets, lengths = _sample(n, packed, MODEL["vocab_size"])
+    ids, pos, targets, _ = _sample(n, packed, MODEL["vocab_size"])
     inputs = _inputs(backend, mesh, ids, pos, targets)
-    count = (targets != IGNORE).sum()
-
-    def step() -> float:
-        share = model(**inputs, num_items_in_batch=count).loss
-        share.backward()
-        model.zero_grad(set_to_none=True)
-        loss = share.detach().clone()
-        dist.all_reduce(loss)
-        return float(loss)
-
-    rss0 = _rss_mib()
-    for _ in range(warmup):
-        loss = step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = step()
-        dt = torch.tensor(time.perf_counter() - t0)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        times.append(float(dt))
+    before = _rss_mib()
+    _step(model, inputs, (targets != IGNORE).sum())
     peak = torch.tensor(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
-    rise = torch.tensor(peak.item() - rss0)
+    rise = torch.tensor(float(peak) - before)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     dist.all_reduce(rise, op=dist.ReduceOp.MAX)
-    cross = float("nan")
-    if len(lengths) > 1:  # change document 0 only; do later documents' logits move?
-        with torch.no_grad():
-            base = model(**inputs).logits
-            other = ids.clone()
-            other[0, : lengths[0]] = (other[0, : lengths[0]] + 1) % MODEL["vocab_size"]
-            moved = model(**_inputs(backend, mesh, other, pos, targets)).logits
-        delta = (base - moved).abs().amax(dim=-1)[0]  # [n/sp] this rank's tokens
-        n_local = n // mesh.sp  # ring 1: both hold contiguous tokens
-        where = torch.arange(mesh.sp_rank * n_local, (mesh.sp_rank + 1) * n_local)
-        later = where >= lengths[0]
-        value = torch.tensor(float(delta[later].max()) if later.any() else 0.0)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX)
-        cross = float(value)
-    return {
-        "tokens_per_s": n / statistics.median(times),
-        "peak_mib": float(peak),
-        "rise_mib": float(rise),
-        "loss": loss,
-        "cross": cross,
-        "docs": len(lengths),
-    }
+    return {"peak_mib": float(peak), "rise_mib": float(rise)}
 
 
 def probe(sp: int) -> dict:
@@ -217,7 +248,9 @@ def probe(sp: int) -> dict:
     with torch.no_grad():
         share = model(**inputs, num_items_in_batch=(targets != IGNORE).sum()).loss
     dist.all_reduce(share)
-    out["ours"] = f"ran at sp={sp} = ulysses 4 × ring {sp // 4}: loss {float(share):.6f}, one process per document {want:.6f}"
+    out["ours"] = (
+        f"ran at sp={sp} = ulysses 4 × ring {sp // 4}: loss {float(share):.6f}, one process per document {want:.6f}"
+    )
     out["ours_matches"] = abs(float(share) - want) < 1e-5
     return out
 
@@ -267,25 +300,29 @@ def main() -> None:
     )
     for n in args.seq_lens:
         for packed in (False, True):
-            order = ("ours", "deepspeed") if packed else ("deepspeed", "ours")
-            res = {b: launch_local(worker, 2, b, n, packed, args.steps, args.warmup)[0] for b in order}
+            res = launch_local(timing_worker, 2, n, packed, args.steps, args.warmup)[0]
+            for b in ("deepspeed", "ours"):
+                res[b].update(launch_local(memory_worker, 2, b, n, packed)[0])
             for b in ("deepspeed", "ours"):
                 r = res[b]
                 cross = "-" if r["cross"] != r["cross"] else ("yes" if r["cross"] > 0 else "no")
                 cross += f" ({r['cross']:.1e})" if cross != "-" else ""
-                data = f"{r['docs']} docs" if packed else "1 doc"
+                data = f"{res['docs']} docs" if packed else "1 doc"
                 print(
                     f"{n:>6} {data:>7} {b:>10} {r['tokens_per_s']:>9.0f} {r['peak_mib']:>13.0f} "
-                    f"{r['rise_mib']:>9.0f} {r['loss']:>9.5f} {cross:>13}"
+                    f"{r['rise_mib']:>9.0f} {r['loss']:>9.5f} {cross:>13}",
+                    flush=True,
                 )
             o, d = res["ours"], res["deepspeed"]
             print(
                 f"{'':>6} {'':>7} {'ours/DS':>10} {o['tokens_per_s'] / d['tokens_per_s']:>9.2f} "
-                f"{o['peak_mib'] / d['peak_mib']:>13.2f} {o['rise_mib'] / max(d['rise_mib'], 1):>9.2f}"
+                f"{o['peak_mib'] / d['peak_mib']:>13.2f} {o['rise_mib'] / max(d['rise_mib'], 1):>9.2f}",
+                flush=True,
             )
-    print("tokens/s: N / the slowest rank's median step; peak RSS: the larger rank's ru_maxrss;")
-    print("rise: its growth over the RSS before the first step; crosses docs: max |change| of")
-    print("later documents' logits when only document 0's tokens change (0 = isolated)")
+    print("tokens/s: N / the slowest rank's median step, both backends in one world, steps")
+    print("interleaved; peak RSS: the larger rank's ru_maxrss over one step, each backend alone")
+    print("in a fresh world; rise: its growth over the RSS before the step; crosses docs: max")
+    print("|change| of later documents' logits when only document 0's tokens change (0 = isolated)")
     print("\nLargest SP for a model with 4 kv heads (DeepSpeed: its checks; ours: valid_sp_sizes)")
     for name, heads, kv in (("this model", 8, 4), ("Qwen2.5-7B shape", 28, 4)):
         for n in args.seq_lens:
