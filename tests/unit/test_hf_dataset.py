@@ -6,6 +6,7 @@ the ``datasets`` factory split by node."""
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -145,10 +146,47 @@ def test_torchdata_stateful_dataloader_saves_the_state(manifests):
         assert torch.equal(a, b)
 
 
-def test_more_than_one_worker_is_refused(manifests):
-    loader = torch.utils.data.DataLoader(ShardDataset(manifests[0], data=DATA), num_workers=2)
+def test_accelerates_stateful_dataloader_resumes_past_its_read_ahead(manifests):
+    """Accelerate (use_stateful_dataloader) prepares the loader with its dispatcher, which
+    reads a batch ahead; its saved state is still the consumed one."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DataLoaderConfiguration
+
+    acc = Accelerator(
+        cpu=True, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=True)
+    )
+    try:
+
+        def prepared():
+            ds = ShardDataset(manifests[0], 2, data=DATA)
+            return acc.prepare(torch.utils.data.DataLoader(ds, batch_size=2))
+
+        full = [b["input_ids"] for b in itertools.islice(prepared(), 6)]
+        loader = prepared()
+        it = iter(loader)
+        head = [next(it)["input_ids"] for _ in range(3)]
+        saved = loader.state_dict()
+        assert saved["dataset_state"]["loader"]["position"] == 6  # 3 batches of 2, not 4
+        resumed = prepared()
+        resumed.load_state_dict(saved)
+        rest = [b["input_ids"] for b in itertools.islice(resumed, 3)]
+        for a, b in zip(head + rest, full):
+            assert torch.equal(a, b)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_more_than_one_worker_is_refused(manifests, monkeypatch):
+    """Each DataLoader worker would replay the one stream: the dataset refuses inside a
+    worker of several (asked as DataLoader workers ask, through get_worker_info)."""
+    import ulysses_mm.hf.dataset as module
+
+    monkeypatch.setattr(module, "get_worker_info", lambda: SimpleNamespace(num_workers=2))
     with pytest.raises(UnsupportedError, match="num_workers 0 or 1"):
-        next(iter(loader))
+        next(iter(ShardDataset(manifests[0], data=DATA)))
+    monkeypatch.setattr(module, "get_worker_info", lambda: SimpleNamespace(num_workers=1))
+    assert next(iter(ShardDataset(manifests[0], data=DATA)))["input_ids"].shape == (128,)
 
 
 def test_datasets_factory_splits_by_node_like_the_readers(manifests):

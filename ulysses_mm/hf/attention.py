@@ -91,10 +91,12 @@ class Backend:
                 "attn_implementation='ulysses_mm' needs position_ids (restarting at every "
                 "document) or cu_seq_lens_q in the model's inputs"
             )
-        if source is self._mask_source and self._mask is not None:
-            return self._mask
         m = self.mesh
         seq_len = local_len * m.sp
+        cached = self._mask
+        same = source is self._mask_source and cached is not None
+        if same and tuple(cached.doc_ids.shape) == (batch, seq_len):  # type: ignore[union-attr]
+            return cached  # type: ignore[return-value]
         if kwargs.get("cu_seq_lens_q") is not None:
             doc_ids = documents_from_cu(source, batch, seq_len)
         else:
