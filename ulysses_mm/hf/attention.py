@@ -94,9 +94,9 @@ class Backend:
         m = self.mesh
         seq_len = local_len * m.sp
         cached = self._mask
-        same = source is self._mask_source and cached is not None
-        if same and tuple(cached.doc_ids.shape) == (batch, seq_len):  # type: ignore[union-attr]
-            return cached  # type: ignore[return-value]
+        shape = (batch, seq_len)
+        if cached is not None and source is self._mask_source and cached.doc_ids.shape == shape:
+            return cached
         if kwargs.get("cu_seq_lens_q") is not None:
             doc_ids = documents_from_cu(source, batch, seq_len)
         else:
