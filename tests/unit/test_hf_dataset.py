@@ -190,12 +190,22 @@ def test_more_than_one_worker_is_refused(manifests, monkeypatch):
 
 
 def test_datasets_factory_splits_by_node_like_the_readers(manifests):
+    from accelerate.data_loader import prepare_data_loader
     from datasets.distributed import split_dataset_by_node
 
     ds = hf_dataset(manifests[0], micro_batch=2, readers=2, data=DATA)
     assert ds.n_shards == 2
     for r in range(2):
-        node = split_dataset_by_node(ds, rank=r, world_size=2)
-        got = [row["input_ids"] for row in itertools.islice(node, 6)]
         want = _ids(itertools.islice(ShardDataset(manifests[0], 2, 2, r, DATA), 6))
+        node = split_dataset_by_node(ds, rank=r, world_size=2)
+        assert _ids(itertools.islice(node, 6)) == want
+        # Accelerate shards a datasets stream by process when it does not dispatch
+        loader = prepare_data_loader(
+            torch.utils.data.DataLoader(ds, batch_size=2),
+            num_processes=2,
+            process_index=r,
+            dispatch_batches=False,
+            put_on_device=False,
+        )
+        got = [row.tolist() for b in itertools.islice(loader, 3) for row in b["input_ids"]]
         assert got == want

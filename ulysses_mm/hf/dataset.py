@@ -233,16 +233,17 @@ def hf_dataset(
     readers: int = 1,
     data: DataConfig | None = None,
 ):
-    """The stream as a ``datasets.IterableDataset`` with one shard per reader: reader r's
-    samples are shard r, so ``split_dataset_by_node(ds, rank=r, world_size=readers)``
-    (and Accelerate, which shards a datasets stream the same way) give process r what
-    ``ShardDataset(..., reader=r)`` gives. Resuming uses datasets' own
-    ``state_dict`` (it replays the shard up to its example)."""
+    """The stream as a ``datasets.IterableDataset`` (torch format) with one shard per
+    reader: reader r's samples are shard r, so ``split_dataset_by_node(ds, rank=r,
+    world_size=readers)``, and Accelerate with ``dispatch_batches=False`` (which then
+    shards a datasets stream by process), give process r what ``ShardDataset(...,
+    reader=r)`` gives. Unsplit, it is reader 0's endless stream. Resuming uses datasets'
+    own ``state_dict`` (it replays the shard up to its example)."""
     import datasets
 
     ints = datasets.Sequence(datasets.Value("int64"))
     features = datasets.Features({k: ints for k in FIELDS})
-    return datasets.IterableDataset.from_generator(
+    stream = datasets.IterableDataset.from_generator(
         _generate,
         features=features,
         gen_kwargs={
@@ -253,3 +254,4 @@ def hf_dataset(
             "data": data or DataConfig(),
         },
     )
+    return stream.with_format("torch")
