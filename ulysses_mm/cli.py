@@ -410,6 +410,20 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print one JSON document (per-file exact / snr_db / psnr_db, and a summary)",
     )
+    e.add_argument(
+        "--damage",
+        type=float,
+        action="append",
+        metavar="RATE",
+        help="also decode after a fraction RATE of the ids was replaced by random ids of "
+        "the modality (video, audio; repeatable, e.g. --damage 0.001 --damage 0.01)",
+    )
+    e.add_argument(
+        "--seeds",
+        type=int,
+        default=5,
+        help="random draws per --damage rate, seeds 0..N-1 (default 5): mean and worst",
+    )
     e.set_defaults(func=run_eval)
 
 
@@ -498,6 +512,216 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_estimate)
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from ulysses_mm.tools.generate import GenerateOptions, run_generate
+
+    opts = GenerateOptions(
+        modality=args.modality,
+        new_tokens=args.new_tokens,
+        out=args.out,
+        prompt=args.prompt,
+        prompt_tokens=args.prompt_tokens,
+        prompt_seconds=args.prompt_seconds,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        with_prompt=args.with_prompt,
+        ignore_doc_end=args.ignore_doc_end,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        nproc=args.nproc,
+    )
+    r = run_generate(args.checkpoint, opts)
+    if r["out"]:
+        print(
+            f"wrote {r['out']}: {r['what']} ({r['kind']}); {r['new_ids']:,} new ids "
+            f"({r['sampled']:,} sampled{', ended by </doc>' if r['ended'] else ''}) after a "
+            f"{r['prompt_ids']:,}-id prompt; {r['tokens_per_s']:,.1f} ids/s with the prefill, "
+            f"on {r['device']} × {r['processes']}"
+        )
+    return 0
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="continue a prompt in one modality; write FASTA / WAV / MP4 / text",
+        description=(
+            "Tokenize PROMPT with the tokenizer the model's training data used, sample "
+            "--new-tokens ids with a KV cache within the modality's head (and the "
+            "tokenizer's layout: whole video frames, interleaved audio), and decode them to "
+            "--out: FASTA for DNA, WAV for audio, MP4 for video (with the clip's audio when "
+            "the spec interleaves it), UTF-8 text. The same seed gives the same output. "
+            "--nproc N prefills a long prompt with N sequence-parallel processes."
+        ),
+    )
+    p.add_argument("checkpoint", help="a run dir, a checkpoint (step_*) dir or an export dir")
+    p.add_argument(
+        "--modality", required=True, help="the modality to write (dna, audio, video, text, …)"
+    )
+    p.add_argument(
+        "--prompt",
+        default=None,
+        metavar="FILE",
+        help="a file of that modality (FASTA, audio, video, .txt); none: start a document",
+    )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--prompt-tokens", type=int, default=None, metavar="N", help="keep the first N ids"
+    )
+    g.add_argument(
+        "--prompt-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="keep the first S seconds (audio, video)",
+    )
+    p.add_argument("--new-tokens", type=int, required=True, metavar="N", help="ids to generate")
+    p.add_argument("--out", required=True, metavar="FILE", help="the file to write")
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="softmax temperature (0: greedy; default 1)"
+    )
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus: the likeliest ids of mass p (1: all)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--with-prompt",
+        action="store_true",
+        help="write the prompt's part too (default: only what was generated)",
+    )
+    p.add_argument(
+        "--ignore-doc-end",
+        action="store_true",
+        help="never sample </doc>: write all --new-tokens ids (default: </doc> ends early)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="SPEC",
+        help="tokenizer spec to use instead of the one recorded with the model",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        help="weights' dtype (auto: the training precision)",
+    )
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: a GPU if any"
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="prefill with N local sequence-parallel processes (a prompt too long for one)",
+    )
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from ulysses_mm.tools.evaluate import EvaluateOptions, cli
+
+    edges = [int(x) for x in args.edges.split(",")] if args.edges else None
+    opts = EvaluateOptions(args.nproc, args.batches, args.micro_batch, edges)
+    return cli(args.checkpoint, args.manifest, opts, args.json, args.png)
+
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="held-out loss per modality (bits per base / sample / byte) and by position",
+        description=(
+            "Run MANIFEST's samples, in order and at full length, through the training "
+            "step's forward under the run's sequence-parallel layout: cross-entropy per "
+            "modality in nats per token and in the units people quote (DNA bits per base, "
+            "audio bits per sample, text bits per byte, video bits per frame), and against "
+            "the target's position inside its document in log-spaced bins. The figures "
+            "match the periodic eval of `ulysses-mm train` on the same batches."
+        ),
+    )
+    p.add_argument("checkpoint", help="a run dir, its checkpoints/ dir or a step_* dir")
+    p.add_argument("manifest", help="manifest.json of held-out shards (path or fsspec URL)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local processes (default: the run's parallel.sp; dp = nproc / sp)",
+    )
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=0,
+        help="micro-batches per DP rank (default 0: every sample once)",
+    )
+    p.add_argument(
+        "--micro-batch", type=int, default=0, help="samples per DP rank (default: the run's)"
+    )
+    p.add_argument(
+        "--edges",
+        default=None,
+        metavar="P0,P1,...",
+        help="position bin edges instead of log-spaced ones, e.g. 2,1026,2050",
+    )
+    p.add_argument("--json", action="store_true", help="print every figure as JSON")
+    p.add_argument("--png", default=None, metavar="FILE", help="plot loss against position")
+    p.set_defaults(func=_cmd_evaluate)
+
+
+def _add_probe(sub: argparse._SubParsersAction) -> None:
+    def run_write(args: argparse.Namespace) -> int:
+        from ulysses_mm.tools.probe import halves, write_probe
+
+        d = write_probe(args.out, args.length, args.documents, args.eval_documents, args.seed)
+        edges = ",".join(str(e) for e in halves(d.length))
+        print(
+            f"wrote the probe of L={d.length:,} ({d.seq_len:,}-token samples, one document "
+            f"each):\n  train: {d.train}\n  held out: {d.eval}\n"
+            f"train on it: ulysses-mm train CONFIG data.train={d.train} parallel.sp=P\n"
+            f"then: ulysses-mm probe score RUN_DIR {d.eval}   (or ulysses-mm evaluate "
+            f"RUN_DIR {d.eval} --edges {edges})"
+        )
+        return 0
+
+    def run_score(args: argparse.Namespace) -> int:
+        from ulysses_mm.tools.probe import score
+
+        first, second = score(args.checkpoint, args.manifest, args.nproc)
+        print(
+            f"first half: {first:.4f} bits/base (unpredictable: 2 at best)\n"
+            f"second half: {second:.4f} bits/base (a copy from L bases back: 0 once the "
+            "model uses its context)"
+        )
+        return 0
+
+    p = sub.add_parser(
+        "probe",
+        help="a long-context probe: L random bases, then the same L again; its score",
+        description=(
+            "write: DNA documents of L random bases followed by the same L bases (and one "
+            "N), one per packed sample of 2L+4 tokens, prepared into a training and a "
+            "held-out dataset. score: bits per base of each half on the held-out one (the "
+            "first stays at 2, the second falls to 0 once the model copies from L back)."
+        ),
+    )
+    psub = p.add_subparsers(dest="probe_command", required=True, metavar="ACTION")
+    w = psub.add_parser("write", help="write the probe's train and held-out datasets")
+    w.add_argument("out", help="output directory (train/, eval/, src/)")
+    w.add_argument("--length", type=int, required=True, metavar="L", help="bases per half")
+    w.add_argument("--documents", type=int, default=2048, help="training documents (2048)")
+    w.add_argument("--eval-documents", type=int, default=64, help="held-out documents (64)")
+    w.add_argument("--seed", type=int, default=0, help="seed of the bases (held out: seed+1)")
+    w.set_defaults(func=run_write)
+    s = psub.add_parser("score", help="bits per base of each half on a probe dataset")
+    s.add_argument("checkpoint", help="a run dir, its checkpoints/ dir or a step_* dir")
+    s.add_argument("manifest", help="the probe's held-out manifest.json")
+    s.add_argument("--nproc", type=int, default=None, help="processes (default: the run's sp)")
+    s.set_defaults(func=run_score)
+
+
 # One entry per subcommand, in the order `--help` lists them.
 _SUBCOMMANDS = [
     _add_demo,
@@ -507,6 +731,9 @@ _SUBCOMMANDS = [
     _add_train,
     _add_export,
     _add_hf_tokenizer,
+    _add_generate,
+    _add_evaluate,
+    _add_probe,
     _add_report,
     _add_verify,
     _add_estimate,

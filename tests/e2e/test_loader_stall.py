@@ -172,6 +172,17 @@ def test_a_manifest_error_status_is_one_line_naming_the_url(tmp_path, serve, sta
     assert took < START_S, f"took {took:.1f}s"
 
 
+def test_a_manifest_server_that_never_answers_is_one_line_within_the_read_timeout(tmp_path, serve):
+    """One streamed GET, not a size request and then a read: the stall is waited out once."""
+    base = serve("ok", manifest_mode="stall")
+    code, lines, took = _train(tmp_path, base, 1)
+    line = _one_line(lines)
+    assert code == 2, line
+    assert f"cannot read manifest {base}/manifest.json: no answer within the timeouts" in line
+    bound = CONNECT_S + READ_S + START_S
+    assert took < bound, f"took {took:.1f}s, bound {bound:.1f}s"
+
+
 @pytest.fixture
 def moto_process(monkeypatch) -> Iterator[tuple[subprocess.Popen, str]]:
     """The moto S3 server in a process of its own, which the test can SIGSTOP; it is
@@ -210,9 +221,13 @@ def moto_process(monkeypatch) -> Iterator[tuple[subprocess.Popen, str]]:
             proc.wait()
 
 
-def test_an_s3_server_paused_mid_run_ends_the_run_in_one_line(tmp_path, dataset, moto_process):
-    """SIGSTOP the object store once the ranks train: their reads stall (the kernel still
-    accepts connections), fail after the retries, and the launcher ends the world."""
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["paused", "killed"])
+def test_an_s3_server_stopped_mid_run_ends_the_run_in_one_line(
+    tmp_path, dataset, moto_process, sig
+):
+    """Stop the object store once the ranks train. Paused (SIGSTOP): their reads stall (the
+    kernel still accepts connections); killed (SIGKILL): connections are refused. Either
+    way the reads fail after the retries, and the launcher ends the world."""
     import s3fs
 
     proc, endpoint = moto_process
@@ -251,7 +266,7 @@ def test_an_s3_server_paused_mid_run_ends_the_run_in_one_line(tmp_path, dataset,
             assert time.monotonic() < deadline, "the run did not start"
             time.sleep(0.02)
         time.sleep(1.0)
-        proc.send_signal(signal.SIGSTOP)
+        proc.send_signal(sig)
         t0 = time.monotonic()
         _, err = train.communicate(timeout=120)
         took = time.monotonic() - t0
@@ -261,9 +276,27 @@ def test_an_s3_server_paused_mid_run_ends_the_run_in_one_line(tmp_path, dataset,
             train.wait()
     shown = (line.rsplit("\r", 1)[-1] for line in err.decode(errors="replace").split("\n"))
     lines = [line for line in shown if line.strip()]
-    print(f"[s3 SIGSTOP --nproc 2] exit {train.returncode}, {len(lines)} stderr lines, {took:.1f}s")
+    print(
+        f"[s3 {sig.name} --nproc 2] exit {train.returncode}, {len(lines)} stderr lines, {took:.1f}s"
+    )
     line = _one_line(lines)
     assert train.returncode == 1, line
     assert "rank " in line and "s3://bucket/ds/" in line, line
     bound = retries * (CONNECT_S + READ_S) + 0.1 + 10
-    assert took < bound, f"took {took:.1f}s after SIGSTOP, bound {bound:.1f}s"
+    assert took < bound, f"took {took:.1f}s after {sig.name}, bound {bound:.1f}s"
+
+
+def test_inspect_reading_a_stalled_shard_is_one_error_in_bounded_time(serve):
+    """``inspect`` and the demo read shards through read_verified_shard, which has the
+    manifest's timeouts: a server that accepts and never answers is one error naming the
+    shard, not a hang."""
+    from ulysses_mm.shards.manifest import Manifest, ShardIntegrityError, read_verified_shard
+
+    base = serve("stall")
+    m = Manifest.load(f"{base}/manifest.json", timeouts=(CONNECT_S, READ_S))
+    t0 = time.monotonic()
+    with pytest.raises(ShardIntegrityError, match=f"cannot read shard {base}/shard-") as e:
+        read_verified_shard(m, 0, timeouts=(CONNECT_S, 1.0))
+    took = time.monotonic() - t0
+    assert "\n" not in str(e.value)
+    assert took < CONNECT_S + 1.0 + 5, f"took {took:.1f}s"

@@ -87,3 +87,27 @@ def test_a_failing_rank_is_one_line_with_its_traceback_in_a_log(tmp_path):
     assert str(log) in msg
     text = log.read_text()
     assert "Traceback" in text and "_fails_on_rank_one" in text and "second line" in text
+
+
+def _rank_one_fails_then_rank_zero_loses_its_peer() -> int:
+    """Rank 1 fails first; rank 0, in a collective with it, fails after with a broken
+    connection, which is not the cause."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        time.sleep(0.5)  # rank 0 waits in the barrier
+        raise ValueError("the cause, on rank 1")
+    dist.barrier()  # fails as soon as rank 1's process is gone
+    raise AssertionError("rank 0's barrier should have failed")
+
+
+def test_the_line_is_the_first_failure_not_a_peer_that_lost_it(tmp_path):
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank-0.error").write_text("rank 0: an earlier run's error\n")  # stale
+    with pytest.raises(WorkerError) as info:
+        run_world(_rank_one_fails_then_rank_zero_loses_its_peer, 2, log_dir=logs)
+    assert str(info.value).startswith("rank 1: ValueError: the cause, on rank 1"), info.value

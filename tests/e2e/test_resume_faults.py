@@ -244,3 +244,32 @@ def test_a_bad_token_space_json_is_one_line(tmp_path, manifest, no_processes, ca
     (hf / "token_space.json").write_text("{broken")
     err = _init_from(capsys, tmp_path, manifest, hf)
     assert f"{hf / 'token_space.json'} is not a token space" in err, err
+
+
+def _partitions(ckpt: Path, ranks: int) -> None:
+    for r in range(ranks):
+        torch.save({}, ckpt / TAG / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+
+
+def test_zero_partitions_of_another_world_are_one_line(tmp_path, manifest, no_processes, capsys):
+    """DeepSpeed refuses, inside every rank, optimizer partitions saved by another number
+    of ranks; the pre-flight says so first, with what would work."""
+    ckpt = _checkpoint(tmp_path, manifest, zero_stage=1)
+    _partitions(ckpt, 2)
+    err = _resume(capsys, tmp_path, manifest, "deepspeed.zero_stage=1", "parallel.sp=1")
+    assert f"checkpoint {ckpt / TAG} holds the ZeRO partitions of 2 ranks" in err, err
+    assert "this run has dp × sp = 1" in err and "resume on 2 ranks" in err, err
+    with pytest.raises(AssertionError, match="a process was started"):  # as many ranks: passes
+        main(
+            ["train", str(run_config(tmp_path, manifest)), "--resume"]
+            + ["deepspeed.zero_stage=1", "parallel.sp=2", "--nproc", "2"]
+        )
+
+
+def test_truncated_optimizer_partitions_are_one_line(tmp_path, manifest, no_processes, capsys):
+    ckpt = _checkpoint(tmp_path, manifest, zero_stage=1)
+    _partitions(ckpt, 1)
+    part = ckpt / TAG / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    part.write_bytes(part.read_bytes()[:30])
+    err = _resume(capsys, tmp_path, manifest, "deepspeed.zero_stage=1", "parallel.sp=1")
+    assert f"{part} is not a torch checkpoint" in err, err

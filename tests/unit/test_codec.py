@@ -136,8 +136,10 @@ def test_tokenizer_eval_measures_a_codec(
     from ulysses_mm.cli import main
 
     wav = write_audio(tmp_path / "a.wav", tone(0.25, RATE, 300.0, 0.5), RATE)
-    assert (
-        main(["tokenizer", "eval", str(_spec(tmp_path, str(model_dir))), str(wav), "--json"]) == 0
-    )
+    spec = str(_spec(tmp_path, str(model_dir)))
+    # --damage: wrong codes stay within their quantizer, so the ids still decode
+    assert main(["tokenizer", "eval", spec, str(wav), "--json", "--damage", "0.1"]) == 0
     (entry,) = json.loads(capsys.readouterr().out)["files"]
     assert entry["tokens_per_second"] == 1000.0 and isinstance(entry["snr_db"], float)
+    (damaged,) = entry["damaged"]
+    assert damaged["rate"] == 0.1 and isinstance(damaged["snr_db"], float)

@@ -90,11 +90,22 @@ def test_jsonl_takes_the_named_field(tok_dir, tmp_path):
     assert [d.key for d in docs] == [f"{src}#{n}" for n in (1, 2, 3)]
     assert [tok.decode(d.tokens, space) for d in docs] == SENTENCES
 
+    # a line without the field is skipped on its own and counted; its neighbours stay
+    src.write_text(
+        "\n".join(json.dumps(x) for x in ({"caption": "a"}, {"text": "b"}, {"caption": "c"}))
+    )
+    assert [tok.decode(d.tokens, space) for d in tok.encode_file(str(src), space)] == ["a", "c"]
+    assert tok.skipped_records == 1
+    assert tok.first_skip_reason == f"{src}:2: no string field 'caption'"
+    # a file where no line has it (a misspelt field) fails, naming the first line
+    src.write_text(json.dumps({"text": "b"}) + "\n" + json.dumps({"text": "d"}) + "\n")
+    with pytest.raises(DecodeError, match=r"caps\.jsonl:1: no string field 'caption'"):
+        list(tok.encode_file(str(src), space))
+    # skip_missing: false makes a missing field fail its file
+    strict = load_tokenizer(_spec(tmp_path, str(tok_dir), field="caption", skip_missing=False))
     src.write_text(json.dumps({"caption": "a"}) + "\n" + json.dumps({"text": "b"}) + "\n")
     with pytest.raises(DecodeError, match=r"caps\.jsonl:2: no string field 'caption'"):
-        list(tok.encode_file(str(src), space))
-    skip = load_tokenizer(_spec(tmp_path, str(tok_dir), field="caption", skip_missing=True))
-    assert [skip.decode(d.tokens, space) for d in skip.encode_file(str(src), space)] == ["a"]
+        list(strict.encode_file(str(src), space))
     src.write_text("{not json\n")
     with pytest.raises(DecodeError, match=r"caps\.jsonl:1: not a JSON line"):
         list(tok.encode_file(str(src), space))

@@ -359,6 +359,17 @@ class LoggingConfig:
     project: str = _help("W&B project.", "ulysses-mm")
     run_name: str = _help("W&B run name ('' = generated).", "")
     jsonl: bool = _help("Also append every logged step to RUN_DIR/metrics.jsonl.", True)
+    samples: bool = _help(
+        "At each evaluation (train.eval_every), rank 0 generates one document per modality "
+        "from the model as it is (logging.sample_tokens ids from <doc> <|m|>, temperature 1, "
+        "seed train.seed), writes it under RUN_DIR/samples/ and logs it to W&B as audio, "
+        "video or text. Needs deepspeed.zero_stage below 3.",
+        False,
+    )
+    sample_tokens: int = _help("Ids generated per modality for logging.samples.", 2048, ge=1)
+
+    def __post_init__(self) -> None:
+        check_ranges("logging", self)
 
 
 @dataclass

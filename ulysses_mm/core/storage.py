@@ -195,7 +195,7 @@ def read_bytes(
         raise
     # transport faults arrive as many types (OSError, aiohttp, botocore, asyncio timeouts)
     except Exception as e:
-        raise remote_error(e, location) from e
+        raise remote_error(e, location, timeouts) from e
 
 
 class TooLargeError(StorageError):
@@ -242,17 +242,20 @@ def read_bytes_capped(
     if timeouts and getattr(fs, "protocol", None) and "s3" in fs.protocol:
         fs.retries = 1  # type: ignore[attr-defined]  # the caller owns the retry policy
     try:
-        # fsspec's HTTP info turns every failure (a status, a timeout) into "not found";
-        # then a plain read reports the real cause (and its length is checked after).
+        if location.startswith(("http://", "https://")):
+            # One streamed GET: fsspec's HTTP open would first ask for the size (a HEAD,
+            # then a GET), each waiting out a stalled server's read timeout; the answer's
+            # Content-Length is checked instead.
+            from fsspec.asyn import sync
+            from fsspec.implementations.http import HTTPStreamFile
+
+            session = sync(fs.loop, fs.set_session)
+            with HTTPStreamFile(fs, path, session=session, loop=fs.loop) as f:
+                length = f.r.headers.get("Content-Length", "")
+                if length.isdigit() and int(length) > max_bytes:
+                    raise over(int(length))
+                return bounded(f)
         size = fs.info(path).get("size")
-    except Exception:
-        size = -1
-    try:
-        if size == -1:
-            data = fs.cat_file(path)
-            if len(data) > max_bytes:
-                raise over(len(data))
-            return data
         if isinstance(size, int) and size > max_bytes:
             raise over(size)
         with fs.open(path, "rb") as f:
@@ -260,7 +263,7 @@ def read_bytes_capped(
     except StorageError:
         raise
     except Exception as e:  # as in read_bytes: one ReadError line
-        raise remote_error(e, location) from e
+        raise remote_error(e, location, timeouts) from e
 
 
 class ReadError(StorageError):
@@ -278,10 +281,13 @@ class MissingError(ReadError, FileNotFoundError):
     """The server says the object does not exist (HTTP 404, S3 NoSuchKey)."""
 
 
-def remote_error(e: BaseException, location: str) -> ReadError:
+def remote_error(
+    e: BaseException, location: str, timeouts: tuple[float, float] | None = None
+) -> ReadError:
     """``e``, raised by a remote read of ``location``, as one :class:`ReadError` line
     (``Type: message`` for transport faults, ``HTTP 500 Internal Server Error`` for a
-    status, the URL not repeated: the caller names it)."""
+    status, the URL not repeated: the caller names it). A timeout of a read bounded by
+    ``timeouts`` (connect, read seconds) says which bound it ran into."""
     status = getattr(e, "status", None)  # aiohttp.ClientResponseError
     if not isinstance(status, int):
         response = getattr(e, "response", None)  # botocore.exceptions.ClientError
@@ -296,7 +302,26 @@ def remote_error(e: BaseException, location: str) -> ReadError:
         return MissingError("not found (HTTP 404)", 404, retryable=False)
     if isinstance(e, PermissionError):
         return ReadError(f"access denied (HTTP 403): {first_line(e)}", 403, retryable=False)
+    if timeouts and _is_timeout(e):
+        connect_s, read_s = timeouts
+        return ReadError(
+            f"no answer within the timeouts (connect {connect_s:g} s, read {read_s:g} s of "
+            f"silence): {first_line(e)}"
+        )
     return ReadError(first_line(e))
+
+
+def _is_timeout(e: BaseException) -> bool:
+    """A timeout from any transport: asyncio's and fsspec's (http), aiohttp's, botocore's
+    (s3: ReadTimeoutError, ConnectTimeoutError), the builtin ``TimeoutError``."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:  # the cause chain: fsspec wraps them
+        seen.add(id(cur))
+        if isinstance(cur, TimeoutError) or "Timeout" in type(cur).__name__:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def with_timeouts(

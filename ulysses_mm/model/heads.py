@@ -59,11 +59,38 @@ class ModalityHeads(nn.Module):
             sums.append(F.cross_entropy(logits, local, reduction="sum"))
         return torch.stack(sums)
 
-    def loss_terms(
-        self, hidden: Tensor, labels: Tensor, label_modality: Tensor
+    def _tile_loss_by_bin(
+        self, h: Tensor, labels: Tensor, mods: Tensor, bins: Tensor, num_bins: int
     ) -> tuple[Tensor, Tensor]:
+        # as _tile_loss, and with bins [t] (-1: none) each modality's sum per bin [M, B]
+        sums, binned = [], []
+        ns = self.space.num_specials
+        for i, r in enumerate(self.space.ranges):
+            sel = mods == i
+            target = labels[sel]
+            local = torch.where(target < ns, target, target - r.start + ns)
+            logits = self.logits(h[sel], r.name).float()  # [k, ns + V_m]
+            ce = F.cross_entropy(logits, local, reduction="none")  # [k]
+            sums.append(ce.sum())
+            b = bins[sel]
+            keep = b >= 0
+            binned.append(ce.new_zeros(num_bins).index_add_(0, b[keep], ce[keep]))
+        return torch.stack(sums), torch.stack(binned)
+
+    def loss_terms(
+        self,
+        hidden: Tensor,
+        labels: Tensor,
+        label_modality: Tensor,
+        bins: Tensor | None = None,
+        num_bins: int = 0,
+    ) -> tuple[Tensor, ...]:
         """hidden [b, n, D], labels [b, n] (IGNORE where no target), label_modality [b, n]
-        (-1 where no target) -> (sum of CE per modality [M], target count per modality [M])."""
+        (-1 where no target) -> (sum of CE per modality [M], target count per modality [M]).
+
+        With ``bins`` [b, n] (a bin index in ``[0, num_bins)`` per token, -1 for none: the
+        target's position bin, for evaluation), also each modality's CE summed per bin
+        [M, num_bins] (the same per-token cross-entropy the first sums add up)."""
         mods = torch.where(labels == IGNORE, torch.full_like(label_modality, -1), label_modality)
         h = hidden.reshape(-1, hidden.shape[-1])  # [b, n, D] -> [b*n, D]
         flat_labels, flat_mods = labels.reshape(-1), mods.reshape(-1)
@@ -74,18 +101,26 @@ class ModalityHeads(nn.Module):
                 f"target token {int(flat_labels[i])} is neither a special nor in the range of "
                 f"modality {self.space.modalities[int(flat_mods[i])]!r}"
             )
-        total = hidden.new_zeros(len(self.space.ranges), dtype=torch.float32)
+        m = len(self.space.ranges)
+        total = hidden.new_zeros(m, dtype=torch.float32)
+        by_bin = hidden.new_zeros(m, num_bins, dtype=torch.float32)
         t = self.tile_tokens
         # the tiles' hidden-state gradients fill one buffer (no zero-padded [b*n, D] copy
         # per tile summed into a running one)
         parts = zip(tiles(h, t, 0), flat_labels.split(t), flat_mods.split(t), strict=True)
-        for args in parts:
-            if torch.is_grad_enabled():
+        flat_bins = bins.reshape(-1).split(t) if bins is not None else None
+        for j, args in enumerate(parts):
+            if flat_bins is not None:
+                sums, per_bin = self._tile_loss_by_bin(*args, flat_bins[j], num_bins)
+                total, by_bin = total + sums, by_bin + per_bin
+            elif torch.is_grad_enabled():
                 total = total + checkpoint(self._tile_loss, *args, use_reentrant=False)
             else:
                 total = total + self._tile_loss(*args)
-        counts = torch.stack([(flat_mods == i).sum() for i in range(len(self.space.ranges))])
-        return total, counts.to(torch.float32)
+        counts = torch.stack([(flat_mods == i).sum() for i in range(m)]).to(torch.float32)
+        if bins is not None:
+            return total, counts, by_bin
+        return total, counts
 
     def _in_vocab(self, labels: Tensor, mods: Tensor) -> Tensor:
         starts = torch.tensor([r.start for r in self.space.ranges], device=labels.device)

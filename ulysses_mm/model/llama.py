@@ -245,22 +245,30 @@ class MultimodalLM(nn.Module):
         doc_ids: Tensor,
         labels: Tensor | None = None,
         label_modality: Tensor | None = None,
+        bins: Tensor | None = None,
+        num_bins: int = 0,
     ) -> Any:
         """Hidden states [b, n, D]; with ``labels`` and ``label_modality``, the
         per-modality (CE sums, target counts) of :meth:`loss_terms` instead (one call the
-        training engine can wrap)."""
+        training engine can wrap), and with ``bins`` the CE sums per bin too."""
         hidden = self.model(input_ids, position_ids, doc_ids)
         if labels is None:
             return hidden
         if label_modality is None:
             raise ValueError("labels need label_modality (which head predicts each target)")
-        return self.loss_terms(hidden, labels, label_modality)
+        return self.loss_terms(hidden, labels, label_modality, bins, num_bins)
 
     def loss_terms(
-        self, hidden: Tensor, labels: Tensor, label_modality: Tensor
-    ) -> tuple[Tensor, Tensor]:
-        """Per-modality (sum of cross-entropy, count of targets) over this process's tokens."""
-        return self.heads.loss_terms(hidden, labels, label_modality)
+        self,
+        hidden: Tensor,
+        labels: Tensor,
+        label_modality: Tensor,
+        bins: Tensor | None = None,
+        num_bins: int = 0,
+    ) -> tuple[Tensor, ...]:
+        """Per-modality (sum of cross-entropy, count of targets) over this process's tokens
+        (and, with ``bins``, the sums per bin: :meth:`ModalityHeads.loss_terms`)."""
+        return self.heads.loss_terms(hidden, labels, label_modality, bins, num_bins)
 
 
 def build_model(

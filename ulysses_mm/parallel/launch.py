@@ -97,6 +97,8 @@ def run_world(
     A failing rank raises :class:`WorkerError` here: one line naming the rank (the first
     to fail), its traceback in ``log_dir`` (default: a fresh temporary directory)."""
     logs = str(log_dir or tempfile.mkdtemp(prefix="ulysses-mm-logs-"))
+    for stale in Path(logs).glob("rank-*.error"):  # an earlier run's, in the same run dir
+        stale.unlink(missing_ok=True)
     if in_launched_world() or not nproc or nproc == 1:
         return [_guarded(fn, logs, *args)]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -117,10 +119,10 @@ def run_world(
         with contextlib.suppress(Exception):
             sys.stderr.write("\r" + " " * shutil.get_terminal_size().columns + "\r")
             sys.stderr.flush()
+        first = _first_error_line(Path(logs))
+        if first is not None:
+            raise WorkerError(first) from None
         rank, failure = e.get_first_failure()
-        line = Path(logs) / f"rank-{rank}.error"
-        if line.exists():
-            raise WorkerError(line.read_text().strip()) from None
         raise WorkerError(
             f"rank {rank}: exited with code {failure.exitcode} (see {failure.error_file or logs})"
         ) from None
@@ -128,3 +130,14 @@ def run_world(
         for lg, level in zip(agent_logs, levels):
             lg.setLevel(level)
     return [results[r] for r in sorted(results)]
+
+
+def _first_error_line(logs: Path) -> str | None:
+    """The line of the rank that failed first, by when its ``rank-N.error`` was written:
+    the agent sees every rank gone at once, and the peers of a failed rank fail after it
+    with a broken collective, which is not the cause."""
+    found = []
+    for f in logs.glob("rank-*.error"):
+        with contextlib.suppress(OSError):
+            found.append((f.stat().st_mtime_ns, f.read_text().strip()))
+    return min(found)[1] if found else None

@@ -28,6 +28,8 @@ class LossReport:
     total: float
     per_modality: dict[str, float]  # mean CE (nats) per target token, modalities present
     counts: dict[str, int]
+    # evaluation only: THIS rank's CE sums per (modality, position bin) [M, bins], not reduced
+    by_bin: Tensor | None = None
 
 
 def loss_weights(modalities: Sequence[str], weights: Mapping[str, float], device=None) -> Tensor:

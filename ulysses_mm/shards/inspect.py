@@ -7,10 +7,11 @@ decoded back through the tokenizers the manifest names — a grid of video frame
 audio waveform, a GC-content track for DNA. A tokenizer that cannot be found or loaded
 (a missing codebook, an unregistered kind) is named in the figure instead of failing.
 
-Tokenizers are found from the manifest: the spec file recorded in its config if it is
-still there and its sha256 matches, else any ``tokenizers/*.json`` (working directory or
-this repository) with that sha256, else — for a spec without a learned artifact — the
-manifest entry itself, which holds every parameter.
+Tokenizers are found from the manifest (:class:`~ulysses_mm.tokenize.table.TokenizerTable`):
+the spec file recorded in its config if it is still there and its sha256 matches, else
+any ``tokenizers/*.json`` (working directory or this repository) with that sha256, else —
+for a spec without a learned artifact — the manifest entry itself, which holds every
+parameter.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import io
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -34,12 +34,17 @@ from ulysses_mm.core.format import (
     segments_to_ids,
 )
 from ulysses_mm.core.tokenspace import EOF, TokenSpace, token_modalities
-from ulysses_mm.shards.manifest import MANIFEST_NAME, Manifest, read_verified_shard
+from ulysses_mm.shards.manifest import (
+    MANIFEST_NAME,
+    READ_TIMEOUTS,
+    Manifest,
+    read_shard,
+    read_verified_shard,
+)
 from ulysses_mm.shards.reader import read_samples
-from ulysses_mm.tokenize import registry
-from ulysses_mm.tokenize.base import Tokenizer, TokenizerSpec
+from ulysses_mm.tokenize.base import Tokenizer
+from ulysses_mm.tokenize.table import TokenizerTable
 
-_REPO = Path(__file__).resolve().parents[2]
 _COLORS = ["tab:green", "tab:orange", "tab:blue", "tab:purple", "tab:red", "tab:brown"]
 
 
@@ -56,10 +61,9 @@ def open_target(location: str, storage_options: Mapping[str, Any] | None = None)
     if location.endswith(".tar"):
         base = location.rsplit("/", 1)[0] if "/" in location else "."
         sibling = storage.join(base, MANIFEST_NAME)
+        probe = storage.with_timeouts(sibling, storage_options, *READ_TIMEOUTS)
         manifest = (
-            Manifest.load(sibling, storage_options)
-            if storage.exists(sibling, storage_options)
-            else None
+            Manifest.load(sibling, storage_options) if storage.exists(sibling, probe) else None
         )
         return Target(manifest, location)
     return Target(Manifest.load(location, storage_options), None)
@@ -82,7 +86,7 @@ def load_sample(
         if m is not None and entry is not None:
             data = read_verified_shard(m, entry)
         else:
-            data = storage.read_bytes(target.shard, storage_options)
+            data = read_shard(target.shard, storage_options)
         pos = k
         where = f"{name} #{pos}"
     samples = read_samples(data, where)
@@ -155,38 +159,10 @@ def segment_table_text(
 
 def find_tokenizer(manifest: Manifest, modality: str) -> Tokenizer:
     """The tokenizer the manifest names for ``modality``; LookupError says why not."""
-    entry = manifest.tokenizers.get(modality)
-    if entry is None:
+    table = TokenizerTable.from_manifest(manifest.tokenizers, manifest.config)
+    if modality not in table.entries:
         raise LookupError(f"the manifest names no tokenizer for {modality!r}")
-    for kind, target in (manifest.config.get("tokenizer_kinds") or {}).items():
-        registry.register_kind(str(kind), str(target))
-    want = entry.get("spec_sha256")
-    candidates = [Path(p) for p in manifest.config.get("tokenizers") or [] if not storage.is_url(p)]
-    for d in dict.fromkeys([Path.cwd() / "tokenizers", _REPO / "tokenizers"]):
-        if d.is_dir():
-            candidates += sorted(d.glob("*.json"))
-    for path in candidates:
-        if not path.is_file():
-            continue
-        try:
-            spec = TokenizerSpec.load(path)
-        except (OSError, ValueError):
-            continue
-        if spec.sha256 == want:
-            return registry.load_tokenizer(spec)
-    if entry.get("artifact_sha256") is None:
-        spec = TokenizerSpec(
-            name=str(entry.get("name")),
-            modality=modality,
-            kind=str(entry.get("kind")),
-            vocab_size=int(entry.get("vocab_size", 0)),
-            params=dict(entry.get("params") or {}),
-        )
-        return registry.load_tokenizer(spec)
-    raise LookupError(
-        f"no spec file with sha256 {str(want)[:12]}… for {entry.get('name')!r} "
-        f"(it has a learned artifact; looked at the manifest's paths and tokenizers/)"
-    )
+    return table.tokenizer(modality)
 
 
 @dataclass

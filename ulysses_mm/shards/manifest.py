@@ -254,9 +254,8 @@ class Manifest:
             raise ManifestError(
                 f"manifest {location}: {e} (data.max_manifest_bytes); is it a manifest?"
             ) from None
-        except (OSError, ValueError) as e:  # a remote failure is one storage.ReadError
-            why = str(e) if isinstance(e, storage.ReadError) else first_line(e)
-            raise ManifestError(f"cannot read manifest {location}: {why}") from e
+        except (OSError, ValueError) as e:
+            raise ManifestError(f"cannot read manifest {location}: {_read_failure(e)}") from e
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -424,13 +423,30 @@ def verify_shard_bytes(entry: ShardEntry, data: bytes, where: str = "") -> None:
         )
 
 
-def read_verified_shard(manifest: Manifest, shard: int | ShardEntry) -> bytes:
+def read_shard(
+    location: str,
+    storage_options: Mapping[str, Any] | None = None,
+    timeouts: tuple[float, float] = READ_TIMEOUTS,
+) -> bytes:
+    """A shard's bytes. A remote read has ``timeouts`` (connect, read seconds), as the
+    manifest's: a server that accepts and then stalls is one error, not a hang."""
+    try:
+        return storage.read_bytes(location, storage_options, timeouts)
+    except (OSError, ValueError) as e:
+        raise ShardIntegrityError(f"cannot read shard {location}: {_read_failure(e)}") from e
+
+
+def read_verified_shard(
+    manifest: Manifest, shard: int | ShardEntry, timeouts: tuple[float, float] = READ_TIMEOUTS
+) -> bytes:
     """A shard's bytes, read from wherever the manifest points and checked against it."""
     entry = manifest.shards[shard] if isinstance(shard, int) else shard
     location = manifest.shard_location(entry)
-    try:
-        data = storage.read_bytes(location, manifest.storage_options)
-    except (OSError, ValueError) as e:
-        raise ShardIntegrityError(f"cannot read shard {location}: {e}") from e
+    data = read_shard(location, manifest.storage_options, timeouts)
     verify_shard_bytes(entry, data, location)
     return data
+
+
+def _read_failure(e: BaseException) -> str:
+    """Why a read failed, in one line (a remote failure is already one storage.ReadError)."""
+    return str(e) if isinstance(e, storage.ReadError) else first_line(e)

@@ -19,11 +19,12 @@ tokenized in pieces, since a transformers tokenizer holds a few hundred bytes pe
 byte while it encodes. Pieces end at a single space or newline between two non-space
 characters, where a byte-level pre-tokenizer splits anyway, so for those the ids equal
 one call's. A ``.txt`` over the cap is a DecodeError naming its size; a ``.jsonl`` line
-over it, not UTF-8 or not JSON, or (``params.skip_missing``) without the string field is
-skipped on its own and counted in :attr:`TextTokenizer.skipped_records` with the first
-reason, which ``prepare`` records in the manifest's entry for the input. Without
-``skip_missing`` a line lacking the field is a DecodeError for the file; a file of
-which no line gives a document is a DecodeError with the first line's reason.
+over it, not UTF-8, not JSON, or without the string field is skipped on its own and
+counted in :attr:`TextTokenizer.skipped_records` with the first reason, which ``prepare``
+records in the manifest's entry for the input: one bad line never costs the file's good
+ones. A file of which no line gives a document (a misspelt ``params.field``, say) is a
+DecodeError with the first line's reason. ``params.skip_missing: false`` makes a line
+without the field fail its file instead, for corpora where that means a broken export.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from ulysses_mm.tokenize.params import ParamSchema, spec_params
 _SCHEMA: ParamSchema = {
     "tokenizer": ((str,), None),  # required: a directory saved with save_pretrained
     "field": ((str,), "text"),  # the string of a .jsonl line
-    "skip_missing": ((bool,), False),  # a .jsonl line without the field: skip, not fail
+    "skip_missing": ((bool,), True),  # a .jsonl line without the field: skip (else fail)
     "max_record_bytes": ((int,), 64 << 20),  # a .txt file or a .jsonl line, at most
 }
 _PIECE_CHARS = 1 << 16  # characters a single tokenizer call encodes, at most

@@ -1,32 +1,52 @@
 """``ulysses-mm demo``: the whole flow on the sample data this repository ships.
 
 1. ``prepare`` the mixed pipeline (DNA, speech, a video clip: small CC0 / public-domain
-   files in tests/data, see its ATTRIBUTION.md) into 8,192-token samples;
+   files in tests/data, see its ATTRIBUTION.md) into 8,192-token samples, with all four
+   modalities: the sequences' FASTA/GenBank headers and features as text
+   (``dna-annotated.json``, ``text-bytes.json``) and the clip's audio interleaved with its
+   frames (``video-vq-av.json``);
 2. ``train`` the debug model (configs/debug-tiny.yaml) at SP=2 on 2 CPU processes with
-   W&B offline, checkpointing as it goes;
-3. ``report`` the loss curves and ``inspect`` one packed sample as PNGs;
+   W&B offline, checkpointing as it goes, evaluating at the end (on its training shards:
+   the demo holds nothing out);
+3. ``report`` the loss curves, ``inspect`` one packed sample and ``evaluate`` the loss by
+   position as PNGs;
 
-then print where the run, the checkpoint and the plots are. Every step is the same code
-the CLI subcommands run.
+then print where the run, the checkpoint and the plots are, and the ``generate`` commands
+that write a FASTA, WAV, MP4 and text file from it. Every step is the same code the CLI
+subcommands run.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import time
 from pathlib import Path
 
 from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.core.errors import NotFoundError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PIPELINE = REPO / "pipelines" / "mixed.yaml"
 CONFIG = REPO / "configs" / "debug-tiny.yaml"
+# every modality: DNA with its headers as text, speech, the clip with its audio, text
+TOKENIZERS = ("dna-annotated.json", "audio-mulaw-16k.json", "video-vq-av.json", "text-bytes.json")
 
 
-def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, nproc: int = 2) -> int:
+def run_demo(
+    out: str = "build/demo",
+    steps: int = 40,
+    seq_len: int = 8192,
+    nproc: int = 2,
+    eval_batches: int = 1_000_000,
+    samples: int = 0,
+) -> int:
+    """The demo in ``out``; ``eval_batches`` caps what the training eval and ``evaluate``
+    read (default: every sample); ``samples`` > 0 turns ``logging.samples`` on with that
+    many ids per modality."""
     from ulysses_mm.shards.inspect import run_inspect
     from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
+    from ulysses_mm.tools.evaluate import EvaluateOptions, plot_positions, run_evaluate
     from ulysses_mm.tools.report import plot
     from ulysses_mm.train.loop import run_train
 
@@ -39,7 +59,10 @@ def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, npro
     shards = out_dir / "shards"
     t0 = time.perf_counter()
     print(f"[1/3] prepare {PIPELINE.relative_to(REPO)} -> {shards}")
-    pipe = load_pipeline_config(PIPELINE, [f"output={shards}", f"pack.seq_len={seq_len}"])
+    specs = ",".join(str(REPO / "tokenizers" / t) for t in TOKENIZERS)
+    pipe = load_pipeline_config(
+        PIPELINE, [f"output={shards}", f"pack.seq_len={seq_len}", f"tokenizers=[{specs}]"]
+    )
     prepare(pipe)
 
     print(
@@ -50,11 +73,16 @@ def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, npro
         CONFIG,
         [
             f"data.train={shards / 'manifest.json'}",
+            f"data.eval={shards / 'manifest.json'}",
+            f"train.eval_every={steps}",
+            f"train.eval_batches={eval_batches}",  # what `evaluate` reads below
             f"train.out_dir={out_dir / 'run'}",
             f"train.steps={steps}",
             f"train.checkpoint_every={max(1, steps // 2)}",
             f"parallel.sp={nproc}",
             "logging.wandb=offline",
+            f"logging.samples={'true' if samples else 'false'}",
+            f"logging.sample_tokens={samples or 1}",
         ],
     )
     result = run_train(cfg, nproc, resume=False)
@@ -65,6 +93,12 @@ def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, npro
     sample_png = out_dir / "sample.png"
     pick = _most_mixed_sample(str(shards / "manifest.json"))
     run_inspect(str(shards / "manifest.json"), sample=pick, png=str(sample_png), out=io.StringIO())
+    position_png = run_dir / "loss_by_position.png"
+    evaluated = run_evaluate(
+        result["checkpoint"], str(shards / "manifest.json"), EvaluateOptions(batches=eval_batches)
+    )
+    plot_positions(evaluated, position_png, "demo: loss by position (its training shards)")
+    position_png.with_suffix(".json").write_text(json.dumps(evaluated.to_json(), indent=1))
     print(
         f"\ndemo done in {time.perf_counter() - t0:.0f} s; final loss {result['final_loss']:.3f}\n"
         f"  shards:     {shards}/manifest.json\n"
@@ -73,9 +107,25 @@ def run_demo(out: str = "build/demo", steps: int = 40, seq_len: int = 8192, npro
         f"  W&B (offline, `wandb sync` to upload): {result['wandb_dir']}\n"
         f"  loss plot:  {loss_png}\n"
         f"  sample:     {sample_png}  (sample {pick}, the most mixed)\n"
-        f"next: ulysses-mm export {result['checkpoint']} {out_dir / 'hf'}"
+        f"  by position: {position_png} (figures: {position_png.with_suffix('.json').name})\n"
+        f"next: ulysses-mm export {result['checkpoint']} {out_dir / 'hf'}\n"
+        + "".join(
+            f"      ulysses-mm generate {result['checkpoint']} --modality {m} {prompt}"
+            f"--new-tokens {n} --ignore-doc-end --out {out_dir / ('generated.' + ext)}\n"
+            for m, prompt, n, ext in _GENERATE
+        )
     )
     return 0
+
+
+_DATA = REPO / "tests" / "data"
+# what to generate from the demo's checkpoint: (modality, prompt, new ids, file suffix)
+_GENERATE = [
+    ("dna", f"--prompt {_DATA / 'human_mt.fa'} --prompt-tokens 500 ", 1000, "fa"),
+    ("audio", f"--prompt {_DATA / 'ljspeech_LJ001-0001.wav'} --prompt-seconds 1 ", 16000, "wav"),
+    ("video", f"--prompt {_DATA / 'rabbit_toy_320x240.webm'} --prompt-seconds 1 ", 10000, "mp4"),
+    ("text", "", 400, "txt"),
+]
 
 
 def _most_mixed_sample(manifest_path: str) -> int:

@@ -9,6 +9,8 @@ Layout under ``RUN_DIR/checkpoints``::
         model.safetensors     the consolidated weights (what ``ulysses-mm export`` reads)
         run_config.yaml       the resolved run config
         token_space.json      the model's token space
+        tokenizers.json       the tokenizer specs of its training data (what ``generate``
+                              and ``evaluate`` tokenize and decode with)
     latest                    the tag of the newest COMPLETE checkpoint
 
 Every rank writes its DeepSpeed files, then all ranks meet at a barrier, and only then
@@ -39,6 +41,9 @@ LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "run_config.yaml"
 SPACE_FILE = "token_space.json"
+TOKENIZERS_FILE = "tokenizers.json"
+# DeepSpeed's optimizer partitions, one per rank (ZeRO >= 1; bf16_ before them in bf16)
+_OPTIM_PARTITIONS = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"
 
 
 def tag_for(step: int) -> str:
@@ -73,6 +78,7 @@ def save(
     config: dict[str, Any],
     space: TokenSpace,
     keep: int,
+    tokenizers: dict[str, Any] | None = None,
 ) -> Path:
     from safetensors.torch import save as save_safetensors
 
@@ -93,6 +99,8 @@ def save(
         )
         _atomic_text(path / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False))
         _atomic_text(path / SPACE_FILE, json.dumps(space.to_dict(), indent=1) + "\n")
+        if tokenizers is not None:
+            _atomic_text(path / TOKENIZERS_FILE, json.dumps(tokenizers, indent=1) + "\n")
     _barrier()  # every rank's files are on disk
     if rank0:
         _atomic_text(ckpt_dir / LATEST, tag + "\n")
@@ -147,10 +155,12 @@ def _saved_zero_stage(path: Path) -> int | None:
     return stage if isinstance(stage, int) else None
 
 
-def check_complete(path: Path, zero_stage: int) -> None:
+def check_complete(path: Path, zero_stage: int, ranks: int | None = None) -> None:
     """Checkpoint ``path`` (a tag directory) holds what resuming reads: DeepSpeed's model
     states for ``deepspeed.zero_stage`` (each a readable torch zip archive), its
     optimizer partitions under ZeRO >= 1, and the consolidated weights this module adds.
+    With ``ranks`` (this run's dp × sp), partitioned states must come from as many ranks:
+    DeepSpeed partitions them over dp × sp and does not re-partition them on load.
     A :class:`DataError` names the path and the first missing file."""
     import zipfile
 
@@ -173,12 +183,21 @@ def check_complete(path: Path, zero_stage: int) -> None:
             f"--resume: checkpoint {path} has no {pattern} (DeepSpeed's model states for "
             f"deepspeed.zero_stage={zero_stage}){hint}"
         )
-    if zero_stage >= 1 and not any(path.glob("*zero_pp_rank_*_mp_rank_00_optim_states.pt")):
+    if zero_stage >= 1 and not any(path.glob(_OPTIM_PARTITIONS)):
         raise DataError(
             f"--resume: checkpoint {path} has no zero_pp_rank_*_optim_states.pt (DeepSpeed's "
             f"optimizer partitions for deepspeed.zero_stage={zero_stage})"
         )
-    for f in found:
+    partitions = sorted(path.glob(_OPTIM_PARTITIONS))
+    saved_ranks = len(partitions) or (len(found) if zero_stage == 3 else None)
+    if ranks is not None and saved_ranks is not None and saved_ranks != ranks:
+        raise DataError(
+            f"--resume: checkpoint {path} holds the ZeRO partitions of {saved_ranks} ranks, "
+            f"this run has dp × sp = {ranks}; DeepSpeed reloads partitioned states only onto "
+            f"as many ranks (resume on {saved_ranks} ranks, or `ulysses-mm export {path} DIR` "
+            "and start a new run with model.init_from=DIR)"
+        )
+    for f in found + partitions:
         if not zipfile.is_zipfile(f):
             raise DataError(f"--resume: {f} is not a torch checkpoint (truncated or empty?)")
     if not (path / MODEL_FILE).is_file():

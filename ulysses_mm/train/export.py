@@ -4,8 +4,9 @@
 The backbone's parameter names are already ``LlamaModel``'s (under ``model.``); the
 per-modality heads, concatenated in token-id order (shared specials, then each modality's
 range), are exactly one ``lm_head`` over the whole token space. The result — config.json
-and model.safetensors — loads with ``AutoModelForCausalLM.from_pretrained`` and gives the
-backbone's hidden states. (A softmax over that ``lm_head`` is the joint distribution; the
+and model.safetensors, with the token space and the tokenizer record beside them (what
+``ulysses-mm generate`` reads) — loads with ``AutoModelForCausalLM.from_pretrained`` and
+gives the backbone's hidden states. (A softmax over that ``lm_head`` is the joint distribution; the
 training objective was each modality's head over its own slice of it.)
 """
 
@@ -22,7 +23,13 @@ import torch
 
 from ulysses_mm.config import ConfigError, ModelConfig, RunConfig, from_dict, read_yaml
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
-from ulysses_mm.train.checkpoint import CONFIG_FILE, MODEL_FILE, SPACE_FILE, read_checkpoint_dir
+from ulysses_mm.train.checkpoint import (
+    CONFIG_FILE,
+    MODEL_FILE,
+    SPACE_FILE,
+    TOKENIZERS_FILE,
+    read_checkpoint_dir,
+)
 
 
 def hf_state_dict(weights: dict[str, torch.Tensor], space: TokenSpace) -> dict[str, torch.Tensor]:
@@ -97,6 +104,8 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "model.safetensors").chmod(0o666 & ~umask)
         (tmp / "token_space.json").write_text(json.dumps(space.to_dict(), indent=1) + "\n")
+        if (src / TOKENIZERS_FILE).is_file():  # what `generate` tokenizes and decodes with
+            shutil.copyfile(src / TOKENIZERS_FILE, tmp / TOKENIZERS_FILE)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

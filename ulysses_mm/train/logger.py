@@ -30,6 +30,11 @@ from ulysses_mm.config import RunConfig
 from ulysses_mm.core.storage import atomic_write_local
 
 
+def _scalars(metrics: dict[str, Any]) -> dict[str, Any]:
+    """What W&B charts as a metric: not ``kind``, not lists."""
+    return {k: v for k, v in metrics.items() if k != "kind" and not isinstance(v, list)}
+
+
 def wandb_mode(setting: str) -> str:
     if setting != "auto":
         return setting
@@ -101,9 +106,12 @@ class MetricsLogger:
             record = json.loads(line) if line else {}
             step = record.pop("step", None)
             if step is not None and first <= step <= resume_step:
-                self.run.log({k: v for k, v in record.items() if k != "kind"}, step=step)
+                self.run.log(_scalars(record), step=step)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, Any], media: dict[str, Any] | None = None) -> None:
+        """``metrics`` go to metrics.jsonl and W&B (lists, such as the eval's loss by
+        position, to metrics.jsonl only); ``media`` (W&B objects: charts, audio, video)
+        to W&B only."""
         if not self.active:
             return
         clean = {
@@ -114,7 +122,7 @@ class MetricsLogger:
             with self.jsonl.open("a") as f:
                 f.write(json.dumps({"step": step, **clean}) + "\n")
         if self.run is not None:
-            self.pending.append((step, {k: v for k, v in metrics.items() if k != "kind"}))
+            self.pending.append((step, {**_scalars(metrics), **(media or {})}))
 
     def checkpointed(self, step: int) -> None:
         """A checkpoint of ``step`` is on disk: W&B may now have the steps up to it."""

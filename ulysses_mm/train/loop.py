@@ -26,12 +26,15 @@ from ulysses_mm.loader.node_cache import NodeCache
 from ulysses_mm.loader.order import Sources
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.parallel.mesh import in_launched_world, open_world
+from ulysses_mm.tokenize.table import TokenizerTable
 from ulysses_mm.train import checkpoint
+from ulysses_mm.train.evaluate import evaluate_batches, units_for
 from ulysses_mm.train.flops import causal_pairs, peak_tflops, train_flops
 from ulysses_mm.train.logger import MetricsLogger
 from ulysses_mm.train.metrics import ModalitySums, peak_memory_mb
 from ulysses_mm.train.plan import plan_run, world_size
-from ulysses_mm.train.step import build_setup, forward_loss, train_step
+from ulysses_mm.train.samples import wandb_media, write_samples
+from ulysses_mm.train.step import build_setup, train_step
 
 
 @dataclass
@@ -63,6 +66,10 @@ class Trainer:
         )
         d = cfg.data
         self.cache = NodeCache(d.cache_dir, d.cache_bytes) if d.cache_dir else None
+        self.tokenizers = TokenizerTable.merged(
+            TokenizerTable.from_manifest(m.tokenizers, m.config) for m, _ in plan.sources
+        )
+        self.units = units_for(self.space, self.tokenizers)
         self.rt = build_setup(cfg, self.space, self.world)
         self.engine, self.optimizer, self.model = self.rt.engine, self.rt.optimizer, self.rt.model
         self.weights = self.rt.weights
@@ -128,23 +135,43 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, Any]:
+        """The held-out figures of :func:`~ulysses_mm.train.evaluate.evaluate_batches`
+        (what ``ulysses-mm evaluate`` computes) over ``train.eval_batches`` micro-batches."""
         assert self.eval_manifest is not None
         stream = self._stream(self.eval_manifest, self.options.in_order())
-        batches = min(self.cfg.train.eval_batches, stream.order.batches_per_epoch)
-        sums = ModalitySums(self.space.modalities)
+        count = min(self.cfg.train.eval_batches, stream.order.batches_per_epoch)
         self.engine.eval()
-        for _ in range(batches):
-            local = self.rt.slice_of(samples_batch(stream.next_batch(), self.space))
-            _, report = forward_loss(self.engine, local, self.weights, self.mesh)
-            sums.add(report)
-        stream.close()
-        self.engine.train()
-        return {
-            "kind": "eval",
-            "eval/batches": batches,
-            **sums.metrics("eval/"),
-            "eval/loss": sums.weighted_mean(self.weights.tolist()),
-        }
+        try:
+            batches = (samples_batch(stream.next_batch(), self.space) for _ in range(count))
+            result = evaluate_batches(self.rt, batches, self.units)
+        finally:
+            stream.close()
+            self.engine.train()
+        return {"kind": "eval", **result.metrics("eval/")}
+
+    def eval_media(self, metrics: dict[str, Any]) -> dict[str, Any] | None:
+        """W&B objects of an evaluation: its loss-by-position chart and, with
+        ``logging.samples``, one generated document per modality (rank 0 generates; the
+        other ranks wait for it at the next collective)."""
+        samples = {}
+        if self.cfg.logging.samples and self.rank0:
+            self.engine.eval()
+            try:
+                samples = write_samples(
+                    self.model,
+                    self.tokenizers,
+                    self.run_dir / "samples",
+                    self.step,
+                    self.cfg.logging.sample_tokens,
+                    self.cfg.train.seed,
+                )
+            finally:
+                self.engine.train()
+        if self.logger.run is None:
+            return None
+        prefix = "eval/position/"
+        position = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
+        return wandb_media(samples, position)
 
     def save(self) -> Path:
         path = checkpoint.save(
@@ -155,6 +182,7 @@ class Trainer:
             to_dict(self.cfg),
             self.space,
             self.cfg.train.keep_checkpoints,
+            self.tokenizers.to_dict(),
         )
         self.logger.checkpointed(self.step)  # W&B gets only steps a resume will not redo
         return path
@@ -188,7 +216,8 @@ class Trainer:
                     and t.eval_every
                     and self.step % t.eval_every == 0
                 ):
-                    self.logger.log(self.step, self.evaluate())
+                    metrics = self.evaluate()
+                    self.logger.log(self.step, metrics, self.eval_media(metrics))
                 if (
                     t.checkpoint_every and self.step % t.checkpoint_every == 0
                 ) or self.step == t.steps:

@@ -104,6 +104,11 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
             where = f"data.train: {source.location}"
             modality_pools(source.sample_tokens(), source.token_space.modalities, mods, where)
     check_loader_config(cfg, sources)
+    if cfg.logging.samples and cfg.deepspeed.zero_stage == 3:
+        raise ConfigError(
+            "logging.samples generates on rank 0 alone, which ZeRO-3's partitioned weights do "
+            "not allow; set deepspeed.zero_stage below 3 or logging.samples=false"
+        )
     check_kernel_config(cfg.parallel.attention, cfg.deepspeed.precision)
     m = cfg.model
     dp = check_layout(
@@ -128,19 +133,19 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
         eval_manifest.check_token_space(space)
         check_enough_samples(eval_manifest, dp, d.micro_batch_size)
     if resume:
-        check_resume(cfg, space)
+        check_resume(cfg, space, ranks=dp * cfg.parallel.sp)
     return RunPlan(manifest, eval_manifest, space, seq_len, sources, modalities)
 
 
-def check_resume(cfg: RunConfig, space: TokenSpace) -> None:
+def check_resume(cfg: RunConfig, space: TokenSpace, ranks: int | None = None) -> None:
     """A resumed run has a checkpoint: ``latest`` names a directory beside it that holds
-    every file resuming reads (for this run's ZeRO stage), trained on this run's token
-    space."""
+    every file resuming reads (for this run's ZeRO stage and, with ``ranks``, its number of
+    partitions), trained on this run's token space."""
     ckpt_dir = Path(cfg.train.out_dir) / "checkpoints"
     tag = checkpoint.latest_tag(ckpt_dir)
     if tag is None:
         raise DataError(f"--resume: no checkpoint to resume from in {ckpt_dir} (no 'latest' file)")
-    checkpoint.check_complete(ckpt_dir / tag, cfg.deepspeed.zero_stage)
+    checkpoint.check_complete(ckpt_dir / tag, cfg.deepspeed.zero_stage, ranks)
     saved = checkpoint.saved_token_space(ckpt_dir / tag)
     if saved is not None and saved != space:
         raise DataError(

@@ -10,6 +10,8 @@ the sequence out again:
 - :func:`build_setup`: the model of the run config, Ulysses applied by
   :func:`~ulysses_mm.parallel.apply_ulysses`, the DeepSpeed engine (handed the model on the
   host: DeepSpeed casts it to the training precision before it moves it to the GPU).
+- :func:`build_inference_setup`: the same model with trained weights, Ulysses applied,
+  without an engine (evaluation, generation).
 - :func:`forward_backward` / :func:`train_step`: forward this rank's slice → the global
   loss (:func:`~ulysses_mm.parallel.global_loss`) → its loss scale → backward (→ the
   optimizer step), the loss scaled once, in one place.
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -30,7 +32,7 @@ from ulysses_mm.config import RunConfig
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.model import MultimodalLM, build_model
-from ulysses_mm.model.attention import resolve_kernel
+from ulysses_mm.model.attention import PRECISION_DTYPES, resolve_kernel
 from ulysses_mm.parallel import CommStats, LossReport, Mesh, apply_ulysses, global_loss
 from ulysses_mm.parallel.loss import loss_weights
 from ulysses_mm.parallel.mesh import World
@@ -94,21 +96,52 @@ def build_setup(
     return Setup(cfg, world, space, kernel, model, engine, optimizer, scheduler, weights)
 
 
+def build_inference_setup(
+    cfg: RunConfig,
+    space: TokenSpace,
+    world: World,
+    load: Callable[[MultimodalLM], None],
+    dtype: torch.dtype | None = None,
+) -> Setup:
+    """What evaluation and generation run on this rank of ``world``: the run's model with
+    its weights put in by ``load``, Ulysses applied over ``world.mesh``, cast to ``dtype``
+    (default: the training precision, as DeepSpeed casts it) on the device, in eval mode.
+    No engine and no optimizer state: ``engine`` is the model itself, which
+    :func:`forward_loss` takes as it takes an engine."""
+    dtype = dtype or PRECISION_DTYPES[cfg.deepspeed.precision]
+    kernel = resolve_kernel(cfg.parallel.attention, world.device.type, dtype)
+    model = build_model(cfg.model, space, kernel, seed=cfg.train.seed)
+    load(model)
+    apply_ulysses(model, world.mesh)
+    model.to(device=world.device, dtype=dtype).eval()
+    weights = loss_weights(space.modalities, cfg.model.loss_weights, world.device)
+    return Setup(cfg, world, space, kernel, model, model, None, None, weights)
+
+
 def _is_engine(module: nn.Module) -> bool:
     ds = sys.modules.get("deepspeed")  # an engine exists only once DeepSpeed is imported
     return ds is not None and isinstance(module, ds.DeepSpeedEngine)
 
 
 def forward_loss(
-    module: nn.Module, local: Batch, weights: Tensor, mesh: Mesh
+    module: nn.Module,
+    local: Batch,
+    weights: Tensor,
+    mesh: Mesh,
+    bins: Tensor | None = None,
+    num_bins: int = 0,
 ) -> tuple[Tensor, LossReport]:
     """Forward this rank's slice through ``module`` (a model or its DeepSpeed engine):
-    (this rank's share of the global loss, the global report)."""
-    sums, counts = module(
-        local.input_ids, local.position_ids, local.doc_ids, local.labels, local.label_modality
-    )
+    (this rank's share of the global loss, the global report). With ``bins`` [b, n] (each
+    target's bin, -1 for none; evaluation), the report also holds this rank's CE sums per
+    modality and bin (``by_bin``)."""
+    args = (local.input_ids, local.position_ids, local.doc_ids, local.labels, local.label_modality)
+    out = module(*args) if bins is None else module(*args, bins, num_bins)
     model = cast(MultimodalLM, module.module if _is_engine(module) else module)
-    return global_loss(sums, counts, weights, mesh, model.space.modalities)
+    share, report = global_loss(out[0], out[1], weights, mesh, model.space.modalities)
+    if bins is not None:
+        report.by_bin = out[2].detach()
+    return share, report
 
 
 def forward_backward(

@@ -1,21 +1,43 @@
-"""kind ``video-h264``: video as the bytes of its H.264 bitstream, two bytes per id.
+"""kind ``video-h264``: video as the slices of its H.264 bitstream, two bytes per id.
 
 The clip's sampled frames (sampling, document framing and audio interleaving:
 :mod:`ulysses_mm.tokenize.video.base`) go through libx264 (PyAV's bundled encoder) with no
-B-frames and no look-ahead (``tune=zerolatency``: one packet per frame, in display order),
-one thread (the bytes are a function of the frames and the params), average-bitrate rate
-control at ``tokens_per_frame`` ids a frame and a VBV buffer of two seconds' bits (no
-frame bursts far above it; a keyframe every ``keyint`` frames costs several times the
-average). Each frame's packet becomes ids: a byte pair ``(a, b)`` is id ``256·a + b``, an
-odd last byte ``c`` is id ``65536 + c`` (vocab 65,792); then ``<eof>``. So a frame is a
-variable number of ids (its packet), ``tokens_per_frame`` on average.
+B-frames and no look-ahead (``tune=zerolatency``: one packet per frame, in display order)
+and one thread (the bytes are a function of the frames and the params). Each frame's
+packet keeps only its coded slices (NAL types 1 and 5, FFmpeg's ``filter_units`` bitstream
+filter): no SEI (x264's version and option string, recovery points), no SPS/PPS. A byte
+pair ``(a, b)`` is id ``256·a + b``, an odd last byte ``c`` is id ``65536 + c`` (vocab
+65,792); then ``<eof>``. So a frame is a variable number of ids, ``tokens_per_frame`` on
+average.
 
-Motion compensation, intra prediction, transforms and entropy coding let H.264 spend its
-ids where the picture needs them, which a per-patch code cannot (the README's video table
-compares the kinds). The price: ids are entropy-coded bytes (language models do learn
-codec bytes — JPEG-LM, Han et al. 2024 — but a wrong id garbles the picture until the next
-keyframe). Decoding never fails on ids a model wrote: a frame the decoder rejects repeats
-the previous one (grey at the start), so every ``<eof>`` gives exactly one frame.
+The stream is built for ids a model writes, not for a file:
+
+- **Even cost per frame.** With ``intra_refresh`` (x264's periodic intra refresh) no frame
+  is coded whole after the first: a column of intra macroblocks sweeps the picture once
+  every ``keyint`` frames (at least one macroblock column a frame) and motion vectors
+  never reach from the refreshed part into the stale one. Average-bitrate rate control at
+  ``tokens_per_frame`` ids a frame, with a VBV buffer of ``buffer_frames`` frames'
+  worth (filled at twice the average rate, half full at the start), bounds every frame,
+  the first included. ``intra_refresh: false`` puts a keyframe every ``keyint`` frames
+  instead, under the same bound.
+- **Damage stays local and heals.** Each slice holds at most ``slice_bytes`` bytes (x264
+  splits a frame by size; a start code begins each slice, a point to resync): a wrong id
+  spoils the rest of its slice (concealed from the previous frame where the decoder sees
+  the error), what is predicted from it stays wrong until an intra refresh sweep has passed
+  over it, and from then on the frames are exactly the undamaged ones (within two refresh
+  periods). Frames are delimited by ``<eof>``, a
+  special outside the video range, so wrong video ids never shift the following frames.
+- **Any frame is a place to start.** The SPS/PPS are a function of the params; they are
+  kept out of the ids and the decoder makes them itself (:meth:`H264VideoTokenizer.headers`),
+  so a packed sample that continues a clip decodes from its first whole frame, and the
+  picture is complete once a sweep has passed.
+- **Fidelity first.** x264's psychovisual options are off (``tune=psnr``): the ids are
+  judged by how close the decoded frames are to the input.
+
+Decoding never fails on ids a model wrote: only slice NAL units reach the decoder (so
+wrong ids cannot replace its SPS/PPS), a frame the decoder rejects repeats the previous one
+(grey at the start), and the decoder holds no frame back (``low_delay``), so every
+``<eof>`` gives exactly one frame.
 
 Local ids are ragged: one clip's ids are a 1-D array whose frames end at ``FRAME_END``
 (−1); unified ids put ``<eof>`` there.
@@ -39,11 +61,16 @@ FRAME_END = -1  # a frame's end in ragged local ids
 PAIRS = 1 << 16  # ids 0 .. 65535: byte pairs
 VOCAB = PAIRS + 256  # then 65536 + c: a packet's odd last byte
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower")
+# FFmpeg's bitstream filter keeping only coded slices (non-IDR 1, IDR 5) of a packet.
+SLICES_ONLY = "filter_units=pass_types=1|5"
 
 _SCHEMA: ParamSchema = {
     **FRAME_PARAMS,
-    "tokens_per_frame": ((int,), 240),  # the rate control's average ids per frame
-    "keyint": ((int,), 64),  # frames between keyframes
+    "tokens_per_frame": ((int,), 224),  # the rate control's average ids per frame
+    "keyint": ((int,), 32),  # frames per refresh period (a sweep, or a keyframe)
+    "intra_refresh": ((bool,), True),  # periodic intra refresh instead of keyframes
+    "slice_bytes": ((int,), 150),  # bytes per slice at most (0: one slice per frame)
+    "buffer_frames": ((int, float), 2.0),  # VBV buffer, in frames at tokens_per_frame
     "preset": ((str,), "medium"),  # libx264's speed/efficiency preset
 }
 
@@ -71,7 +98,7 @@ def ids_packet(ids: np.ndarray) -> bytes:
 
 
 class H264VideoTokenizer(VideoTokenizer):
-    """kind ``video-h264``: one document per clip; each frame's H.264 packet as ids, then
+    """kind ``video-h264``: one document per clip; each frame's H.264 slices as ids, then
     ``<eof>`` (see the module docstring)."""
 
     schema: ParamSchema = _SCHEMA
@@ -86,6 +113,10 @@ class H264VideoTokenizer(VideoTokenizer):
         for key in ("tokens_per_frame", "keyint"):
             if p[key] < 1:
                 raise DataError(f"{where}: param {key!r} must be >= 1")
+        if p["slice_bytes"] != 0 and p["slice_bytes"] < 64:
+            raise DataError(f"{where}: param 'slice_bytes' must be 0 (one slice) or >= 64")
+        if not p["buffer_frames"] >= 1:
+            raise DataError(f"{where}: param 'buffer_frames' must be >= 1")
         if spec.vocab_size != VOCAB:
             raise DataError(f"{where}: a video-h264 spec has vocab_size {VOCAB}")
         import av
@@ -97,38 +128,75 @@ class H264VideoTokenizer(VideoTokenizer):
                 f"{where}: this PyAV has no libx264 encoder ({type(e).__name__}); install "
                 "PyAV's wheel (pip install av), which bundles it"
             ) from None
+        try:
+            self._slices_only()
+        except (av.error.FFmpegError, TypeError) as e:  # TypeError: PyAV < 18
+            raise DataError(
+                f"{where}: this PyAV cannot filter H.264 packets ({type(e).__name__}: {e}); "
+                "install PyAV >= 18 (pip install -U av)"
+            ) from None
         self.tokens_per_frame = p["tokens_per_frame"]  # on average
+        self._headers: bytes | None = None
 
     # ------------------------------------------------------------------ encode
     def _codec(self) -> Any:
         import av
 
+        p = self.params
         ctx = av.CodecContext.create("libx264", "w")
         ctx.width = ctx.height = self.size
         ctx.pix_fmt = "yuv420p"
         rate = Fraction(self.fps).limit_denominator(1001)
         ctx.framerate, ctx.time_base = rate, 1 / rate
         ctx.thread_count = 1
-        bits = int(self.tokens_per_frame * 16 * self.fps)
+        ctx.flags |= av.codec.context.Flags.global_header  # SPS/PPS in extradata, not packets
+        frame_bits = self.tokens_per_frame * 16
+        bits = int(frame_bits * self.fps)
         ctx.bit_rate = bits
-        ctx.gop_size = self.params["keyint"]
+        ctx.gop_size = p["keyint"]
+        x264 = [
+            f"keyint={p['keyint']}",
+            f"min-keyint={p['keyint']}",
+            "scenecut=0",  # refresh on the grid only: a function of the frame count
+            "vbv-init=0.5",  # the first frame gets half the buffer, like any other
+        ]
+        if p["intra_refresh"]:
+            x264.append("intra-refresh=1")
+        if p["slice_bytes"]:
+            x264.append(f"slice-max-size={p['slice_bytes']}")
         ctx.options = {
-            "preset": self.params["preset"],
-            "tune": "zerolatency",
+            "preset": p["preset"],
+            "tune": "psnr,zerolatency",
             "threads": "1",
-            "maxrate": str(bits),
-            "bufsize": str(2 * bits),
-            "keyint_min": str(self.params["keyint"]),
-            "sc_threshold": "0",  # keyframes on the grid only: a function of the frame count
+            # the buffer fills at twice the average rate, so it bounds a frame, not a second
+            "maxrate": str(2 * bits),
+            "bufsize": str(int(p["buffer_frames"] * frame_bits)),
+            "x264-params": ":".join(x264),
         }
         return ctx
 
+    @staticmethod
+    def _slices_only() -> Any:
+        import av
+
+        return av.BitStreamFilterContext(SLICES_ONLY, "h264")
+
+    def headers(self) -> bytes:
+        """The stream's SPS and PPS (Annex B): what libx264 writes for these params, made
+        once per tokenizer by opening an encoder; the decoder starts from them."""
+        if self._headers is None:
+            ctx = self._codec()
+            ctx.open()
+            self._headers = bytes(ctx.extradata or b"")
+        return self._headers
+
     def encoder(self) -> Callable[[np.ndarray], np.ndarray]:
         """A per-clip encoder: batches of a clip's frames, in order -> ragged local ids
-        (each frame's packet, then ``FRAME_END``)."""
+        (each frame's slices, then ``FRAME_END``)."""
         import av
 
         ctx = self._codec()
+        slices = self._slices_only()
         count = 0
 
         def encode(frames: np.ndarray) -> np.ndarray:
@@ -141,7 +209,9 @@ class H264VideoTokenizer(VideoTokenizer):
                 packets = ctx.encode(vf)
                 if len(packets) != 1:  # zerolatency: exactly one packet per frame
                     raise RuntimeError(f"libx264 gave {len(packets)} packets for one frame")
-                out += [packet_ids(bytes(packets[0])), np.array([FRAME_END])]
+                kept = slices.filter(packets[0])
+                data = b"".join(bytes(k) for k in kept)
+                out += [packet_ids(data), np.array([FRAME_END])]
             return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
 
         return encode
@@ -155,7 +225,8 @@ class H264VideoTokenizer(VideoTokenizer):
     # ------------------------------------------------------------------ decode
     def decode_ids(self, ids: np.ndarray) -> np.ndarray:
         """Ragged local ids -> uint8 frames [t, size, size, 3], one per ``FRAME_END``.
-        A packet the decoder rejects (ids a model wrote) repeats the previous frame."""
+        Ids may start at any frame of a clip; a packet the decoder rejects (ids a model
+        wrote) repeats the previous frame."""
         import av
 
         ids = np.asarray(ids, dtype=np.int64).ravel()
@@ -164,6 +235,10 @@ class H264VideoTokenizer(VideoTokenizer):
         ends = np.flatnonzero(ids == FRAME_END)
         dec = av.CodecContext.create("h264", "r")
         dec.thread_count = 1
+        dec.extradata = self.headers()
+        # every frame out at once, even one decoded without its references
+        dec.options = {"flags": "+low_delay", "flags2": "+showall"}
+        slices = self._slices_only()
         prev: np.ndarray = np.full((self.size, self.size, 3), 128, dtype=np.uint8)
         out = np.empty((ends.size, self.size, self.size, 3), dtype=np.uint8)
         start = 0
@@ -172,8 +247,9 @@ class H264VideoTokenizer(VideoTokenizer):
             start = end + 1
             got: np.ndarray | None = None
             try:
-                for f in dec.decode(av.Packet(packet)) if packet else ():
-                    got = f.to_ndarray(format="rgb24")
+                for kept in slices.filter(av.Packet(packet)) if packet else ():
+                    for f in dec.decode(kept):
+                        got = f.to_ndarray(format="rgb24")
             except av.error.FFmpegError:
                 got = None
             if got is not None and got.shape == prev.shape and got.dtype == np.uint8:

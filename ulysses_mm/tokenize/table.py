@@ -1,0 +1,103 @@
+"""Which tokenizer wrote each modality of a dataset, and how to load it again.
+
+A manifest records, per modality, its tokenizer spec's entry (name, kind, params, the
+spec's and artifact's sha256) and the spec files the pipeline named; a checkpoint keeps
+the same record (``tokenizers.json``), so a trained model's prompts go through the very
+tokenizers of its training data and its ids decode through them.
+
+A spec is found by its sha256: among the files recorded, then any ``tokenizers/*.json``
+of the working directory or of this repository; a spec without a learned artifact can
+also be rebuilt from the entry alone, which holds every parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ulysses_mm.core import storage
+from ulysses_mm.tokenize import registry
+from ulysses_mm.tokenize.base import Tokenizer, TokenizerSpec
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class TokenizerTable:
+    """Per modality, the spec entry a manifest recorded; the spec files and the extra
+    kinds (``tokenizer_kinds``) of the pipelines that wrote the data."""
+
+    entries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    spec_paths: list[str] = field(default_factory=list)
+    kinds: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_manifest(
+        cls, tokenizers: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
+    ) -> TokenizerTable:
+        """From a manifest's ``tokenizers`` and ``config`` fields."""
+        return cls(
+            {m: dict(e) for m, e in tokenizers.items()},
+            [str(p) for p in config.get("tokenizers") or []],
+            {str(k): str(v) for k, v in (config.get("tokenizer_kinds") or {}).items()},
+        )
+
+    @classmethod
+    def merged(cls, tables: Iterable[TokenizerTable]) -> TokenizerTable:
+        """Several datasets' tables as one (the first to name a modality wins)."""
+        out = cls()
+        for t in tables:
+            for m, e in t.entries.items():
+                out.entries.setdefault(m, e)
+            out.spec_paths += [p for p in t.spec_paths if p not in out.spec_paths]
+            for k, v in t.kinds.items():
+                out.kinds.setdefault(k, v)
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tokenizers": self.entries, "spec_paths": self.spec_paths, "kinds": self.kinds}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TokenizerTable:
+        return cls(
+            {str(m): dict(e) for m, e in (data.get("tokenizers") or {}).items()},
+            [str(p) for p in data.get("spec_paths") or []],
+            {str(k): str(v) for k, v in (data.get("kinds") or {}).items()},
+        )
+
+    def tokenizer(self, modality: str) -> Tokenizer:
+        """The tokenizer of ``modality``; LookupError says why it cannot be had."""
+        entry = self.entries.get(modality)
+        if entry is None:
+            raise LookupError(f"no tokenizer is recorded for {modality!r}")
+        for kind, target in self.kinds.items():
+            registry.register_kind(kind, target)
+        want = entry.get("spec_sha256")
+        candidates = [Path(p) for p in self.spec_paths if not storage.is_url(p)]
+        for d in dict.fromkeys([Path.cwd() / "tokenizers", _REPO / "tokenizers"]):
+            if d.is_dir():
+                candidates += sorted(d.glob("*.json"))
+        for path in candidates:
+            if not path.is_file():
+                continue
+            try:
+                spec = TokenizerSpec.load(path)
+            except (OSError, ValueError):
+                continue
+            if spec.sha256 == want:
+                return registry.load_tokenizer(spec)
+        if entry.get("artifact_sha256") is None:
+            spec = TokenizerSpec(
+                name=str(entry.get("name")),
+                modality=modality,
+                kind=str(entry.get("kind")),
+                vocab_size=int(entry.get("vocab_size", 0)),
+                params=dict(entry.get("params") or {}),
+            )
+            return registry.load_tokenizer(spec)
+        raise LookupError(
+            f"no spec file with sha256 {str(want)[:12]}… for {entry.get('name')!r} "
+            f"(it has a learned artifact; looked at the recorded paths and tokenizers/)"
+        )

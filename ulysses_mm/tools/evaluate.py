@@ -1,0 +1,199 @@
+"""``ulysses-mm evaluate CHECKPOINT MANIFEST``: held-out loss of a trained model, per
+modality in the units people quote, and against position inside documents.
+
+The samples of MANIFEST are read in their stored order at their full length and go
+through the training step's forward under the run's sequence-parallel layout (``--nproc``
+processes, the run's ``parallel.sp`` by default, dp = nproc / sp): the same code as the
+periodic eval of ``ulysses-mm train`` (:mod:`ulysses_mm.train.evaluate`), so on the same
+batches both give the same figures. ``--png`` draws loss against position per modality;
+``--json`` prints every figure.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ulysses_mm.core.errors import ConfigError, UserError
+from ulysses_mm.train.evaluate import EvalResult
+from ulysses_mm.train.metrics import LN2
+
+
+@dataclass
+class EvaluateOptions:
+    nproc: int | None = None
+    batches: int = 0  # micro-batches per DP rank (0: the whole manifest, one pass)
+    micro_batch: int = 0  # samples per DP rank (0: the run's data.micro_batch_size)
+    edges: list[int] | None = None  # position bins (default: log-spaced)
+
+    def check(self) -> None:
+        if self.nproc is not None and self.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.batches < 0:
+            raise ConfigError(f"--batches must be >= 0, got {self.batches}")
+        if self.micro_batch < 0:
+            raise ConfigError(f"--micro-batch must be >= 0, got {self.micro_batch}")
+        e = self.edges
+        if e is not None and (
+            len(e) < 2 or any(b <= a for a, b in itertools.pairwise(e)) or e[0] < 0
+        ):
+            raise ConfigError(f"--edges must be increasing positions >= 0, got {e}")
+
+
+def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> Any:
+    """What the parent checks before any process starts (one line each)."""
+    from ulysses_mm.core.layout import check_layout
+    from ulysses_mm.loader.order import check_enough_samples
+    from ulysses_mm.shards.manifest import Manifest
+    from ulysses_mm.train.inference import open_trained
+
+    trained = open_trained(checkpoint)
+    cfg = trained.cfg
+    if opts.micro_batch:
+        cfg = replace(cfg, data=replace(cfg.data, micro_batch_size=opts.micro_batch))
+    d = cfg.data
+    m = Manifest.load(manifest, d.storage_options, d.timeouts, d.max_manifest_bytes)
+    m.check_token_space(trained.space)
+    mc = cfg.model
+    dp = check_layout(
+        cfg.parallel.sp,
+        world=world,
+        num_heads=mc.num_attention_heads,
+        num_kv_heads=mc.num_key_value_heads,
+        seq_len=m.seq_len,
+        ring=cfg.parallel.ring,
+    )
+    check_enough_samples(m, dp, d.micro_batch_size)
+    cfg = replace(cfg, parallel=replace(cfg.parallel, dp=dp), data=replace(d, seq_len=m.seq_len))
+    return trained, cfg, m
+
+
+def _worker(payload: dict[str, Any]) -> dict[str, Any]:
+    from ulysses_mm.loader.batch import samples_batch
+    from ulysses_mm.loader.stream import ShardStream, StreamOptions
+    from ulysses_mm.parallel.mesh import open_world
+    from ulysses_mm.train.evaluate import evaluate_batches, units_for
+    from ulysses_mm.train.step import build_inference_setup
+
+    opts = EvaluateOptions(**payload["options"])
+    trained, cfg, manifest = _plan(
+        payload["checkpoint"], payload["manifest"], opts, payload["world"]
+    )
+    world = open_world(cfg, engine=False)
+    rt = build_inference_setup(cfg, trained.space, world, trained.load_into)
+    mesh = world.mesh
+    options = StreamOptions.from_config(cfg.data).in_order()
+    stream = ShardStream(manifest, mesh.dp_rank, mesh.dp, cfg.data.micro_batch_size, options)
+    try:
+        per_epoch = stream.order.batches_per_epoch
+        count = min(opts.batches, per_epoch) if opts.batches else per_epoch
+        batches = (samples_batch(stream.next_batch(), trained.space) for _ in range(count))
+        result = evaluate_batches(
+            rt, batches, units_for(trained.space, trained.tokenizers), opts.edges
+        )
+    finally:
+        stream.close()
+    return asdict(result)
+
+
+def run_evaluate(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalResult:
+    from ulysses_mm.parallel.launch import run_world
+    from ulysses_mm.parallel.mesh import in_launched_world
+    from ulysses_mm.train.plan import world_size
+
+    opts.check()
+    if opts.nproc and in_launched_world():
+        raise UserError("--nproc starts local processes; under torchrun leave it out")
+    if not in_launched_world() and opts.nproc is None:
+        from ulysses_mm.train.inference import open_trained
+
+        opts = replace(opts, nproc=open_trained(checkpoint).cfg.parallel.sp)
+    world = world_size(opts.nproc)
+    _plan(checkpoint, manifest, opts, world)  # what the user can fix: here, one line
+    payload = {
+        "checkpoint": str(checkpoint),
+        "manifest": str(manifest),
+        "options": asdict(opts),
+        "world": world,
+    }
+    if world > 1 and not in_launched_world():
+        out = run_world(_worker, opts.nproc, payload)[0]
+    else:
+        out = _worker(payload)  # this process (one of a launched world's ranks)
+    out["bins"] = {m: [tuple(r) for r in rows] for m, rows in out["bins"].items()}
+    out["units"] = {m: tuple(u) for m, u in out["units"].items()}
+    return EvalResult(**out)
+
+
+def summary_text(r: EvalResult) -> str:
+    lines = [f"evaluated {r.samples:,} samples ({r.batches} micro-batches per DP rank)"]
+    lines.append(f"  loss (weighted mean of the modalities): {r.loss:.4f} nats/token")
+    bpu = r.bits_per_unit()
+    for m in r.modalities:
+        if m not in r.nats:
+            continue
+        unit = f", {bpu[m][1]:.4f} bits/{bpu[m][0]}" if m in bpu else ""
+        lines.append(
+            f"  {m}: {r.nats[m]:.4f} nats/token ({r.nats[m] / LN2:.4f} bits/token{unit}) over "
+            f"{r.targets[m]:,} targets"
+        )
+    return "\n".join(lines)
+
+
+def plot_positions(r: EvalResult, png: str | Path, title: str = "") -> Path:
+    """Loss (bits per token) against the target's position in its document, log x."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from ulysses_mm.core.storage import atomic_write_local
+
+    fig = Figure(figsize=(9, 5.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    bpu = r.bits_per_unit()
+    for i, m in enumerate(r.modalities):
+        rows = r.bins.get(m)
+        if not rows:
+            continue
+        x = [math.sqrt(max(lo, 1) * max(hi - 1, 1)) for lo, hi, _, _ in rows]
+        y = [v / LN2 for _, _, v, _ in rows]
+        overall = f"{r.nats[m] / LN2:.3f} bits/token"
+        if m in bpu:
+            overall += f", {bpu[m][1]:.3f} bits/{bpu[m][0]}"
+        ax.plot(x, y, "o-", ms=3, color=f"C{i}", label=f"{m} ({overall})")
+    ax.set_xscale("log")
+    ax.set_xlabel("position of the target in its document (tokens)")
+    ax.set_ylabel("cross-entropy (bits per token)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    ax.set_title(title or f"loss by position ({r.samples:,} samples)")
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    p = Path(png)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_local(p, buf.getvalue())
+    return p
+
+
+def cli(
+    checkpoint: str, manifest: str, opts: EvaluateOptions, as_json: bool, png: str | None
+) -> int:
+    r = run_evaluate(checkpoint, manifest, opts)
+    if int(os.environ.get("RANK", "0")) != 0:  # one of a launched world's ranks: rank 0 writes
+        return 0
+    if png:
+        plot_positions(r, png, f"{Path(checkpoint).name} on {Path(manifest).parent.name}")
+    if as_json:
+        print(json.dumps(r.to_json(), indent=1))
+    else:
+        print(summary_text(r))
+        if png:
+            print(f"wrote {png}")
+    return 0

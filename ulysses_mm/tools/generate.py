@@ -1,0 +1,236 @@
+"""``ulysses-mm generate``: continue a prompt in one modality and write the file a person
+opens — FASTA, WAV, MP4 (with the clip's audio when the spec interleaves it) or text.
+
+1. The checkpoint (or export) gives the model, its token space and the tokenizer record
+   of its training data (:mod:`ulysses_mm.train.inference`).
+2. The prompt file goes through that modality's tokenizer exactly as ``prepare`` read its
+   training data; ``--prompt-tokens`` / ``--prompt-seconds`` keep its beginning.
+3. Sampling with a KV cache (:mod:`ulysses_mm.model.generate`), within the modality's
+   head and the tokenizer's layout (:mod:`ulysses_mm.tokenize.grammar`), seeded.
+4. The ids decode through the tokenizer (:func:`ulysses_mm.tokenize.write.decode_media`).
+
+With ``--nproc N`` (or under torchrun) the prompt is prefilled by N sequence-parallel
+processes and the cache stays split over them (:mod:`ulysses_mm.parallel.decode`): for a
+prompt longer than one device holds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ulysses_mm.core.errors import ConfigError, DataError, UnsupportedError, UserError
+from ulysses_mm.core.layout import check_layout
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
+from ulysses_mm.model.generate import Sampling
+from ulysses_mm.tokenize.base import Tokenizer
+from ulysses_mm.train.inference import Trained, open_trained
+
+
+@dataclass
+class GenerateOptions:
+    modality: str
+    new_tokens: int
+    out: str
+    prompt: str | None = None
+    prompt_tokens: int | None = None
+    prompt_seconds: float | None = None
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    with_prompt: bool = False
+    ignore_doc_end: bool = False  # never sample </doc>: all new_tokens ids are written
+    tokenizer: str | None = None  # a spec file instead of the recorded one
+    dtype: str = "auto"
+    device: str = "auto"
+    nproc: int | None = None
+
+    def check(self) -> None:
+        if self.new_tokens < 1:
+            raise ConfigError(f"--new-tokens must be at least 1, got {self.new_tokens}")
+        if self.prompt_tokens is not None and self.prompt_tokens < 0:
+            raise ConfigError(f"--prompt-tokens must be >= 0, got {self.prompt_tokens}")
+        if self.prompt_seconds is not None and not self.prompt_seconds > 0:
+            raise ConfigError(f"--prompt-seconds must be > 0, got {self.prompt_seconds}")
+        if self.temperature < 0:
+            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"--top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.nproc is not None and self.nproc < 1:
+            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UnsupportedError("--device cuda: no CUDA device is visible here")
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+def prompt_ids(
+    tok: Tokenizer,
+    space: TokenSpace,
+    path: str | None,
+    tokens: int | None = None,
+    seconds: float | None = None,
+) -> list[int]:
+    """The prompt: ``<doc> <|m|>`` and the beginning of ``path``'s first document of the
+    tokenizer's modality (all of it, ``tokens`` ids of it, or ``seconds`` of audio/video)."""
+    m = tok.modality
+    head = [DOC_START, space.boundary_token(m)]
+    if path is None:
+        return head
+    if not Path(path).is_file():
+        raise DataError(f"--prompt {path}: no such file")
+    doc = next((d for d in tok.encode_file(path, space) if d.modality == m), None)
+    if doc is None:
+        raise DataError(f"--prompt {path}: the {tok.spec.name} tokenizer found no {m} in it")
+    ids = [int(t) for t in np.asarray(doc.tokens).tolist()]
+    if ids and ids[-1] == DOC_END:
+        ids = ids[:-1]
+    body = ids[2:]
+    if tokens is not None:
+        body = body[:tokens]
+    elif seconds is not None:
+        body = _first_seconds(tok, space, body, seconds, path)
+    return ids[:2] + body
+
+
+def _first_seconds(
+    tok: Tokenizer, space: TokenSpace, body: list[int], seconds: float, path: str
+) -> list[int]:
+    from ulysses_mm.tokenize.video.base import VideoTokenizer
+
+    if isinstance(tok, VideoTokenizer):
+        frames = max(1, round(seconds * tok.fps))
+        eofs = np.flatnonzero(np.asarray(body) == EOF)
+        return body if len(eofs) <= frames else body[: int(eofs[frames - 1]) + 1]
+    rate = tok.spec.params.get("tokens_per_second") or tok.spec.params.get("sample_rate")
+    if tok.spec.kind.startswith("audio") and rate:
+        return body[: max(1, round(seconds * float(rate)))]
+    raise ConfigError(
+        f"--prompt-seconds applies to audio and video; {tok.spec.name} is {tok.modality}: "
+        "use --prompt-tokens"
+    )
+
+
+def _worker(payload: dict[str, Any]) -> dict[str, Any]:
+    """One rank: the model (sequence-parallel over the launched world), the decode."""
+    import torch
+
+    from ulysses_mm.model.generate import generate
+    from ulysses_mm.model.kv_cache import CachedDecoder
+    from ulysses_mm.parallel.mesh import open_world
+    from ulysses_mm.tokenize.grammar import Grammar
+    from ulysses_mm.train.step import build_inference_setup
+
+    trained = open_trained(payload["checkpoint"])
+    opts = GenerateOptions(**payload["options"])
+    cfg = replace(
+        trained.cfg,
+        parallel=replace(trained.cfg.parallel, sp=payload["world"], dp=1, ring=1),
+    )
+    device = None if opts.device == "auto" else opts.device
+    world = open_world(cfg, engine=False, device=device)
+    rt = build_inference_setup(
+        cfg, trained.space, world, trained.load_into, trained.dtype(opts.dtype)
+    )
+    tok = trained.tokenizer(opts.modality, opts.tokenizer)
+    prompt: list[int] = payload["prompt"]
+    grammar = Grammar(tok, trained.space, end=not opts.ignore_doc_end)
+    t0 = time.perf_counter()
+    if world.mesh.sp > 1:
+        from ulysses_mm.parallel.decode import SequenceParallelDecoder
+
+        sp = SequenceParallelDecoder(rt.model, world.mesh, len(prompt), opts.new_tokens)
+        result = generate(
+            rt.model, sp, grammar, prompt, opts.new_tokens, opts.sampling, agree=sp.agree
+        )
+    else:
+        decoder = CachedDecoder(rt.model, len(prompt) + opts.new_tokens)
+        result = generate(rt.model, decoder, grammar, prompt, opts.new_tokens, opts.sampling)
+    if world.device.type == "cuda":
+        torch.cuda.synchronize(world.device)
+    seconds = time.perf_counter() - t0
+    return {
+        "ids": result.ids,
+        "sampled": result.sampled,
+        "seconds": seconds,
+        "device": str(world.device),
+    }
+
+
+def run_generate(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
+    """Generate, decode and write ``opts.out``; returns what was done (for the CLI line)."""
+    from ulysses_mm.parallel.launch import run_world
+    from ulysses_mm.parallel.mesh import in_launched_world
+    from ulysses_mm.tokenize.write import decode_media, write_file
+    from ulysses_mm.train.plan import world_size
+
+    opts.check()
+    if opts.nproc and in_launched_world():
+        raise UserError("--nproc starts local processes; under torchrun leave it out")
+    trained = open_trained(checkpoint)
+    tok = trained.tokenizer(opts.modality, opts.tokenizer)
+    prompt = prompt_ids(tok, trained.space, opts.prompt, opts.prompt_tokens, opts.prompt_seconds)
+    world = world_size(opts.nproc)
+    m = trained.cfg.model
+    check_layout(world, num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads)
+    payload = {
+        "checkpoint": str(checkpoint),
+        "options": asdict(opts),
+        "prompt": prompt,
+        "world": world,
+    }
+    if world > 1 and not in_launched_world():
+        out = run_world(_worker, opts.nproc, payload)[0]
+    else:
+        out = _worker(payload)  # this process (one of a launched world's ranks)
+        if int(os.environ.get("RANK", "0")) != 0:
+            return {"out": "", "rank": int(os.environ["RANK"])}
+    media = decode_media(tok, trained.space, prompt, out["ids"], opts.with_prompt)
+    if media.kind == "mp4" and (media.frames is None or not len(media.frames)):
+        from ulysses_mm.tokenize.video.base import VideoTokenizer
+
+        also = ""
+        if isinstance(tok, VideoTokenizer) and tok.audio is not None:
+            k = tok.params["chunk_frames"]
+            also = f", and every {k} frames {k / tok.fps:g} s of audio at {tok.audio.rate} ids/s"
+        raise DataError(
+            f"{len(out['ids'])} new ids hold no whole video frame; raise --new-tokens "
+            f"(a {tok.spec.name} frame is about {getattr(tok, 'tokens_per_frame', '?')} ids{also})"
+        )
+    description = _description(trained, opts, len(prompt), len(out["ids"]))
+    path = write_file(opts.out, media.to_bytes("generated", description))
+    return {
+        "out": str(path),
+        "what": media.describe(),
+        "kind": media.kind,
+        "prompt_ids": len(prompt),
+        "new_ids": len(out["ids"]),
+        "sampled": out["sampled"],
+        "ended": bool(out["ids"]) and out["ids"][-1] == DOC_END,
+        "seconds": out["seconds"],
+        "tokens_per_s": len(out["ids"]) / max(out["seconds"], 1e-9),
+        "device": out["device"],
+        "processes": world,
+    }
+
+
+def _description(trained: Trained, opts: GenerateOptions, prompt: int, new: int) -> str:
+    where = trained.path if trained.step is None else f"{trained.path} (step {trained.step})"
+    source = f"{opts.prompt}" if opts.prompt else "no prompt"
+    return (
+        f"{new} ids after a {prompt}-id prompt ({source}) by {where}; seed {opts.seed}, "
+        f"temperature {opts.temperature}, top-k {opts.top_k}, top-p {opts.top_p}"
+    )
