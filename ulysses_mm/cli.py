@@ -195,6 +195,35 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_export)
 
 
+def _cmd_hf_tokenizer(args: argparse.Namespace) -> int:
+    from ulysses_mm.hf.tokenizer import write_tokenizer
+    from ulysses_mm.shards.manifest import Manifest
+
+    manifest = Manifest.load(args.manifest)
+    out = write_tokenizer(manifest, args.out, args.text_tokenizer)
+    print(
+        f"wrote a transformers tokenizer of the {manifest.token_space.describe()} to {out} "
+        "(AutoTokenizer.from_pretrained)"
+    )
+    return 0
+
+
+def _add_hf_tokenizer(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "hf-tokenizer",
+        help="write a transformers tokenizer whose vocabulary is a manifest's token space",
+    )
+    p.add_argument("manifest", help="manifest.json (path or URL) or its dataset directory")
+    p.add_argument("out", help="new output directory (tokenizer.json + tokenizer_config.json)")
+    p.add_argument(
+        "--text-tokenizer",
+        default=None,
+        help="the text modality's transformers tokenizer directory, to name text ids by its "
+        "tokens (default: bytes for the shipped text-bytes spec, else the local id)",
+    )
+    p.set_defaults(func=_cmd_hf_tokenizer)
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from ulysses_mm.tools.report import plot
 
@@ -720,6 +749,7 @@ _SUBCOMMANDS = [
     _add_tokenizer,
     _add_train,
     _add_export,
+    _add_hf_tokenizer,
     _add_generate,
     _add_evaluate,
     _add_probe,

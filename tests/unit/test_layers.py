@@ -1,5 +1,5 @@
 """Imports only point down the flow (core < config < tokenize < shards < loader < model <
-parallel < train < tools < cli), and the checker catches one that does not."""
+parallel < train < hf < tools < cli), and the checker catches one that does not."""
 
 from __future__ import annotations
 

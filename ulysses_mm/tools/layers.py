@@ -26,6 +26,7 @@ LAYERS = (
     "model",
     "parallel",
     "train",
+    "hf",
     "tools",
     "cli",
 )

@@ -1,0 +1,162 @@
+"""The token space as a transformers tokenizer: ``ulysses-mm hf-tokenizer MANIFEST OUT``.
+
+Every id of the manifest's token space gets a name a person can read in a decoded
+sequence: the specials as they are (``<pad>``, ``<doc>``, ``</doc>``, ``<eof>``,
+``<|dna|>`` ...), then each modality's ids as ``modality:label``, the label taken from the
+tokenizer spec the manifest records (its kind and params):
+
+- ``dna-base``: the base letter (``dna:A``, ``dna:n``);
+- ``audio-mulaw``: the signed mu-law level (``audio:+0``, ``audio:-127``);
+- ``audio-codec``: quantizer and code (``audio:q1:17``);
+- ``video-vq``: the codebook word (``video:vq42``);
+- ``video-h264``: the packet bytes in hex (``video:1a2b``, an odd last byte ``video:1a``);
+- ``text``: the text tokenizer's own tokens when its directory is given (whitespace
+  escaped), the byte for the shipped ``text-bytes`` spec (``text:A``, ``text:<0x0A>``);
+- anything else: the local id (``video:17``).
+
+The tokenizer is a word-level ``tokenizers`` model over exactly these names (vocabulary
+size = the token space's), split on whitespace, with the specials as special tokens
+(``<pad>`` pad, ``<doc>`` bos, ``</doc>`` eos), saved with ``save_pretrained``: so
+``AutoTokenizer.from_pretrained(OUT)`` loads it, ``model.resize_token_embeddings(len(tok))``
+sizes a model to our ids, ``generate`` output decodes to names, and ``decode`` then
+``encode`` gives the ids back. It encodes names, not raw text or media: our tokenizer
+specs turn files into ids.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ulysses_mm.core.errors import DataError
+from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.shards.manifest import Manifest
+from ulysses_mm.tokenize.dna import alphabet
+
+SPACE_FILE = "token_space.json"
+
+
+def _escape(token: str) -> str:
+    """A token without whitespace (the tokenizer splits on it), still readable."""
+    return "".join(f"<0x{ord(c):02X}>" if c.isspace() or not c.isprintable() else c for c in token)
+
+
+def _byte(b: int) -> str:
+    return chr(b) if 33 <= b <= 126 else f"<0x{b:02X}>"
+
+
+def modality_labels(
+    entry: Mapping[str, Any], size: int, text_tokens: list[str] | None = None
+) -> list[str]:
+    """The labels of a modality's ``size`` local ids from its manifest tokenizer entry."""
+    kind = entry.get("kind", "")
+    params = entry.get("params") or {}
+    if kind == "dna-base":
+        letters = alphabet(params.get("case", "keep"), params.get("iupac", "to_n"))
+        if len(letters) == size:
+            return list(letters)
+    if kind == "audio-mulaw":
+        half = 1 << (int(params.get("bits", 8)) - 1)
+        return [f"{k - half:+d}" for k in range(size)]
+    if kind == "audio-codec" and int(params.get("num_quantizers", 0)) > 0:
+        book = size // int(params["num_quantizers"])
+        return [f"q{k // book}:{k % book}" for k in range(size)]
+    if kind == "video-vq":
+        return [f"vq{k}" for k in range(size)]
+    if kind == "video-h264":
+        return [f"{k:04x}" if k < 1 << 16 else f"{k - (1 << 16):02x}" for k in range(size)]
+    if kind == "text":
+        if text_tokens is not None:
+            return [_escape(t) for t in text_tokens[:size]] + [
+                str(k) for k in range(len(text_tokens), size)
+            ]
+        if entry.get("name") == "text-bytes" and size == 256:
+            return [_byte(b) for b in range(256)]
+    return [str(k) for k in range(size)]
+
+
+def token_names(
+    space: TokenSpace,
+    tokenizers: Mapping[str, Mapping[str, Any]],
+    text_tokenizer: str | Path | None = None,
+) -> list[str]:
+    """One unique, whitespace-free name per id of ``space`` (index = id)."""
+    text_tokens: list[str] | None = None
+    if text_tokenizer is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(text_tokenizer), local_files_only=True)
+        text_tokens = [str(t) for t in tok.convert_ids_to_tokens(list(range(len(tok))))]
+    names = list(space.specials)
+    for r in space.ranges:
+        labels = modality_labels(
+            tokenizers.get(r.name, {}), r.size, text_tokens if r.name == "text" else None
+        )
+        names += [f"{r.name}:{label}" for label in labels]
+    seen: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in seen:  # two text tokens the escaping made equal: the id tells them apart
+            names[i] = f"{name}#{i}"
+        seen[names[i]] = i
+    assert len(names) == space.vocab_size and len(set(names)) == len(names)
+    return names
+
+
+def build_tokenizer(
+    space: TokenSpace,
+    tokenizers: Mapping[str, Mapping[str, Any]],
+    text_tokenizer: str | Path | None = None,
+    model_max_length: int | None = None,
+):
+    """A ``PreTrainedTokenizerFast`` whose vocabulary is ``space`` (see the module
+    docstring)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    names = token_names(space, tokenizers, text_tokenizer)
+    core = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in space.specials])
+    kwargs: dict[str, Any] = {}
+    if model_max_length:
+        kwargs["model_max_length"] = model_max_length
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=space.specials[0],
+        bos_token=space.specials[1],
+        eos_token=space.specials[2],
+        additional_special_tokens=list(space.specials[3:]),
+        clean_up_tokenization_spaces=False,
+        **kwargs,
+    )
+
+
+def write_tokenizer(
+    manifest: Manifest, out: str | Path, text_tokenizer: str | Path | None = None
+) -> Path:
+    """Save the tokenizer of ``manifest``'s token space in ``out`` (with the token space
+    as ``token_space.json``); written beside ``out`` and renamed into place, so ``out``
+    is complete or absent. An existing non-empty ``out`` is refused."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise DataError(f"{out} exists and is not an empty directory; give a new one")
+    tok = build_tokenizer(
+        manifest.token_space, manifest.tokenizers, text_tokenizer, manifest.seq_len
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tok.save_pretrained(str(tmp))
+        (tmp / SPACE_FILE).write_text(json.dumps(manifest.token_space.to_dict(), indent=1) + "\n")
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

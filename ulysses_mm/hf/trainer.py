@@ -1,0 +1,119 @@
+"""The Transformers ``Trainer`` on our shards: the data state in every checkpoint, and a
+resume that continues the same order.
+
+:class:`ShardStateCallback` writes the :class:`~ulysses_mm.hf.dataset.ShardDataset` state
+reached by the steps trained (not by what the dataloader read ahead) as
+``ulysses_mm_data.json`` into each ``checkpoint-N`` (JSON, written atomically by the main
+process), and loads it when the Trainer resumes from ``checkpoint-N``. The Trainer's own
+fast-forward (``skip_first_batches``) must then be off: ``ignore_data_skip=True``.
+
+The dataset is the whole stream (``reader=None``) that Accelerate splits over the
+processes, ``readers × micro_batch`` = world size × ``per_device_train_batch_size``. A
+step trains ``gradient_accumulation_steps × per_device_train_batch_size × world / sp``
+samples: under Accelerate's DeepSpeed sequence parallelism an SP group trains its ranks'
+samples one after another. With dp = world / sp = 1 the resumed order is exactly the
+uninterrupted one; with dp > 1 it is when the checkpoint step × gradient accumulation is
+a multiple of sp (DeepSpeed's adapter reads sp micro-batches at a time).
+
+:func:`weights_only_checkpoints` makes DeepSpeed's torch checkpoint engine, which the
+Trainer resumes through and which unpickles (``torch.load(weights_only=False)``), load
+with ``weights_only=True`` and only the DeepSpeed classes its states hold allowed, as our
+own engine does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from ulysses_mm.core.errors import ConfigError, DataError
+from ulysses_mm.core.storage import atomic_write_local
+from ulysses_mm.hf.dataset import ShardDataset
+from ulysses_mm.train.engine import _safe_engine_class
+
+DATA_STATE = "ulysses_mm_data.json"
+
+
+def world_size() -> int:
+    """The processes of the run (the Trainer's ``args.world_size`` can say 1 before its
+    state is set up)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def sp_size(args: Any) -> int:
+    pc = getattr(args, "parallelism_config", None)
+    return int(pc.sp_size) if pc is not None and pc.sp_size else 1
+
+
+def samples_per_step(args: Any) -> int:
+    """Samples of the global stream one optimizer step trains."""
+    per_refill = args.per_device_train_batch_size * world_size()
+    return args.gradient_accumulation_steps * per_refill // sp_size(args)
+
+
+class ShardStateCallback(TrainerCallback):
+    """Save the data state with every checkpoint; load it on resume (see the module
+    docstring). ``resume_from``: the checkpoint directory when it is not
+    ``output_dir/checkpoint-<step>``."""
+
+    def __init__(self, dataset: ShardDataset, resume_from: str | Path | None = None) -> None:
+        if dataset.reader is not None:
+            raise ConfigError(
+                "the Trainer splits the dataset over its processes: give it the whole stream "
+                "(ShardDataset(..., reader=None))"
+            )
+        self.dataset = dataset
+        self.resume_from = resume_from
+        self.start_step = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        per_refill = args.per_device_train_batch_size * world_size()
+        if self.dataset.batch_items != per_refill:
+            raise ConfigError(
+                f"ShardDataset steps {self.dataset.batch_items} samples at a time, the Trainer "
+                f"reads {per_refill} (per_device_train_batch_size × world size): give it "
+                "readers=world size and micro_batch=per_device_train_batch_size"
+            )
+        self.start_step = state.global_step
+        if state.global_step == 0:
+            return
+        if not args.ignore_data_skip:
+            raise ConfigError(
+                "resuming on a ShardDataset: set TrainingArguments(ignore_data_skip=True) (the "
+                "dataset continues from its own state; the Trainer would skip batches again)"
+            )
+        where = Path(self.resume_from or Path(args.output_dir) / f"checkpoint-{state.global_step}")
+        path = where / DATA_STATE
+        try:
+            saved = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DataError(f"{path}: no readable data state to resume from ({e})") from None
+        self.dataset.load_state_dict(saved)
+
+    def on_save(self, args, state, control, **kwargs):
+        if not state.is_world_process_zero:
+            return
+        trained = (state.global_step - self.start_step) * samples_per_step(args)
+        data = self.dataset.state_after(trained)
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        atomic_write_local(folder / DATA_STATE, (json.dumps(data) + "\n").encode())
+
+
+@contextlib.contextmanager
+def weights_only_checkpoints() -> Iterator[None]:
+    """Inside the block DeepSpeed's torch checkpoint engine loads with
+    ``weights_only=True`` (an allow-list of its own classes) instead of unpickling."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    original = TorchCheckpointEngine.load
+    TorchCheckpointEngine.load = _safe_engine_class().load  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        TorchCheckpointEngine.load = original  # type: ignore[method-assign]
