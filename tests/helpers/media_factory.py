@@ -328,8 +328,10 @@ def dolly_frames(
     far = top + (bottom - top) * (yy / height)[..., None]
     mid = texture(rng, 2 * height, 2 * width, slope=1.4)
     band = 0.55 * height + 0.12 * height * np.sin(xx / width * 3 + rng.uniform(0, 6))
-    posts = [(rng.uniform(0.1, 0.9) * width, rng.uniform(10, 22), rng.uniform(40, 200, 3))
-             for _ in range(4)]
+    posts = [
+        (rng.uniform(0.1, 0.9) * width, rng.uniform(10, 22), rng.uniform(40, 200, 3))
+        for _ in range(4)
+    ]
     out = np.empty((t, height, width, 3), dtype=np.uint8)
     for k in range(t):
         s_mid, s_near = 1.0 + 0.004 * k, 1.0 + 0.012 * k
@@ -342,9 +344,10 @@ def dolly_frames(
             x = width / 2 + (px - width / 2) * s_near
             half = pw * s_near / 2
             cover = np.clip(half - np.abs(xx - x) + 0.5, 0, 1)[..., None]
-            shade = colour * (0.6 + 0.4 * np.clip((xx - x) / max(half, 1) * -0.5 + 0.5, 0, 1))[
-                ..., None
-            ]
+            shade = (
+                colour
+                * (0.6 + 0.4 * np.clip((xx - x) / max(half, 1) * -0.5 + 0.5, 0, 1))[..., None]
+            )
             img = img * (1 - cover) + shade * cover
         out[k] = _sensor(rng, img)
     return out
@@ -359,11 +362,15 @@ def gradient_frames(
     yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
     a, b = rng.uniform(60, 200, 3), rng.uniform(60, 200, 3)
     ramp = (0.6 * xx / width + 0.4 * yy / height)[..., None]
-    vignette = (1 - 0.35 * (((xx - width / 2) / width) ** 2 + ((yy - height / 2) / height) ** 2))
+    vignette = 1 - 0.35 * (((xx - width / 2) / width) ** 2 + ((yy - height / 2) / height) ** 2)
     wall = (a + (b - a) * ramp) * vignette[..., None]
     balls = [
-        (rng.uniform(0.2, 0.8, 2) * (height, width), rng.uniform(-1.5, 1.5, 2),
-         rng.uniform(14, 34), rng.uniform(40, 220, 3))
+        (
+            rng.uniform(0.2, 0.8, 2) * (height, width),
+            rng.uniform(-1.5, 1.5, 2),
+            rng.uniform(14, 34),
+            rng.uniform(40, 220, 3),
+        )
         for _ in range(3)
     ]
     out = np.empty((t, height, width, 3), dtype=np.uint8)
@@ -373,8 +380,12 @@ def gradient_frames(
             y = height / 2 + (cy + vy * k - height / 2 + height) % (2 * height) - height
             x = (cx + vx * k) % (width + 2 * r) - r
             y = np.clip(y, r, height - r)
-            shadow = np.exp(-((yy - y - 0.9 * r) ** 2 / (0.3 * r) ** 2 + (xx - x - 0.4 * r) ** 2
-                              / (1.1 * r) ** 2))[..., None]
+            shadow = np.exp(
+                -(
+                    (yy - y - 0.9 * r) ** 2 / (0.3 * r) ** 2
+                    + (xx - x - 0.4 * r) ** 2 / (1.1 * r) ** 2
+                )
+            )[..., None]
             img = img * (1 - 0.45 * shadow)
             cover, shade = _ball(yy, xx, y, x, r, colour)
             img = img * (1 - cover) + shade * cover
@@ -426,8 +437,14 @@ def room_frames(
     floor_tex = texture(rng, 256, 256, slope=1.6) * 0.7 + 40
     wall_colour = rng.uniform(150, 220, 3)
     balls = [
-        (rng.uniform(0.15, 0.85), rng.uniform(-0.012, 0.012), rng.uniform(0.2, 1.0),
-         rng.uniform(0, 6), rng.uniform(12, 30), rng.uniform(40, 220, 3))
+        (
+            rng.uniform(0.15, 0.85),
+            rng.uniform(-0.012, 0.012),
+            rng.uniform(0.2, 1.0),
+            rng.uniform(0, 6),
+            rng.uniform(12, 30),
+            rng.uniform(40, 220, 3),
+        )
         for _ in range(4)
     ]
     out = np.empty((t, height, width, 3), dtype=np.uint8)
@@ -438,16 +455,18 @@ def room_frames(
             sway_x = 6 * np.sin(0.03 * time_) + 1.5 * np.sin(0.21 * time_)
             sway_y = 3 * np.sin(0.023 * time_ + 1)
             horizon = 0.45 * height + sway_y
-            X, Y = xx + sway_x, yy
-            light = 1 - 0.5 * (((X - 0.3 * width) / width) ** 2 + ((Y - 0.1 * height) / height) ** 2)
-            img = wall_colour * light[..., None] * (0.85 + 0.15 * Y / height)[..., None]
-            depth = np.clip(Y - horizon, 1e-3, None)
-            u = (X - width / 2) / depth * 40
+            gx = xx + sway_x
+            light = 1 - 0.5 * (
+                ((gx - 0.3 * width) / width) ** 2 + ((yy - 0.1 * height) / height) ** 2
+            )
+            img = wall_colour * light[..., None] * (0.85 + 0.15 * yy / height)[..., None]
+            depth = np.clip(yy - horizon, 1e-3, None)
+            u = (gx - width / 2) / depth * 40
             v = 4000 / depth
             fl = _sample(floor_tex, np.mod(v, 255), np.mod(u + 128, 255))
             haze = np.clip(depth / (0.3 * (height - horizon)), 0, 1)[..., None]  # no aliasing
             fl = (fl * haze + floor_tex.mean((0, 1)) * (1 - haze)) * light[..., None]
-            img = np.where((Y > horizon)[..., None], fl, img)
+            img = np.where((yy > horizon)[..., None], fl, img)
             drawn = []
             for bx, vx, bounce, phase, r, colour in balls:
                 x = (bx + vx * time_) % 1.2 - 0.1
@@ -456,7 +475,7 @@ def room_frames(
                 ground = horizon + (height - horizon) * (0.25 + 0.7 * z)
                 hop = abs(np.sin(0.15 * time_ + phase)) * 40 * bounce * (0.6 + 0.6 * z)
                 drawn.append((z, x * width - sway_x, ground - rr - hop, rr, ground, colour))
-            for z, x, y, rr, ground, colour in sorted(drawn, key=lambda d: d[0]):
+            for _z, x, y, rr, ground, colour in sorted(drawn, key=lambda d: d[0]):
                 shadow = np.exp(-((yy - ground) ** 2 / (0.25 * rr) ** 2 + (xx - x) ** 2 / rr**2))
                 img = img * (1 - 0.5 * shadow[..., None])
                 cover, shade = _ball(yy, xx, y, x, rr, colour)
