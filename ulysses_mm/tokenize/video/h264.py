@@ -17,8 +17,9 @@ The stream is built for ids a model writes, not for a file:
   every ``keyint`` frames (at least one macroblock column a frame) and motion vectors
   never reach from the refreshed part into the stale one. Average-bitrate rate control at
   ``tokens_per_frame`` ids a frame, with a VBV buffer of ``buffer_frames`` frames'
-  worth (filled at twice the average rate, half full at the start), bounds every frame,
-  the first included. ``intra_refresh: false`` puts a keyframe every ``keyint`` frames
+  worth (filled at twice the average rate, half full at the start; at least 2, one frame
+  at that rate), bounds every frame, the first included; a tight rate tolerance holds a
+  clip's average near ``tokens_per_frame`` when its content gets harder on the way. ``intra_refresh: false`` puts a keyframe every ``keyint`` frames
   instead, under the same bound.
 - **Damage stays local and heals.** Each slice holds at most ``slice_bytes`` bytes (x264
   splits a frame by size; a start code begins each slice, a point to resync): a wrong id
@@ -32,7 +33,9 @@ The stream is built for ids a model writes, not for a file:
   so a packed sample that continues a clip decodes from its first whole frame, and the
   picture is complete once a sweep has passed.
 - **Fidelity first.** x264's psychovisual options are off (``tune=psnr``): the ids are
-  judged by how close the decoded frames are to the input.
+  judged by how close the decoded frames are to the input, in RGB, so chroma gets a finer
+  quantizer than x264 gives it by default, and the decoder interpolates it back to full
+  size (:func:`yuv420_rgb`) rather than repeating each sample over its 2x2 block.
 
 Decoding never fails on ids a model wrote: only slice NAL units reach the decoder (so
 wrong ids cannot replace its SPS/PPS), a frame the decoder rejects repeats the previous one
