@@ -485,8 +485,9 @@ def room_frames(
     return out
 
 
-# name -> (generator, seed): the synthetic clips the video benchmarks report on; ``zoom``
-# is the one video-h264's params were chosen on, the others are held out
+# name -> (generator, seed): the synthetic clips the video benchmarks report on; video-h264's
+# params were chosen on ``zoom``, ``dolly`` and ``gradient``, the others are held out
+# (``photo`` and ``room`` made to look more like camera footage)
 SCENES = {
     "pan": (pan_frames, 11),
     "cut": (cut_frames, 12),
