@@ -17,8 +17,9 @@ The stream is built for ids a model writes, not for a file:
   every ``keyint`` frames (at least one macroblock column a frame) and motion vectors
   never reach from the refreshed part into the stale one. Average-bitrate rate control at
   ``tokens_per_frame`` ids a frame, with a VBV buffer of ``buffer_frames`` frames'
-  worth (filled at twice the average rate, half full at the start), bounds every frame,
-  the first included. ``intra_refresh: false`` puts a keyframe every ``keyint`` frames
+  worth (filled at twice the average rate, half full at the start; at least 2, one frame
+  at that rate), bounds every frame, the first included; a tight rate tolerance holds a
+  clip's average near ``tokens_per_frame`` when its content gets harder on the way. ``intra_refresh: false`` puts a keyframe every ``keyint`` frames
   instead, under the same bound.
 - **Damage stays local and heals.** Each slice holds at most ``slice_bytes`` bytes (x264
   splits a frame by size; a start code begins each slice, a point to resync): a wrong id
@@ -32,7 +33,9 @@ The stream is built for ids a model writes, not for a file:
   so a packed sample that continues a clip decodes from its first whole frame, and the
   picture is complete once a sweep has passed.
 - **Fidelity first.** x264's psychovisual options are off (``tune=psnr``): the ids are
-  judged by how close the decoded frames are to the input.
+  judged by how close the decoded frames are to the input, in RGB, so chroma gets a finer
+  quantizer than x264 gives it by default, and the decoder interpolates it back to full
+  size (:func:`yuv420_rgb`) rather than repeating each sample over its 2x2 block.
 
 Decoding never fails on ids a model wrote: only slice NAL units reach the decoder (so
 wrong ids cannot replace its SPS/PPS), a frame the decoder rejects repeats the previous one
@@ -63,16 +66,47 @@ VOCAB = PAIRS + 256  # then 65536 + c: a packet's odd last byte
 PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower")
 # FFmpeg's bitstream filter keeping only coded slices (non-IDR 1, IDR 5) of a packet.
 SLICES_ONLY = "filter_units=pass_types=1|5"
+# FFmpeg's H.264 decoder: every frame out at once, even one decoded without its references
+DECODER_OPTIONS = {"flags": "+low_delay", "flags2": "+showall"}
 
 _SCHEMA: ParamSchema = {
     **FRAME_PARAMS,
-    "tokens_per_frame": ((int,), 224),  # the rate control's average ids per frame
+    "tokens_per_frame": ((int,), 248),  # the rate control's average ids per frame
     "keyint": ((int,), 32),  # frames per refresh period (a sweep, or a keyframe)
     "intra_refresh": ((bool,), True),  # periodic intra refresh instead of keyframes
     "slice_bytes": ((int,), 150),  # bytes per slice at most (0: one slice per frame)
     "buffer_frames": ((int, float), 2.0),  # VBV buffer, in frames at tokens_per_frame
-    "preset": ((str,), "medium"),  # libx264's speed/efficiency preset
+    "preset": ((str,), "slower"),  # libx264's speed/efficiency preset
 }
+
+
+def _upsample(c: np.ndarray) -> np.ndarray:
+    """A chroma plane at twice its size, bilinear (each sample sits at the centre of its
+    2x2 luma block, as the encoder's conversion averaged it), edges repeated."""
+    p = np.pad(c.astype(np.float32), 1, mode="edge")
+    rows = np.empty((2 * c.shape[0], p.shape[1]), dtype=np.float32)
+    rows[0::2] = 0.75 * p[1:-1] + 0.25 * p[:-2]
+    rows[1::2] = 0.75 * p[1:-1] + 0.25 * p[2:]
+    out = np.empty((rows.shape[0], 2 * c.shape[1]), dtype=np.float32)
+    out[:, 0::2] = 0.75 * rows[:, 1:-1] + 0.25 * rows[:, :-2]
+    out[:, 1::2] = 0.75 * rows[:, 1:-1] + 0.25 * rows[:, 2:]
+    return out
+
+
+def yuv420_rgb(yuv: np.ndarray) -> np.ndarray:
+    """A decoded yuv420p picture (PyAV's [3h/2, w] planes: Y, then U, then V) as uint8 RGB
+    [h, w, 3]: BT.601 limited range, the encoder's conversion, with the chroma interpolated
+    (FFmpeg's own conversion repeats each chroma sample over its 2x2 block)."""
+    h = yuv.shape[0] * 2 // 3
+    w = yuv.shape[1]
+    y = (yuv[:h].astype(np.float32) - 16) * np.float32(255 / 219)
+    u = _upsample(yuv[h : h + h // 4].reshape(h // 2, w // 2)) - 128
+    v = _upsample(yuv[h + h // 4 :].reshape(h // 2, w // 2)) - 128
+    k = np.float32(255 / 224)
+    rgb = np.stack(
+        [y + 1.402 * k * v, y - 0.344136 * k * u - 0.714136 * k * v, y + 1.772 * k * u], axis=-1
+    )
+    return np.clip(np.rint(rgb), 0, 255).astype(np.uint8)
 
 
 def packet_ids(packet: bytes) -> np.ndarray:
@@ -115,8 +149,11 @@ class H264VideoTokenizer(VideoTokenizer):
                 raise DataError(f"{where}: param {key!r} must be >= 1")
         if p["slice_bytes"] != 0 and p["slice_bytes"] < 64:
             raise DataError(f"{where}: param 'slice_bytes' must be 0 (one slice) or >= 64")
-        if not p["buffer_frames"] >= 1:
-            raise DataError(f"{where}: param 'buffer_frames' must be >= 1")
+        if not p["buffer_frames"] >= 2:  # libx264 raises a smaller buffer to 2 anyway
+            raise DataError(
+                f"{where}: param 'buffer_frames' must be >= 2 (the buffer holds at least one "
+                "frame at the peak rate, twice the average)"
+            )
         if spec.vocab_size != VOCAB:
             raise DataError(f"{where}: a video-h264 spec has vocab_size {VOCAB}")
         import av
@@ -159,6 +196,11 @@ class H264VideoTokenizer(VideoTokenizer):
             f"min-keyint={p['keyint']}",
             "scenecut=0",  # refresh on the grid only: a function of the frame count
             "vbv-init=0.5",  # the first frame gets half the buffer, like any other
+            # a clip's average close to tokens_per_frame even when its content gets harder
+            # on the way (no look-ahead: x264's default tolerance lets short clips overshoot)
+            "ratetol=0.25",
+            # PSNR is measured on RGB, where chroma errors count as much as luma ones
+            "chroma-qp-offset=-2",
         ]
         if p["intra_refresh"]:
             x264.append("intra-refresh=1")
@@ -236,8 +278,7 @@ class H264VideoTokenizer(VideoTokenizer):
         dec = av.CodecContext.create("h264", "r")
         dec.thread_count = 1
         dec.extradata = self.headers()
-        # every frame out at once, even one decoded without its references
-        dec.options = {"flags": "+low_delay", "flags2": "+showall"}
+        dec.options = dict(DECODER_OPTIONS)
         slices = self._slices_only()
         prev: np.ndarray = np.full((self.size, self.size, 3), 128, dtype=np.uint8)
         out = np.empty((ends.size, self.size, self.size, 3), dtype=np.uint8)
@@ -249,7 +290,7 @@ class H264VideoTokenizer(VideoTokenizer):
             try:
                 for kept in slices.filter(av.Packet(packet)) if packet else ():
                     for f in dec.decode(kept):
-                        got = f.to_ndarray(format="rgb24")
+                        got = yuv420_rgb(f.to_ndarray(format="yuv420p"))
             except av.error.FFmpegError:
                 got = None
             if got is not None and got.shape == prev.shape and got.dtype == np.uint8:
