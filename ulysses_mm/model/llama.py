@@ -25,7 +25,7 @@ from ulysses_mm.core.errors import ConfigError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.heads import ModalityHeads
-from ulysses_mm.model.offload import offloaded_layers
+from ulysses_mm.model.offload import offloaded_layers, prefetch_after
 from ulysses_mm.model.tiling import tile_map
 
 
@@ -124,6 +124,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         q, k, v = self.qkv(x, cos, sin)
+        prefetch_after(q)  # an offloaded layer fetches the one before once past attention
         return self.out(self.core(q, k, v, mask))  # core: [b, n, hq, d]
 
 
@@ -173,6 +174,7 @@ class DecoderLayer(nn.Module):
             # token-wise parts in recomputed tiles: kept are x, the kernel's q, k, v, its
             # output (and what the kernel saves), not the norms' or MLP's activations
             q, k, v = tile_map(self._qkv, self.tile_tokens, x, cos, sin)
+            prefetch_after(q)  # an offloaded layer fetches the one before once past attention
             o = self.self_attn.core(q, k, v, mask)  # [b, n, hq, d]
             return tile_map(self._after_attention, self.tile_tokens, x, o)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)

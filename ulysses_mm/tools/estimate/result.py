@@ -123,13 +123,16 @@ def estimate(
     nccl_gib: float = NCCL_GIB_PER_COMMUNICATOR,
     gpu_mem_gib: float | None = None,
     config_name: str = "",
+    head_chunks: int | None = None,
 ) -> Estimate:
     """Per-rank memory of one training step of ``cfg`` at ``seq_len`` tokens per sample.
 
     ``device='cuda'`` estimates a GPU (foreach AdamW, flash scratch, allocator headroom,
     runtime reserve); ``device='cpu'`` the tensor memory of a CPU process, which
     :mod:`ulysses_mm.tools.measure` measures. The runtime reserve is CONTEXT_RESERVE_GIB plus
-    ``nccl_gib`` per NCCL communicator of the layout, or ``reserve_gib`` flat when given."""
+    ``nccl_gib`` per NCCL communicator of the layout, or ``reserve_gib`` flat when given.
+    ``head_chunks`` (default: parallel.head_chunks) runs attention in that many head
+    groups."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     if space is None:
@@ -139,7 +142,7 @@ def estimate(
         raise ConfigError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1")
     if ds.offload_param != "none" and ds.zero_stage != 3:
         raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
-    step = step_shape(cfg, seq_len, gpus, sp)
+    step = step_shape(cfg, seq_len, gpus, sp, head_chunks)
     sh = model_shape(cfg, space)
     cuda = device == "cuda"
     kernel = _kernel(cfg, device, step)
@@ -151,7 +154,7 @@ def estimate(
     offloaded = None
     host = zs.host
     if cfg.model.offload_checkpoints:
-        host += sh.layers * act.residual  # every layer's input, on the host
+        host += (sh.layers - 1) * act.residual  # every layer's input but the last, on the host
     elif cfg.model.activation_checkpointing:
         offloaded = max(p.bytes for p in phases(cfg, sh, zs, act, a, offload_checkpoints=True))
     if cuda and reserve_gib is None:
