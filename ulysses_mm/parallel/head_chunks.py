@@ -9,9 +9,10 @@ working set are alive at a time, so those shrink by C.
 
 Backward recomputes per group (:class:`_GroupedAttention`): group g's q, k, v and output
 gradient travel again, the kernel runs forward with autograd and back, and the gradients
-of q, k, v travel home into one dq, dk, dv. What the layer keeps between forward and
-backward is the caller's q, k, v (and the output buffer, as o_proj's input), not the
-kernel's saved set.
+of q, k, v travel home into one dq, dk, dv; dq is written over the output gradient's
+heads as each group is done with them (the output gradient is the function's own copy),
+so the two are one buffer. What the layer keeps between forward and backward is the
+caller's q, k, v (and the output buffer, as o_proj's input), not the kernel's saved set.
 
 Key/value heads (e = lcm(hk, U) after Ulysses replication, e/U per rank): when C divides
 e/U, group g takes e/(U·C) of them (kv groups stay whole); when e/U divides C, each group
@@ -19,12 +20,12 @@ takes the one kv head its query heads read, and it travels with every group that
 it. Replicated kv heads (e > hk) are gathered from the original heads by index, and their
 gradients summed back into them.
 
-Overlap: on CUDA the exchanges run on a side stream, ordered against the compute stream
-by events: in forward the next group's all-to-all runs while this group's kernel computes,
-and this group's output exchange while the next group's kernel computes; in backward this
-group's gradient exchange runs while the next group's q, k, v arrive and its kernel is
-recomputed (the next group is fetched once this group's kernel backward is done, so two
-groups' kernel working sets are never alive at once). On CPU the same code runs in order.
+Overlap: on CUDA the forward's exchanges run on a side stream, ordered against the
+compute stream by events: the next group's all-to-all runs while this group's kernel
+computes, and this group's output exchange while the next group's kernel computes. The
+backward runs in order on every device: a group's kernel backward is the high point of
+the step, and fetching the next group beside it would add a group's inputs to it. On CPU
+the same code runs in order.
 
 Dims: b batch, n = s/U tokens of this rank (N/(U·R) under a ring), s the sequence the
 local kernel sees, U Ulysses ranks, C groups, hg query and eg kv heads per group and rank,
@@ -49,8 +50,9 @@ from ulysses_mm.parallel.comm import Exchange, heads_to_seq_parts, seq_to_heads_
 @dataclass
 class HeadGroups:
     """Which heads group g holds: on rank j, query heads j·hq/U + g·hg + [0, hg) and kv
-    heads (expanded numbering) j·e/U + the group's local ones; ``kv_index[g]`` lists the
-    ORIGINAL kv head of each, in send order [U × eg] (None: a view of k, v serves)."""
+    heads (expanded numbering) j·e/U + ``kv_slots[g]``. Without replication the kv heads
+    are views of k, v; replicated ones are gathered by ``kv_index[g]``, the ORIGINAL kv
+    head of each in send order [U × eg]."""
 
     ulysses: int
     num_heads: int
@@ -61,19 +63,24 @@ class HeadGroups:
 
     def __post_init__(self) -> None:
         U, C, e = self.ulysses, self.chunks, self.kv_expanded
-        el = e // U
+        self.el = el = e // U
         self.hg = self.num_heads // U // C
         self.eg = el // C if el % C == 0 else 1
+        # the rank's kv heads group g reads: its own share, or the one its queries share
+        self.kv_slots = [
+            (g * self.eg, (g + 1) * self.eg) if el % C == 0 else (g * el // C, g * el // C + 1)
+            for g in range(C)
+        ]
         rep = e // self.num_kv_heads  # expanded heads per original kv head
-        view = rep == 1 and el % C == 0
         self.kv_index = []
-        for g in range(C):
-            if view:
+        for a, b in self.kv_slots:
+            if rep == 1:
                 self.kv_index.append(None)
-                continue
-            local = range(g * self.eg, (g + 1) * self.eg) if el % C == 0 else [g * el // C]
-            heads = [(j * el + i) // rep for j in range(U) for i in local]
-            self.kv_index.append(torch.tensor(heads, dtype=torch.long))
+            else:
+                heads = [(j * el + i) // rep for j in range(U) for i in range(a, b)]
+                self.kv_index.append(torch.tensor(heads, dtype=torch.long))
+        # a kv head's gradient comes from several groups (shared or replicated): summed
+        self.kv_shared = rep > 1 or el % C != 0
 
     def q_part(self, t: Tensor, g: int) -> Tensor:
         """[b, n, hq, d] -> group g's [b, n, U, hg, d] (a view)."""
@@ -85,7 +92,8 @@ class HeadGroups:
         b, n, _, d = t.shape
         idx = self.kv_index[g]
         if idx is None:
-            return t.view(b, n, self.ulysses, self.chunks, self.eg, d)[:, :, :, g]
+            a, z = self.kv_slots[g]
+            return t.view(b, n, self.ulysses, self.el, d)[:, :, :, a:z]
         return t.index_select(2, idx.to(t.device)).view(b, n, self.ulysses, self.eg, d)
 
     def q_put(self, dst: Tensor, src: Tensor, g: int) -> None:
@@ -96,16 +104,13 @@ class HeadGroups:
         """Group g's kv gradients [b, n, U, eg, d] into ``dst`` [b, n, hk, d]: written
         where the group owns its kv heads, summed where heads are shared or replicated."""
         idx = self.kv_index[g]
-        if idx is None:
-            self.kv_part(dst, g).copy_(src)
-        else:
+        if idx is not None:
             b, n, _, d = dst.shape
             dst.index_add_(2, idx.to(dst.device), src.reshape(b, n, -1, d))
-
-    @property
-    def kv_shared(self) -> bool:
-        """Whether a kv head's gradient comes from several groups (summed, from zeros)."""
-        return self.kv_index[0] is not None
+        elif self.kv_shared:
+            self.kv_part(dst, g).add_(src)
+        else:
+            self.kv_part(dst, g).copy_(src)
 
 
 class _Schedule:
@@ -224,53 +229,54 @@ class _GroupedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        # In order on every device: a group's kernel backward is the step's high point, so
+        # no second group is fetched beside it. ``dout`` is this function's own (a copy,
+        # see _OwnGrad): group g's dq goes into its heads once their dout has been read.
         run: GroupRun = ctx.run
         q, k, v = ctx.saved_tensors
         G, C = run.groups, run.groups.chunks
-        sched = _Schedule(q.device)
-        dout = dout.contiguous()
-        dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # each head by its one group
+        dq = dout.contiguous()
         new = torch.zeros if G.kv_shared else torch.empty  # shared kv heads' gradients add up
         dk = new(k.shape, dtype=k.dtype, device=k.device)
         dv = new(v.shape, dtype=v.dtype, device=v.device)
-
-        def scatter(g: int) -> Any:
-            def run_it() -> list[Tensor]:
-                parts = [G.q_part(q, g), G.kv_part(k, g), G.kv_part(v, g), G.q_part(dout, g)]
-                return run.to_heads(parts, "backward")
-
-            return sched.fetch(run_it, [q, k, v, dout])
-
-        def gather(grads: list[Tensor], g: int) -> None:
-            gq, gk, gv = run.to_seq(grads, "backward")
-            G.q_put(dq, gq, g)
-            G.kv_add(dk, gk, g)
-            G.kv_add(dv, gv, g)
-
-        pending = scatter(0)
         for g in range(C):
-            qg, kg, vg, dg = sched.take(pending)
+            parts = [G.q_part(q, g), G.kv_part(k, g), G.kv_part(v, g), G.q_part(dq, g)]
+            qg, kg, vg, dg = run.to_heads(parts, "backward")
+            del parts
             leaves = [t.detach().requires_grad_(True) for t in (qg, kg, vg)]
             del qg, kg, vg
             with torch.enable_grad():
                 og = run.local(*leaves, run.mask)
             grads = list(torch.autograd.grad(og, leaves, dg))
             del og, leaves, dg
-            if g + 1 < C:
-                # fetched once this group's kernel backward is done: one group's working
-                # set at a time; on CUDA it travels while this group's gradients do
-                pending = scatter(g + 1)
-            sched.post(functools.partial(gather, grads, g), [*grads, dq, dk, dv])
+            gq, gk, gv = run.to_seq(grads, "backward")
             del grads
-        sched.finish()
+            G.q_put(dq, gq, g)  # over group g's dout, read by now
+            G.kv_add(dk, gk, g)
+            G.kv_add(dv, gv, g)
+            del gq, gk, gv
         ctx.run = None
         return None, dq, dk, dv
+
+
+class _OwnGrad(torch.autograd.Function):
+    """Identity whose backward hands on a copy of the gradient: the incoming one may be
+    held elsewhere (a caller's tensor) and is freed here when it is not, so grouped
+    attention's backward may write dq into the copy."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad.clone(memory_format=torch.contiguous_format)
 
 
 def grouped_attention(run: GroupRun, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """Attention of q [b, n, hq, d], k, v [b, n, hk, d] (this rank's tokens) in the
     groups of ``run``; returns [b, n, hq, d]."""
-    return _GroupedAttention.apply(run, q, k, v)
+    return _OwnGrad.apply(_GroupedAttention.apply(run, q, k, v))
 
 
 def exchange_heads(num_heads: int, num_kv_heads: int, ulysses: int, chunks: int) -> tuple[int, int]:

@@ -5,11 +5,10 @@ sets of :mod:`ulysses_mm.tools.estimate.activations`).
 (not the kernel's saved set) and fills one output buffer [T, Q]; one group's q, k, v after
 the all-to-all, its kernel and their exchanges are alive at a time. A group holds, over
 the whole sequence of the kernel, hq/C query heads (Qg = Q/C) and U·eg kv heads (Kg; eg =
-e/(U·C), or 1 when the group reads one shared kv head). Backward recomputes each group:
-its q, k, v and output gradient arrive, the kernel runs forward and back, the gradients
-go home into one dq, dk, dv [T, Q + 2K]. On CPU the exchanges run in order; on CUDA the
-next group's q, k, v travel during a group's forward kernel, and a group's gradients
-during the next group's recomputation.
+e/(U·C), or 1 when the group reads one shared kv head). Backward recomputes each group in
+order: its q, k, v and output gradient arrive, the kernel runs forward and back, the
+gradients go home into dk, dv [T, 2K] and into the output gradient's own copy as dq. On
+CUDA the forward's next group travels during a group's kernel.
 """
 
 from __future__ import annotations
@@ -37,8 +36,7 @@ def group_heads(sh: ModelShape, U: int, C: int) -> tuple[int, int, bool]:
     e = sh.kv_expanded(U)
     el = e // U
     eg = el // C if el % C == 0 else 1
-    index = e != sh.kv_heads or el % C != 0
-    return sh.heads // C, U * eg, index
+    return sh.heads // C, U * eg, e != sh.kv_heads
 
 
 def grouped_sets(
@@ -55,7 +53,7 @@ def grouped_sets(
     bwd_in = T * (2 * Qg + 2 * Kg) * a  # ... and its output gradient
     og = T * Qg * a
     lse = 4 * T * sh.heads // C
-    temps = 2 * T * Kg * a if index else 0  # k, v gathered by index before they travel
+    temps = 2 * T * Kg * a if index else 0  # replicated k, v gathered before they travel
     flash = kernel in ("flash_varlen", "ring_flash")
     # inputs as the kernel sees them: what arrived (U > 1), contiguous copies of the
     # group's head views (flash-attn, U = 1), or the views and gathered k, v themselves
@@ -84,18 +82,20 @@ def grouped_sets(
         held_fwd + k_fwd + (qkv_g if cuda and U > 1 else 0),  # the next group in flight
         og + 2 * og if U > 1 else 0,  # the output's exchange
     )
-    full = T * (Q + 2 * K) * a + (out if tiled else 0)  # dq, dk, dv (and dout)
     group = max(
-        temps + 2 * bwd_in if U > 1 else 0,
+        temps + 2 * bwd_in if U > 1 else 0,  # the exchange in
         held_bwd + k_bwd,
-        3 * grads_g if U > 1 else grads_g,  # the gradients' exchange
-        # CUDA: a group's gradients travel while the next group arrives and recomputes
-        3 * grads_g + bwd_in + og + lse if cuda and U > 1 else 0,
+        3 * grads_g if U > 1 else grads_g,  # the gradients' exchange home
     )
+    # the output gradient's own copy (which becomes dq) beside the incoming one, then dq,
+    # dk, dv and one group; without layer tiles the output gradient stands in place of
+    # the output kept as o_proj's input, which is counted as kept
+    dkv = 2 * T * K * a
+    backward = max(2 * out, out + dkv + group) if tiled else max(out, dkv + group)
     return GroupedSets(
         kernel_saved=T * (Q + 2 * K) * a,
         group=qkv_g,
         exchange=2 * bwd_in if U > 1 else 0,
         forward=forward,
-        backward=full + group,
+        backward=backward,
     )

@@ -38,6 +38,10 @@ CONTEXT_RESERVE_GIB = 1.0
 # ... and NCCL's buffers per communicator (channels × peers × NCCL_BUFFSIZE, plus NVLS
 # buffers on NVSwitch nodes): a low default, ``--nccl-reserve`` sets the node's.
 NCCL_GIB_PER_COMMUNICATOR = 0.5
+# A node's host memory and GPUs (an 8-GPU node with 2 TiB): what offloaded states and
+# checkpoints may take, ``--host-mem`` and ``--gpus-per-node`` set the node's.
+HOST_GIB_PER_NODE = 2048.0
+GPUS_PER_NODE = 8
 
 
 @dataclass
@@ -70,6 +74,8 @@ class Estimate:
     offloaded_peak: int | None  # the peak with checkpoints offloaded (what-if)
     gpu_mem: int | None = None
     notes: list[str] = field(default_factory=list)
+    host_mem: int | None = None  # host memory of one node (bytes)
+    gpus_per_node: int = GPUS_PER_NODE
     # bytes one rank sends per layer: the all-to-all over U ranks and the ring of R
     # (ulysses_mm.parallel.ring.ring_theory_bytes), forward and backward
     sent_per_layer: dict[str, int] = field(default_factory=dict)
@@ -93,6 +99,19 @@ class Estimate:
     def fits(self) -> bool | None:
         return None if self.gpu_mem is None else self.total <= self.gpu_mem
 
+    @property
+    def node_gpus(self) -> int:
+        """GPUs of this run on one node, sharing its host memory."""
+        return min(self.step.gpus, self.gpus_per_node)
+
+    @property
+    def host_per_node(self) -> int:
+        return self.host * self.node_gpus
+
+    @property
+    def host_fits(self) -> bool | None:
+        return None if self.host_mem is None else self.host_per_node <= self.host_mem
+
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
 
@@ -106,6 +125,8 @@ class Estimate:
         d["total"] = self.total
         d["offloaded_total"] = self.offloaded_total
         d["fits"] = self.fits
+        d["host_per_node"] = self.host_per_node
+        d["host_fits"] = self.host_fits
         return d
 
 
@@ -124,6 +145,8 @@ def estimate(
     gpu_mem_gib: float | None = None,
     config_name: str = "",
     head_chunks: int | None = None,
+    host_mem_gib: float | None = None,
+    gpus_per_node: int = GPUS_PER_NODE,
 ) -> Estimate:
     """Per-rank memory of one training step of ``cfg`` at ``seq_len`` tokens per sample.
 
@@ -132,7 +155,8 @@ def estimate(
     :mod:`ulysses_mm.tools.measure` measures. The runtime reserve is CONTEXT_RESERVE_GIB plus
     ``nccl_gib`` per NCCL communicator of the layout, or ``reserve_gib`` flat when given.
     ``head_chunks`` (default: parallel.head_chunks) runs attention in that many head
-    groups."""
+    groups; ``host_mem_gib`` is the host memory of a node of ``gpus_per_node`` GPUs that
+    the offloaded states and checkpoints of its GPUs share (:attr:`Estimate.host_fits`)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     if space is None:
@@ -193,6 +217,8 @@ def estimate(
         gpu_mem=int(gpu_mem_gib * GiB) if gpu_mem_gib else None,
         notes=_notes(kernel, step, act),
         sent_per_layer=sent_per_layer(sh, step, a),
+        host_mem=int(host_mem_gib * GiB) if host_mem_gib else None,
+        gpus_per_node=gpus_per_node,
     )
 
 
