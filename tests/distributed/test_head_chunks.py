@@ -119,14 +119,17 @@ def _model_cases(mesh: Mesh, seq_len: int = 96) -> list[str]:
     for i, (extra, chunk_values) in enumerate(MODEL_CASES):
         cfg = ModelConfig(modalities=VOCAB, **TINY, **extra)
         batch = random_batch(SPACE, mesh.dp, seq_len, seed=5 + i, min_doc=3)
-        local = sp_slice(batch.rows(mesh.dp_rank, mesh.dp_rank + 1), mesh.sp_rank, mesh.sp, mesh.ring)
+        local = sp_slice(
+            batch.rows(mesh.dp_rank, mesh.dp_rank + 1), mesh.sp_rank, mesh.sp, mesh.ring
+        )
         share0, report0, grads0 = _loss_and_grads(_model(cfg, mesh, 1), local, mesh)
         for chunks in chunk_values:
             share, report, grads = _loss_and_grads(_model(cfg, mesh, chunks), local, mesh)
             assert_close(share, share0, rtol=1e-6, atol=1e-7)
             assert report.total == pytest.approx(report0.total, rel=1e-6)
             for name, g in grads.items():
-                assert_close(g, grads0[name], **TOL, msg=lambda m, n=name: f"C={chunks} {n}: {m}")
+                what = f"C={chunks} {name}"
+                assert_close(g, grads0[name], **TOL, msg=lambda m, w=what: f"{w}: {m}")
             done.append(f"{i}:C={chunks}")
         assert HOST.live == 0
     return done
@@ -162,9 +165,7 @@ def _engine_case(rank, world) -> bool:
         rt = build_setup(cfg, SPACE, open_world(cfg, device="cpu"))
         rows = batch.rows(rt.mesh.dp_rank, rt.mesh.dp_rank + 1)
         loss, _ = forward_backward(rt.engine, rt.slice_of(rows), rt.weights, rt.mesh)
-        grads = {
-            n: safe_get_full_grad(p).clone() for n, p in rt.engine.module.named_parameters()
-        }
+        grads = {n: safe_get_full_grad(p).clone() for n, p in rt.engine.module.named_parameters()}
         out.append((loss, grads))
         rt.engine.destroy()
     (loss1, g1), (loss2, g2) = out
@@ -229,7 +230,9 @@ def test_layout_refuses_head_chunks_that_do_not_split_the_heads():
     assert valid_head_chunks(32, 8, 1) == [1, 2, 4, 8, 16, 32]
     assert valid_head_chunks(12, 4, 1) == [1, 2, 4, 12]  # 3, 6: a group would straddle
     check_layout(8, num_heads=32, num_kv_heads=8, head_chunks=4)
-    with pytest.raises(LayoutError, match=r"head_chunks=8 does not split the 4 query heads .*\[1, 2, 4\]"):
+    with pytest.raises(
+        LayoutError, match=r"head_chunks=8 does not split the 4 query heads .*\[1, 2, 4\]"
+    ):
         check_layout(8, num_heads=32, num_kv_heads=8, head_chunks=8)
     # with a ring, the groups split the heads of a Ulysses rank (U = sp / R)
     check_layout(8, num_heads=32, num_kv_heads=8, ring=2, seq_len=64, head_chunks=8)

@@ -13,6 +13,7 @@ D hidden, hq/hk query/key-value heads, d head dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -220,6 +221,9 @@ class MultimodalLM(nn.Module):
     space: TokenSpace
     model: Backbone
     heads: ModalityHeads
+    # rearranges (hidden, labels, label_modality) before the heads; a parallelism sets it
+    # (ulysses_mm.parallel.loss_balance), the model only calls it
+    target_exchange: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor, Tensor]] | None = None
 
     def __init__(self, cfg: ModelConfig, space: TokenSpace, kernel: str = "auto") -> None:
         super().__init__()
@@ -261,7 +265,10 @@ class MultimodalLM(nn.Module):
     def loss_terms(
         self, hidden: Tensor, labels: Tensor, label_modality: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """Per-modality (sum of cross-entropy, count of targets) over this process's tokens."""
+        """Per-modality (sum of cross-entropy, count of targets) over this process's tokens
+        (over the targets :attr:`target_exchange` gives it, when set)."""
+        if self.target_exchange is not None:
+            hidden, labels, label_modality = self.target_exchange(hidden, labels, label_modality)
         return self.heads.loss_terms(hidden, labels, label_modality)
 
 

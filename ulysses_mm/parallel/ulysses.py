@@ -37,6 +37,7 @@ from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.llama import Attention, DecoderLayer, MultimodalLM
 from ulysses_mm.parallel.comm import CommStats, Exchange, Workspace, gather_heads, scatter_heads
 from ulysses_mm.parallel.head_chunks import GroupRun, HeadGroups, grouped_attention
+from ulysses_mm.parallel.loss_balance import apply_target_balance
 from ulysses_mm.parallel.mesh import Mesh
 from ulysses_mm.parallel.ring import RingAttention
 
@@ -134,8 +135,9 @@ def apply_ulysses(
     sequence-parallel over ``mesh.sp``, in place: Ulysses over the U = sp / ring ranks of
     the Ulysses group and, when ``mesh.ring`` > 1, ring attention across the R groups
     (``ring_stats`` counts its bytes); with ``head_chunks`` = C > 1 in C groups of heads
-    (also at sp = 1). Raises before any collective if the heads do not split over U (and
-    C)."""
+    (also at sp = 1); and the loss's targets spread evenly over the SP group
+    (:mod:`~ulysses_mm.parallel.loss_balance`). Raises before any collective if the heads
+    do not split over U (and C)."""
     attns = attention_modules(model)
     for attn in attns:
         check_layout(
@@ -173,4 +175,7 @@ def apply_ulysses(
             ring=mesh.ring,
             head_chunks=head_chunks,
         )
+    # every rank of the SP group computes the loss of an equal share of each modality's
+    # targets, so the ranks' loss working sets (and peaks) match
+    apply_target_balance(model, mesh.sp_group, mesh.sp, mesh.sp_rank)
     return model
