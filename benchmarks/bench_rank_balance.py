@@ -3,7 +3,8 @@ over the SP group (``ulysses_mm.parallel.loss_balance``) and without.
 
 The step is the training path (the run config's model, Ulysses, the DeepSpeed engine,
 global loss, backward, optimizer step); the batch is a random packed multimodal sample
-(documents of random modality and length, some switching modality, the tail padded) over
+(documents of random modality and of 4 to ``--max-doc`` tokens, some switching modality,
+the tail padded: a loss tile holds several documents) over
 a token space with a text head (``--text-vocab``) beside the shipped DNA, audio and video
 heads. Each rank's peak tensor memory above the step's start is counted with
 ``TensorMemoryTracker``; the ratio of the highest to the lowest rank is printed for each
@@ -45,7 +46,7 @@ def worker(args: argparse.Namespace) -> dict:
     rt = build_setup(cfg, space, open_world(cfg, device="cpu"))
     balance = rt.model.target_exchange
     train_step(rt, [random_batch(space, 1, 16 * args.P, seed=1)], grad_norm=False)  # warm-up
-    batch = random_batch(space, 1, args.seq_len, seed=args.seed)
+    batch = random_batch(space, 1, args.seq_len, seed=args.seed, max_doc=args.max_doc)
     out = {}
     for name, exchange in (("unbalanced", None), ("balanced", balance)):
         rt.model.target_exchange = exchange
@@ -71,6 +72,9 @@ def main() -> None:
     ap.add_argument("--sp", type=int, nargs="+", default=[2, 4], help="SP sizes")
     ap.add_argument("--text-vocab", type=int, default=32000, help="the text head's width")
     ap.add_argument("--seed", type=int, default=0, help="seed of the sample")
+    ap.add_argument(
+        "--max-doc", type=int, default=512, help="longest document (lengths are uniform from 4)"
+    )
     args = ap.parse_args()
     print(
         f"per-rank peak above the step's start, one training step of {args.config}, "

@@ -14,6 +14,9 @@ offload holds is measured apart from the peak and must be the estimate's. Three 
 hybrid Ulysses × ring (parallel.ring = 2) in a world of 4: (U, R) = (1, 2) under dp 2 in
 fp32 and in bf16 with ZeRO-2 and checkpointing, and (2, 2); at 1,024 tokens the ring's dense
 per-block scores ([b, hq/U, N/R, N/R] fp32, five at once in backward) are most of the peak.
+Three run attention in head groups (``parallel.head_chunks``): C = 2 and 4 at SP=2 with
+heads four times wider than the model and the memory modes on (the groups' attention sets
+at the peak), and C = 4 under the ring (1, 2).
 """
 
 from __future__ import annotations
@@ -52,6 +55,16 @@ DEEP = ["model.num_hidden_layers=8", "model.activation_checkpointing=true"]
 OFFLOAD = ["model.offload_checkpoints=true"]
 TILES = ["model.layer_tile_tokens=1024"]
 RING = ["parallel.ring=2"]
+# attention in head groups: heads wider than the model (8 × 32 = 4 D), the memory modes on
+WIDE = [
+    "model.num_attention_heads=8",
+    "model.head_dim=32",
+    "model.num_hidden_layers=4",
+    "model.activation_checkpointing=true",
+    "model.offload_checkpoints=true",
+    "model.layer_tile_tokens=512",
+    "model.loss_tile_tokens=256",
+]
 # (id, config file, overrides, seq_len, sp)
 CASES = [
     ("debug-tiny-sp1", "debug-tiny.yaml", [], 8192, 1),
@@ -93,6 +106,23 @@ CASES = [
         2,
     ),
     ("debug-tiny-ring-u1-r2-dp2", "debug-tiny.yaml", [*RING, "parallel.dp=2"], 1024, 2),
+    *[
+        (
+            f"debug-tiny-wide-heads-chunks{c}-sp2",
+            "debug-tiny.yaml",
+            [*WIDE, f"parallel.head_chunks={c}"],
+            4096,
+            2,
+        )
+        for c in (2, 4)
+    ],
+    (
+        "debug-tiny-ring-u1-r2-chunks4",
+        "debug-tiny.yaml",
+        [*RING, "model.num_attention_heads=8", "parallel.head_chunks=4"],
+        1024,
+        2,
+    ),
     ("debug-tiny-ring-u2-r2", "debug-tiny.yaml", RING, 1024, 4),
     (
         "debug-tiny-ring-u1-r2-bf16-zero2-ckpt-dp2",

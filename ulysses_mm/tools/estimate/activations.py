@@ -182,6 +182,10 @@ def activations(
     loss = tile * (max(2 * D * a + 12 * Vw, 4 * D * a + (4 + low) * Vw) + 24)
     if tile < T:  # the tiles' hidden-state gradients fill one buffer (offload.tiles)
         loss += x
+    if P > 1:
+        # the targets spread over the SP group (parallel.loss_balance): their gradients
+        # travel home beside the rows' gradient buffer and the [T, D] they land in
+        loss = max(loss, 3 * x)
     final_norm, final_norm_bwd = norm, norm_bwd
     tile_saved = tile_fwd = tile_bwd = 0
     if layer_tiled:
