@@ -1,16 +1,18 @@
 """Attention in head groups (``parallel.head_chunks`` = C): measured peak memory above the
 step's start per token and tokens/s for C = 1, 2, 4 at one shape, beside the estimate.
 
-The shape is debug-tiny deepened to 8 layers of 8 query / 2 kv heads with the memory
-modes of the large configs on (activation checkpointing, checkpoints offloaded to the
-host, layer tiles of 1,024 tokens, loss tiles of 512), SP=2, 16,384 tokens in documents
-of 1,024: there the attention's kept q, k, v and working sets are a large part of the
-peak. Each C runs a warm-up step, then ``--steps`` training steps of the real training
-path (``ulysses_mm.tools.measure``: DeepSpeed engine, gloo, fp32), all three in one world
-side by side; the peak counts every tensor (``TensorMemoryTracker``), the slowest rank's
-figures count, and ``estimate(device="cpu")`` gives the same quantity.
+The shape is debug-tiny (D 64) with 8 query / 2 kv heads of 32 (the heads four times
+wider than the model, as attention's share of memory is at long context), 4 layers, and
+the memory modes of the large configs on (activation checkpointing, checkpoints offloaded
+to the host, layer tiles of 1,024 tokens, loss tiles of 512), SP=2, 8,192 tokens in
+documents of 1,024: there attention's kept q, k, v and its working sets make the peak.
+Each C runs a warm-up step, then ``--steps`` training steps of the real training path
+(``ulysses_mm.tools.measure``: DeepSpeed engine, gloo, fp32), all three in one world side
+by side; the peak counts every tensor (``TensorMemoryTracker``), the rank with the
+highest peak counts (the slowest for time), and ``estimate(device="cpu")`` gives the same
+quantity.
 
-    python benchmarks/bench_head_chunks.py [--seq-len 16384] [--sp 2] [--steps 2]
+    python benchmarks/bench_head_chunks.py [--seq-len 8192] [--sp 2] [--steps 2]
 
 Last line: ``shrink_c4=X est_shrink_c4=Y step_time_ratio_c4=Z`` (the peak above the
 step's start at C=1 over C=4, measured and estimated; C=4's step time over C=1's).
@@ -27,7 +29,8 @@ CHUNKS = (1, 2, 4)
 SHAPE = [
     "model.num_attention_heads=8",
     "model.num_key_value_heads=2",
-    "model.num_hidden_layers=8",
+    "model.head_dim=32",
+    "model.num_hidden_layers=4",
     "model.activation_checkpointing=true",
     "model.offload_checkpoints=true",
     "model.layer_tile_tokens=1024",
@@ -83,7 +86,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--config", default="configs/debug-tiny.yaml", help="base run config")
-    ap.add_argument("--seq-len", type=int, default=16384, help="tokens per sample N")
+    ap.add_argument("--seq-len", type=int, default=8192, help="tokens per sample N")
     ap.add_argument("--doc-len", type=int, default=1024, help="packed document length")
     ap.add_argument("--sp", type=int, default=2, help="SP size (processes)")
     ap.add_argument("--steps", type=int, default=2, help="timed steps per C")

@@ -110,10 +110,15 @@ def run_cli(args: Any) -> int:
         print(json.dumps(out, indent=1))
         return 0
     if per_chunks is not None:
-        what = "longest sequence" if args.max else "total bytes per GPU"
+        what = "longest sequence" if args.max else "total per GPU"
+        shown = (
+            {c: f"{v:,}" for c, v in per_chunks.items()}
+            if args.max
+            else {c: f"{v / GiB:.2f} GiB" for c, v in per_chunks.items()}
+        )
         print(
             f"head chunks auto: {est.step.head_chunks} ({what} by head chunks: "
-            + ", ".join(f"{c}: {v:,}" for c, v in per_chunks.items())
+            + ", ".join(f"{c}: {v}" for c, v in shown.items())
             + ")"
         )
     if args.max:
