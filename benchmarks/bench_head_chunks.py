@@ -6,13 +6,14 @@ wider than the model, as attention's share of memory is at long context), 4 laye
 the memory modes of the large configs on (activation checkpointing, checkpoints offloaded
 to the host, layer tiles of 1,024 tokens, loss tiles of 512), SP=2, 8,192 tokens in
 documents of 1,024: there attention's kept q, k, v and its working sets make the peak.
-Each C runs a warm-up step, then ``--steps`` training steps of the real training path
-(``ulysses_mm.tools.measure``: DeepSpeed engine, gloo, fp32), all three in one world side
-by side; the peak counts every tensor (``TensorMemoryTracker``), the rank with the
-highest peak counts (the slowest for time), and ``estimate(device="cpu")`` gives the same
-quantity.
+Each C runs training steps of the real training path (``ulysses_mm.tools.measure``:
+DeepSpeed engine, gloo, fp32), all three in one world: the first step at this length
+gives the memory (the peak counts every tensor, ``TensorMemoryTracker``; the rank with the
+highest peak counts, and ``estimate(device="cpu")`` gives the same quantity), then
+``--steps`` rounds of one step per C, interleaved, give the time (the fastest of each C,
+the slowest rank).
 
-    python benchmarks/bench_head_chunks.py [--seq-len 8192] [--sp 2] [--steps 2]
+    python benchmarks/bench_head_chunks.py [--seq-len 8192] [--sp 2] [--steps 3]
 
 Last line: ``shrink_c4=X est_shrink_c4=Y step_time_ratio_c4=Z`` (the peak above the
 step's start at C=1 over C=4, measured and estimated; C=4's step time over C=1's).
@@ -49,21 +50,35 @@ def _cfg(args: argparse.Namespace, chunks: int):
 
 
 def worker(args: argparse.Namespace) -> dict:
+    import time
+
     import torch
 
     from ulysses_mm.parallel.mesh import open_world
     from ulysses_mm.tools.measure import StepRunner
 
     torch.set_num_threads(1)
-    out = {}
-    for chunks in CHUNKS:
-        cfg = _cfg(args, chunks)
-        runner = StepRunner(cfg, open_world(cfg, device="cpu"))
-        try:
-            runner.measure(args.seq_len, args.doc_len)  # warm at this length
-            out[chunks] = runner.measure(args.seq_len, args.doc_len, steps=args.steps).to_dict()
-        finally:
-            runner.close()
+    runners, out = {}, {}
+    try:
+        for chunks in CHUNKS:
+            cfg = _cfg(args, chunks)
+            runners[chunks] = StepRunner(cfg, open_world(cfg, device="cpu"))
+            # memory: the first step at this length, as the estimate counts it (the
+            # buffers it makes included)
+            out[chunks] = runners[chunks].measure(args.seq_len, args.doc_len).to_dict()
+        # time: the same steps, the three settings interleaved round by round
+        batch = runners[1]._batch(args.seq_len, args.doc_len)
+        times: dict[int, list[float]] = {c: [] for c in CHUNKS}
+        for r in range(args.steps):
+            for chunks in CHUNKS[r % 2 :: 1] + CHUNKS[: r % 2]:
+                t0 = time.perf_counter()
+                runners[chunks]._step(batch)
+                times[chunks].append(time.perf_counter() - t0)
+        for chunks in CHUNKS:
+            out[chunks]["step_s"] = min(times[chunks])
+    finally:
+        for chunks in reversed(list(runners)):  # memory trackers leave in reverse order
+            runners[chunks].close()
     return out
 
 
@@ -89,7 +104,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=8192, help="tokens per sample N")
     ap.add_argument("--doc-len", type=int, default=1024, help="packed document length")
     ap.add_argument("--sp", type=int, default=2, help="SP size (processes)")
-    ap.add_argument("--steps", type=int, default=2, help="timed steps per C")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per C (the fastest counts)")
     args = ap.parse_args()
     res = launch_local(worker, args.sp, args) if args.sp > 1 else {0: worker(args)}
     tokens = args.seq_len // args.sp
