@@ -54,7 +54,10 @@ def _attention(q, k, v, doc, kernel, group, chunks, rank, world, stats=None):
     if not out.requires_grad:
         return out, []
     g = torch.Generator().manual_seed(7)
-    out.backward(torch.randn(q.shape, generator=g)[:, sl])
+    grad = torch.randn(q.shape, generator=g)[:, sl]
+    kept = grad.clone()
+    out.backward(grad)
+    assert torch.equal(grad, kept)  # the caller's gradient is read, never written
     return out, [t.grad for t in ins]
 
 
@@ -208,11 +211,12 @@ def test_head_chunks_change_nothing_in_one_process():
 def test_groups_take_the_heads_their_queries_read():
     # U = 2, 16 query / 4 kv heads: e/U = 2 kv heads per rank, C = 2 splits them
     g = HeadGroups(2, 16, 4, 4, 2)
-    assert (g.hg, g.eg, g.kv_index) == (4, 1, [None, None])
-    # C = 4: each group reads one kv head, shared with the next group
+    assert (g.hg, g.eg, g.kv_slots, g.kv_shared) == (4, 1, [(0, 1), (1, 2)], False)
+    # C = 4: each group reads one kv head (a view), shared with the next group
     g = HeadGroups(2, 16, 4, 4, 4)
-    assert g.hg == 2 and [t.tolist() for t in g.kv_index] == [[0, 2], [0, 2], [1, 3], [1, 3]]
-    # MQA at U = 4: the one kv head replicated to 4, each rank's copy read by all its groups
+    assert g.hg == 2 and g.kv_slots == [(0, 1), (0, 1), (1, 2), (1, 2)] and g.kv_shared
+    assert g.kv_index == [None] * 4
+    # MQA at U = 4: the one kv head replicated to 4 (gathered by index), read by both groups
     g = HeadGroups(4, 16, 1, 4, 2)
     assert [t.tolist() for t in g.kv_index] == [[0, 0, 0, 0], [0, 0, 0, 0]]
     # every query head of group g reads a kv head of group g (the kernel's GQA mapping)
@@ -223,6 +227,11 @@ def test_groups_take_the_heads_their_queries_read():
         qh = g.q_part(q, c).reshape(-1).tolist()  # [U × hg] query heads
         kh = g.kv_part(k, c).reshape(-1).tolist()  # [U × eg] their kv heads
         assert [int(h) // 4 for h in qh] == [int(kh[j]) for j in range(2) for _ in range(2)]
+    # a shared head's gradient is the sum of its groups'
+    dk = torch.zeros(1, 1, 4, 1)
+    for c in range(4):
+        g.kv_add(dk, torch.ones(1, 1, 2, 1, 1), c)
+    assert dk.flatten().tolist() == [2.0, 2.0, 2.0, 2.0]
 
 
 def test_layout_refuses_head_chunks_that_do_not_split_the_heads():
