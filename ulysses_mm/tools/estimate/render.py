@@ -169,7 +169,13 @@ def _tiles_and_buffers(est: Estimate, row: _Row, at: dict[str, int]) -> list[str
             indent=2,
         ),
         "  communication buffers",
-        row("all-to-all send + receive (one exchange of q, k, v)", act.all_to_all, indent=2),
+        row(
+            "all-to-all send + receive (one exchange of q, k, v)"
+            if act.head_chunks == 1
+            else "all-to-all send + receive (a group's q, k, v, output gradient)",
+            act.all_to_all,
+            indent=2,
+        ),
         row(
             "DeepSpeed buckets and gathered parameters, at the peak",
             buffers,
