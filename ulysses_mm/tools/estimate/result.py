@@ -245,6 +245,11 @@ def _notes(kernel: str, step: StepShape, act: Activations) -> list[str]:
             "flex attention is counted like the flash kernels, plus its block mask "
             f"({flex_block_mask_bytes(step.micro_batch, step.seq_len) / (1 << 20):.1f} MiB)"
         )
+    if step.head_chunks > 1:
+        notes.append(
+            f"attention in {step.head_chunks} head groups: backward recomputes each group's "
+            "attention forward (one more per layer) and sends its q, k, v once more"
+        )
     if kernel == "ring":
         notes.append(
             "ring attention's PyTorch block kernel is dense: five [hq/U, N/R, N/R] fp32 at once "
