@@ -526,6 +526,28 @@ def _add_estimate(sub: argparse._SubParsersAction) -> None:
         help="cuda (default), or cpu: the tensor memory of CPU processes (gloo), as "
         "ulysses_mm.tools.measure measures it",
     )
+    p.add_argument(
+        "--head-chunks",
+        default=None,
+        metavar="C|auto",
+        help="attention in C groups of heads (default parallel.head_chunks); auto: every C the "
+        "layout allows, keeping the longest sequence (--max) or the lowest total",
+    )
+    p.add_argument(
+        "--host-mem",
+        type=float,
+        default=2048.0,
+        metavar="GB",
+        help="host memory of one node in GiB, shared by its GPUs' offloaded states and "
+        "checkpoints (default 2048 = 2 TiB); a plan that needs more is refused, --max keeps "
+        "within it",
+    )
+    p.add_argument(
+        "--gpus-per-node",
+        type=int,
+        default=8,
+        help="GPUs of one node, sharing --host-mem (default 8)",
+    )
     p.add_argument("--phases", action="store_true", help="also list every phase's figure")
     p.add_argument("--json", action="store_true", help="print the estimate as JSON")
     p.set_defaults(func=_cmd_estimate)

@@ -14,6 +14,9 @@ offload holds is measured apart from the peak and must be the estimate's. Three 
 hybrid Ulysses × ring (parallel.ring = 2) in a world of 4: (U, R) = (1, 2) under dp 2 in
 fp32 and in bf16 with ZeRO-2 and checkpointing, and (2, 2); at 1,024 tokens the ring's dense
 per-block scores ([b, hq/U, N/R, N/R] fp32, five at once in backward) are most of the peak.
+Three run attention in head groups (``parallel.head_chunks``): C = 2 and 4 at SP=2 with
+heads four times wider than the model and the memory modes on (the groups' attention sets
+at the peak), and C = 4 under the ring (1, 2).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from ulysses_mm.tools.estimate import (
     DS_ZERO_DEFAULTS,
     MAX_GRANULARITY,
     GiB,
+    best_head_chunks,
     estimate,
     max_seq_len,
     model_shape,
@@ -52,6 +56,16 @@ DEEP = ["model.num_hidden_layers=8", "model.activation_checkpointing=true"]
 OFFLOAD = ["model.offload_checkpoints=true"]
 TILES = ["model.layer_tile_tokens=1024"]
 RING = ["parallel.ring=2"]
+# attention in head groups: heads wider than the model (8 × 32 = 4 D), the memory modes on
+WIDE = [
+    "model.num_attention_heads=8",
+    "model.head_dim=32",
+    "model.num_hidden_layers=4",
+    "model.activation_checkpointing=true",
+    "model.offload_checkpoints=true",
+    "model.layer_tile_tokens=512",
+    "model.loss_tile_tokens=256",
+]
 # (id, config file, overrides, seq_len, sp)
 CASES = [
     ("debug-tiny-sp1", "debug-tiny.yaml", [], 8192, 1),
@@ -93,6 +107,23 @@ CASES = [
         2,
     ),
     ("debug-tiny-ring-u1-r2-dp2", "debug-tiny.yaml", [*RING, "parallel.dp=2"], 1024, 2),
+    *[
+        (
+            f"debug-tiny-wide-heads-chunks{c}-sp2",
+            "debug-tiny.yaml",
+            [*WIDE, f"parallel.head_chunks={c}"],
+            4096,
+            2,
+        )
+        for c in (2, 4)
+    ],
+    (
+        "debug-tiny-ring-u1-r2-chunks4",
+        "debug-tiny.yaml",
+        [*RING, "model.num_attention_heads=8", "parallel.head_chunks=4"],
+        1024,
+        2,
+    ),
     ("debug-tiny-ring-u2-r2", "debug-tiny.yaml", RING, 1024, 4),
     (
         "debug-tiny-ring-u1-r2-bf16-zero2-ckpt-dp2",
@@ -416,3 +447,62 @@ def test_ring_is_estimated_with_its_bytes(capsys):
     args = ["--seq-len", "1024", "--sp", "6", "parallel.sp=4", "parallel.ring=4"]
     rc, _, err = _cli(capsys, tiny, *args)
     assert rc == 2 and "ring=4 does not divide sp=6" in err
+
+
+GOAL = [
+    "deepspeed.offload_optimizer=cpu",
+    "deepspeed.offload_param=cpu",
+    "model.modalities={text: 128256, dna: 10, audio: 256, video: 256}",
+]
+
+
+def test_head_chunks_reach_1m_tokens_on_one_gpu_and_8m_on_eight():
+    """Llama-3-8B (text vocabulary 128,256 beside the shipped modalities, bf16, ZeRO-3,
+    optimizer and parameters offloaded): 1,000,000 tokens fit one 80 GiB GPU and
+    8,000,000 fit eight, in head groups and not without them, within 2 TiB of host memory
+    per node."""
+    cfg = load_config(RunConfig, CONFIGS / "llama3-8b.yaml", GOAL)
+    for gpus, n, chunks in ((1, 1_000_000, 16), (8, 8_000_000, 4)):
+        kw = dict(gpus=gpus, gpu_mem_gib=80, host_mem_gib=2048)
+        grouped = estimate(cfg, n, head_chunks=chunks, **kw)
+        assert grouped.fits and grouped.host_fits, (gpus, grouped.total / GiB)
+        assert not estimate(cfg, n, head_chunks=1, **kw).fits
+        # the groups shrink what attention keeps and works with
+        one = estimate(cfg, n, head_chunks=1, **kw)
+        assert grouped.act.kernel_saved < one.act.kernel_saved
+        assert grouped.act.attention_backward < one.act.attention_backward
+        longest, est, tried = best_head_chunks(cfg, 80, gpus=gpus, host_mem_gib=2048)
+        assert longest >= n and est.step.head_chunks == max(tried, key=tried.get)
+    # the exchange carries q, k, v again in backward (the recomputation)
+    from ulysses_mm.parallel.head_chunks import exchange_heads
+
+    est = estimate(cfg, 8_000_000, gpus=8, head_chunks=4)
+    fwd, bwd = exchange_heads(32, 8, 8, 4)
+    per_head = 8_000_000 * 128 // 8 * 7 // 8 * 2
+    assert est.sent_per_layer["all_to_all_forward"] == fwd * per_head
+    assert est.sent_per_layer["all_to_all_backward"] == bwd * per_head
+
+
+def test_cli_head_chunks_and_host_memory(capsys):
+    cfg = str(CONFIGS / "llama3-8b.yaml")
+    args = [cfg, *GOAL, "--gpu-mem", "80"]
+    rc, out, _ = _cli(capsys, *args, "--gpus", "8", "--max", "--head-chunks", "auto")
+    assert rc == 0 and "head chunks auto: 4 (longest sequence by head chunks: 1: " in out
+    assert "attention in 4 head groups" in out and "of 2048 GiB (--host-mem)" in out
+    n = int(out.split("longest sequence that fits: ")[1].split(" tokens")[0].replace(",", ""))
+    assert n >= 8_000_000
+    # a plan over the node's host memory: one line, exit 2
+    rc, out, err = _cli(capsys, *args, "--gpus", "8", "--seq-len", "9000000", "--head-chunks", "4")
+    assert rc == 2 and err.count("\n") == 1
+    assert "host memory:" in err and "more than --host-mem 2048 GiB" in err
+    # --max keeps within it
+    rc, out, _ = _cli(capsys, *args, "--gpus", "8", "--max", "--head-chunks", "4", "--json")
+    data = json.loads(out)
+    assert rc == 0 and data["host_fits"] and data["host_per_node"] <= 2048 * GiB
+    rc, _, err = _cli(capsys, *args, "--gpus", "8", "--max", "--host-mem", "100")
+    assert rc == 2 and "host memory:" in err
+    # head chunks that do not split the heads: one line naming what works
+    rc, _, err = _cli(capsys, *args, "--gpus", "8", "--seq-len", "65536", "--head-chunks", "3")
+    assert rc == 2 and "head_chunks=3" in err and "[1, 2, 4]" in err
+    rc, _, err = _cli(capsys, *args, "--seq-len", "65536", "--head-chunks", "x")
+    assert rc == 2 and "--head-chunks must be a positive integer or auto" in err

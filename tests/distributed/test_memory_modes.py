@@ -65,9 +65,73 @@ def test_offload_holds_every_layer_input_on_the_host_until_its_recompute():
     start = HOST.live
     hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
     x_bytes = 2 * 40 * cfg.hidden_size * 4
-    assert HOST.live - start == 3 * x_bytes  # one [b, n, D] fp32 input per layer
+    # one [b, n, D] fp32 input per layer but the last, whose backward comes first
+    assert HOST.live - start == 2 * x_bytes
     hidden.sum().backward()
-    assert HOST.live == start and HOST.peak - start == 3 * x_bytes
+    assert HOST.live == start and HOST.peak - start == 2 * x_bytes
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward logs ``what`` (when the gradient reaches it)."""
+
+    @staticmethod
+    def forward(ctx, x, log, what):
+        ctx.log, ctx.what = log, what
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.log.append(ctx.what)
+        return grad, None, None
+
+
+class _LoggedCore(torch.nn.Module):
+    """The layer's kernel, logging when its backward starts and ends."""
+
+    def __init__(self, core, log, layer):
+        super().__init__()
+        self.core, self.log, self.layer = core, log, layer
+
+    def forward(self, q, k, v, mask):
+        q = _Mark.apply(q, self.log, ("attention backward done", self.layer))
+        return _Mark.apply(self.core(q, k, v, mask), self.log, ("attention backward", self.layer))
+
+
+@pytest.mark.parametrize("tiles", [0, 16], ids=["layer", "layer-tiles"])
+def test_offload_fetches_the_previous_input_after_the_attention_backward(monkeypatch, tiles):
+    """The previous layer's input comes back once the layer is past its attention
+    backward (its high point), not while it runs; the result is unchanged."""
+    from ulysses_mm.model.offload import HostCopy
+
+    log: list = []
+    prefetch = HostCopy.prefetch
+
+    def logged(self):
+        if self.fetched is None and self.host is not None:
+            log.append(("fetch", self.layer))
+        prefetch(self)
+
+    monkeypatch.setattr(HostCopy, "prefetch", logged)
+    cfg = ModelConfig(
+        modalities=VOCAB, num_hidden_layers=3, layer_tile_tokens=tiles, **MODES["offload"]
+    )
+    model = build_model(cfg, SPACE, seed=0)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.core = _LoggedCore(layer.self_attn.core, log, i)
+    init = HostCopy.__init__
+
+    def numbered(self, x, stream, keep=False):
+        init(self, x, stream, keep)
+        self.layer = sum(1 for e in log if e[0] == "copy")
+        log.append(("copy", self.layer))
+
+    monkeypatch.setattr(HostCopy, "__init__", numbered)
+    batch = random_batch(SPACE, 2, 40, seed=1)
+    model(batch.input_ids, batch.position_ids, batch.doc_ids).sum().backward()
+    order = [e for e in log if e[0] != "copy"]
+    for j in (2, 1):  # layer j's backward fetches layer j - 1's input after its attention's
+        assert order.index(("fetch", j - 1)) > order.index(("attention backward", j)), order
+    assert ("fetch", 2) not in order  # the last layer's input never left the device
 
 
 def test_tiles_hand_one_gradient_buffer_to_their_input():
@@ -159,6 +223,9 @@ def test_bench_gpu_memory_modes_reach_the_plan():
         args = bench.resolve(bench.build_parser().parse_args(["--memory-mode", mode]))
         cfg = bench.make_plan(args, n_gpus=1, gpu_mem_gib=80)["sp"][1]["cfg"]
         assert (cfg.model.offload_checkpoints, cfg.model.layer_tile_tokens) == (offload, tile)
+    # --head-chunks reaches the plan (and the estimate beside each point)
+    args = bench.resolve(bench.build_parser().parse_args(["--head-chunks", "4"]))
+    assert bench.make_plan(args, n_gpus=1, gpu_mem_gib=80)["sp"][1]["cfg"].parallel.head_chunks == 4
     # the shipped GPU config has both on; "none" fits a shorter sequence
     plans = {
         m: bench.make_plan(

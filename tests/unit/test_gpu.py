@@ -93,3 +93,22 @@ def test_flash_varlen_over_65535_documents():
     doc = torch.arange(s, device="cuda").reshape(1, s)  # one-token documents
     out = LocalAttention("flash_varlen")(q, k, v, DocumentMask(doc))
     assert_close(out, v)  # a one-token document attends to itself only
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_head_chunks_on_the_gpu_match_all_heads(chunks):
+    """Attention in head groups on CUDA (the forward's exchanges on a side stream, here
+    without SP) gives the all-heads output and gradients."""
+    from ulysses_mm.parallel import UlyssesAttention
+
+    q, k, v, mask = _qkv(torch.bfloat16)
+    ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    kernel = "auto"
+    want = LocalAttention(kernel)(*ref_in, mask)
+    got = UlyssesAttention(LocalAttention(kernel), None, 8, 2, head_chunks=chunks)(q, k, v, mask)
+    assert_close(got, want, rtol=2e-2, atol=2e-2)
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    got.backward(grad)
+    for a, b in zip((q, k, v), ref_in):
+        assert_close(a.grad, b.grad, rtol=2e-2, atol=2e-2)

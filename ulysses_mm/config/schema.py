@@ -149,6 +149,14 @@ class ParallelConfig:
         1,
         ge=1,
     )
+    head_chunks: int = _help(
+        "Attention in C groups of heads: the q/k/v all-to-all and the local kernel run for "
+        "H/(U·C) query heads at a time, recomputed per group in backward, so one group's "
+        "q/k/v and working set are alive instead of all heads'. C must divide each rank's "
+        "query heads (and split or share its kv heads). 1 = all heads at once.",
+        1,
+        ge=1,
+    )
     backend: Literal["auto", "gloo", "nccl"] = _help(
         "torch.distributed backend; auto = nccl when every local rank has its own GPU, else gloo.",
         "auto",

@@ -11,6 +11,11 @@ lcm(hk, sp), which divides hq whenever sp and hk both do (see :mod:`ulysses_mm.p
 Hybrid Ulysses × ring (``ring`` = R > 1, :mod:`ulysses_mm.parallel.ring`): sp = U × R with
 U = sp / R Ulysses ranks; only U must divide the heads, and the sequence is cut into 2·sp
 pieces (2R zigzag chunks, each split over U), so sp is not bounded by the heads.
+
+Head chunks (``head_chunks`` = C > 1, :mod:`ulysses_mm.parallel.ulysses`): each rank runs
+attention on its hq/U query heads in C groups, so C must divide hq/U; the e/U key/value
+heads of a rank either split evenly over the groups (C divides e/U) or each group takes
+the one kv head its query heads read (e/U divides C).
 """
 
 from __future__ import annotations
@@ -57,6 +62,31 @@ def expanded_kv_heads(num_heads: int, num_kv_heads: int, sp: int) -> int:
     return e
 
 
+def valid_head_chunks(num_heads: int, num_kv_heads: int, ulysses: int) -> list[int]:
+    """The head chunks C that work for ``ulysses`` = U Ulysses ranks: C divides the hq/U
+    query heads of a rank, and its e/U kv heads (e = lcm(hk, U)) split evenly over the C
+    groups or each group's query heads read one kv head."""
+    if num_heads % ulysses or num_heads % num_kv_heads:
+        return []
+    local = num_heads // ulysses
+    kv = math.lcm(num_kv_heads, ulysses) // ulysses
+    return [c for c in range(1, local + 1) if local % c == 0 and (kv % c == 0 or c % kv == 0)]
+
+
+def check_head_chunks(head_chunks: int, num_heads: int, num_kv_heads: int, ulysses: int) -> None:
+    """Refuse, in one line, head chunks that do not split a rank's heads evenly."""
+    if head_chunks < 1:
+        raise LayoutError(f"head_chunks must be >= 1, got {head_chunks}")
+    works = valid_head_chunks(num_heads, num_kv_heads, ulysses)
+    if head_chunks not in works:
+        kv = math.lcm(num_kv_heads, ulysses) // ulysses
+        raise LayoutError(
+            f"head_chunks={head_chunks} does not split the {num_heads // ulysses} query heads "
+            f"and {kv} kv heads each of the {ulysses} Ulysses rank{'s' if ulysses > 1 else ''} "
+            f"holds into equal groups; head_chunks that do: {works}"
+        )
+
+
 def check_layout(
     sp: int,
     *,
@@ -66,10 +96,12 @@ def check_layout(
     num_kv_heads: int | None = None,
     seq_len: int | None = None,
     ring: int = 1,
+    head_chunks: int = 1,
 ) -> int:
     """Refuse a layout that cannot run, in one line; return dp (0 = world / sp resolved
     when the world is known). Only the facts given are checked. ``ring`` = R: sp = U × R,
-    U = sp / R must divide the heads and, when R > 1, 2·sp the sequence."""
+    U = sp / R must divide the heads and, when R > 1, 2·sp the sequence; ``head_chunks``
+    = C must split each rank's heads (:func:`valid_head_chunks`)."""
     if sp < 1:
         raise LayoutError(f"sp must be >= 1, got {sp}")
     if ring < 1:
@@ -114,6 +146,8 @@ def check_layout(
                 f"sp={sp} with ring={ring}: {' and '.join(what)}; sp sizes that work with "
                 f"ring={ring}: {valid_sp_sizes(num_heads, seq_len, world, ring=ring)}"
             )
+    if head_chunks != 1 and num_heads is not None and num_kv_heads is not None:
+        check_head_chunks(head_chunks, num_heads, num_kv_heads, u)
     if world is not None:
         dp = dp or world // sp
         if dp * sp != world:

@@ -13,6 +13,7 @@ D hidden, hq/hk query/key-value heads, d head dim.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,8 +26,13 @@ from ulysses_mm.core.errors import ConfigError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.heads import ModalityHeads
-from ulysses_mm.model.offload import offloaded_layers
+from ulysses_mm.model.offload import offloaded_layers, prefetch_after
 from ulysses_mm.model.tiling import tile_map
+
+# (hidden, labels, label_modality, bins or None) -> the same, rearranged over ranks
+TargetExchange = Callable[
+    [Tensor, Tensor, Tensor, "Tensor | None"], tuple[Tensor, Tensor, Tensor, "Tensor | None"]
+]
 
 
 class RMSNorm(nn.Module):
@@ -124,6 +130,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         q, k, v = self.qkv(x, cos, sin)
+        prefetch_after(q)  # an offloaded layer fetches the one before once past attention
         return self.out(self.core(q, k, v, mask))  # core: [b, n, hq, d]
 
 
@@ -173,6 +180,7 @@ class DecoderLayer(nn.Module):
             # token-wise parts in recomputed tiles: kept are x, the kernel's q, k, v, its
             # output (and what the kernel saves), not the norms' or MLP's activations
             q, k, v = tile_map(self._qkv, self.tile_tokens, x, cos, sin)
+            prefetch_after(q)  # an offloaded layer fetches the one before once past attention
             o = self.self_attn.core(q, k, v, mask)  # [b, n, hq, d]
             return tile_map(self._after_attention, self.tile_tokens, x, o)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
@@ -218,6 +226,9 @@ class MultimodalLM(nn.Module):
     space: TokenSpace
     model: Backbone
     heads: ModalityHeads
+    # rearranges (hidden, labels, label_modality, bins) before the heads; a parallelism
+    # sets it (ulysses_mm.parallel.loss_balance), the model only calls it
+    target_exchange: TargetExchange | None = None
 
     def __init__(self, cfg: ModelConfig, space: TokenSpace, kernel: str = "auto") -> None:
         super().__init__()
@@ -267,7 +278,13 @@ class MultimodalLM(nn.Module):
         num_bins: int = 0,
     ) -> tuple[Tensor, ...]:
         """Per-modality (sum of cross-entropy, count of targets) over this process's tokens
-        (and, with ``bins``, the sums per bin: :meth:`ModalityHeads.loss_terms`)."""
+        (over the targets :attr:`target_exchange` gives it, when set; their position bins
+        travel with them), and with ``bins`` the sums per bin:
+        :meth:`ModalityHeads.loss_terms`."""
+        if self.target_exchange is not None:
+            hidden, labels, label_modality, bins = self.target_exchange(
+                hidden, labels, label_modality, bins
+            )
         return self.heads.loss_terms(hidden, labels, label_modality, bins, num_bins)
 
 

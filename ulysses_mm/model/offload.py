@@ -5,11 +5,14 @@ the decoder layers with activation checkpointing whose kept input lives in host 
 Each layer is one :class:`_OffloadedCheckpoint` (a reentrant checkpoint): its forward runs
 without autograd and copies the layer's input to the host; its backward fetches the
 input back, recomputes the layer with autograd and back-propagates through it, and starts
-fetching the input of the layer before it (the next one backward reaches). On a GPU the
-host buffers are pinned and both copies run on a side stream, overlapped with compute;
-on CPU the same path runs with plain copies, and the host buffers are made outside any
-dispatch mode, so :class:`ulysses_mm.tools.memory.TensorMemoryTracker` does not count them as
-device tensors: :data:`HOST` counts them apart.
+fetching the input of the layer before it (the next one backward reaches). That fetch
+starts once the layer's attention backward (its high point) is done, when the layer marks
+the point with :func:`prefetch_after`; a layer that marks none starts it at once. The last
+layer's input stays on the device: its backward comes first, right after the loss. On a
+GPU the host buffers are pinned and both copies run on a side stream, overlapped with
+compute; on CPU the same path runs with plain copies, and the host buffers are made
+outside any dispatch mode, so :class:`ulysses_mm.tools.memory.TensorMemoryTracker` does
+not count them as device tensors: :data:`HOST` counts them apart.
 """
 
 from __future__ import annotations
@@ -41,18 +44,23 @@ HOST = HostCounter()
 
 
 class HostCopy:
-    """One layer input in host memory, and its way back to the device."""
+    """One layer input in host memory, and its way back to the device (``keep``: it
+    stays on the device, nothing is copied)."""
 
-    def __init__(self, x: Tensor, stream: Any) -> None:
+    def __init__(self, x: Tensor, stream: Any, keep: bool = False) -> None:
         self.device, self.stream = x.device, stream
         self.nbytes = x.numel() * x.element_size()
         self.fetched: Tensor | None = None
         self.event: Any = None
         self.previous: HostCopy | None = None  # the layer before: fetched next in backward
+        if keep:
+            self.host: Tensor | None = None
+            self.fetched = x.detach()
+            return
         # host memory, not a device tensor: made and filled outside any dispatch mode (a
         # memory tracker's included), counted in HOST
         with _disable_current_modes():
-            self.host: Tensor | None = torch.empty(
+            self.host = torch.empty(
                 x.shape, dtype=x.dtype, device="cpu", pin_memory=stream is not None
             )
             if stream is None:
@@ -98,6 +106,31 @@ class HostCopy:
             HOST.add(-self.nbytes)
 
 
+class _Pending:
+    """The fetch a layer's backward starts once it is past its attention's backward."""
+
+    copy: HostCopy | None = None
+
+
+_PENDING = _Pending()
+
+
+def prefetch_after(t: Tensor) -> None:
+    """Start the pending fetch of the previous layer's input once ``t``'s gradient is
+    computed. A layer calls it on its attention's query: by then the attention's backward,
+    the layer's high point, is done, so the fetched input is not alive at it. Outside an
+    offloaded layer's recompute it does nothing."""
+    copy = _PENDING.copy
+    if copy is None or not (torch.is_grad_enabled() and t.requires_grad):
+        return
+    _PENDING.copy = None
+
+    def start(grad: Tensor) -> None:
+        copy.prefetch()
+
+    t.register_hook(start)
+
+
 class _OffloadedCheckpoint(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
@@ -110,12 +143,20 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         copy: HostCopy = ctx.copy
         x = copy.take()
-        if copy.previous is not None:
-            copy.previous.prefetch()  # overlapped with this layer's recompute and backward
+        previous = copy.previous
+        _PENDING.copy = previous  # fetched once the layer's attention backward is done
         x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            out = ctx.run(x, *ctx.args)
+        try:
+            with torch.enable_grad():
+                out = ctx.run(x, *ctx.args)
+        finally:
+            marked = _PENDING.copy is None
+            _PENDING.copy = None
+        if previous is not None and not marked:
+            previous.prefetch()  # no point marked: overlapped with the whole backward
         torch.autograd.backward(out, grad)
+        if previous is not None:
+            previous.prefetch()  # (no-op once started) a marked point that never ran
         nargs = len(ctx.args)
         ctx.run = ctx.args = ctx.copy = None
         return (None, None, x.grad, *(None for _ in range(nargs)))
@@ -128,8 +169,8 @@ def offloaded_layers(layers: Sequence[Callable[..., Tensor]], x: Tensor, *args: 
     if x.is_cuda:
         stream = _side_stream(x.device)
     previous: HostCopy | None = None
-    for layer in layers:
-        copy = HostCopy(x, stream)
+    for i, layer in enumerate(layers):
+        copy = HostCopy(x, stream, keep=i == len(layers) - 1)
         copy.previous = previous
         previous = copy
         x = _OffloadedCheckpoint.apply(layer, copy, x, *args)

@@ -14,7 +14,11 @@ Several tensors travel in ONE exchange, packed along the head dim.
 Buffers: the send buffer is dead as soon as the exchange returns, so it comes from a
 :class:`Workspace` reused by every exchange of the model (one allocation instead of one
 per layer and direction); only what a rank receives is allocated, and the received q, k, v
-are handed to the kernel as views of it (no unpacking copy when b = 1).
+are handed to the kernel as views of it (no unpacking copy when b = 1). Head chunks
+(:mod:`ulysses_mm.parallel.head_chunks`) exchange one group of heads at a time through the
+``*_parts`` forms, which take and give each tensor as ``[b, s/P, P, h_i/P, d]`` (chunk j:
+rank j's heads), and allocate the send buffer per exchange (an :class:`Exchange` without
+workspace), so it is not alive while a group's kernel runs.
 """
 
 from __future__ import annotations
@@ -78,8 +82,14 @@ class Exchange:
 
     group: Any
     world: int
-    workspace: Workspace
+    workspace: Workspace | None
     stats: CommStats | None = None
+
+    def send_buffer(self, shape: Sequence[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The workspace's buffer, or a fresh one (freed once the exchange is done)."""
+        if self.workspace is None:
+            return torch.empty(tuple(shape), dtype=dtype, device=device)
+        return self.workspace.get(shape, dtype, device)
 
     def run(self, send: Tensor, direction: str) -> Tensor:
         if self.stats is not None:
@@ -89,29 +99,41 @@ class Exchange:
         return recv
 
 
-def seq_to_heads(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> list[Tensor]:
-    """``[b, s/P, h_i, d]`` each -> ``[b, s, h_i/P, d]`` each, in one exchange."""
+def seq_to_heads_parts(ex: Exchange, parts: Sequence[Tensor], direction: str) -> list[Tensor]:
+    """``[b, s/P, P, h_i/P, d]`` each (chunk j: rank j's heads) -> ``[b, s, h_i/P, d]`` each,
+    in one exchange (views of what arrived)."""
     P = ex.world
-    b, n, _, d = tensors[0].shape
-    heads = [t.shape[2] // P for t in tensors]
-    send = ex.workspace.get((P, b, n, sum(heads), d), tensors[0].dtype, tensors[0].device)
+    b, n, _, _, d = parts[0].shape
+    heads = [t.shape[3] for t in parts]
+    send = ex.send_buffer((P, b, n, sum(heads), d), parts[0].dtype, parts[0].device)
     off = 0
-    for t, h in zip(tensors, heads):
-        # [b, s/P, h, d] -> [b, s/P, P, h/P, d] -> [P, b, s/P, h/P, d]: chunk j is rank j's heads
-        send[..., off : off + h, :].copy_(t.reshape(b, n, P, h, d).permute(2, 0, 1, 3, 4))
+    for t, h in zip(parts, heads):
+        # [b, s/P, P, h/P, d] -> [P, b, s/P, h/P, d]: chunk j is rank j's heads
+        send[..., off : off + h, :].copy_(t.permute(2, 0, 1, 3, 4))
         off += h
     recv = ex.run(send, direction)  # [P(src = sequence chunk), b, s/P, hc, d]
     full = recv.permute(1, 0, 2, 3, 4).reshape(b, P * n, sum(heads), d)  # -> [b, s, hc, d]
     return list(full.split(heads, dim=2))  # [b, s, h_i/P, d] views
 
 
-def heads_to_seq(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> list[Tensor]:
-    """``[b, s, h_i/P, d]`` each -> ``[b, s/P, h_i, d]`` each, in one exchange."""
+def seq_to_heads(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> list[Tensor]:
+    """``[b, s/P, h_i, d]`` each -> ``[b, s, h_i/P, d]`` each, in one exchange."""
+    P = ex.world
+    b, n, _, d = tensors[0].shape
+    # [b, s/P, h, d] -> [b, s/P, P, h/P, d]: rank j's heads are the j-th block of h/P
+    return seq_to_heads_parts(
+        ex, [t.reshape(b, n, P, t.shape[2] // P, d) for t in tensors], direction
+    )
+
+
+def heads_to_seq_parts(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> list[Tensor]:
+    """``[b, s, h_i/P, d]`` each -> ``[b, s/P, P, h_i/P, d]`` each (chunk j: the heads rank
+    j held), in one exchange (views of what arrived)."""
     P = ex.world
     b, s, _, d = tensors[0].shape
     n = s // P
     heads = [t.shape[2] for t in tensors]
-    send = ex.workspace.get((P, b, n, sum(heads), d), tensors[0].dtype, tensors[0].device)
+    send = ex.send_buffer((P, b, n, sum(heads), d), tensors[0].dtype, tensors[0].device)
     off = 0
     for t, h in zip(tensors, heads):
         # [b, s, h/P, d] -> [b, P, s/P, h/P, d] -> [P, b, s/P, h/P, d]: chunk j is rank j's sequence
@@ -120,10 +142,19 @@ def heads_to_seq(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> lis
     recv = ex.run(send, direction)  # [P(src = head group), b, s/P, hc, d]
     outs, off = [], 0
     for h in heads:
-        # [P, b, s/P, h/P, d] -> [b, s/P, P, h/P, d] -> [b, s/P, h, d]
-        outs.append(recv[..., off : off + h, :].permute(1, 2, 0, 3, 4).reshape(b, n, P * h, d))
+        # [P, b, s/P, h/P, d] -> [b, s/P, P, h/P, d]
+        outs.append(recv[..., off : off + h, :].permute(1, 2, 0, 3, 4))
         off += h
     return outs
+
+
+def heads_to_seq(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> list[Tensor]:
+    """``[b, s, h_i/P, d]`` each -> ``[b, s/P, h_i, d]`` each, in one exchange."""
+    P = ex.world
+    b, s, _, d = tensors[0].shape
+    parts = heads_to_seq_parts(ex, tensors, direction)
+    # [b, s/P, P, h/P, d] -> [b, s/P, h, d]
+    return [t.reshape(b, s // P, P * t.shape[3], d) for t in parts]
 
 
 def _grads(

@@ -19,6 +19,10 @@ Hybrid (``mesh.ring`` = R > 1): the all-to-all runs over the Ulysses group of U 
 consecutive ranks and the local kernel is :class:`~ulysses_mm.parallel.ring.RingAttention`
 across the R Ulysses groups (each rank then holds N/(U·R) tokens; kv heads are replicated
 to lcm(hk, U)).
+
+Head chunks (``head_chunks`` = C > 1, also without sequence parallelism): the exchange and
+the kernel run for one group of hq/(U·C) query heads at a time, each recomputed in
+backward (:mod:`ulysses_mm.parallel.head_chunks`).
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ from ulysses_mm.core.layout import LayoutError, check_layout, expanded_kv_heads,
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.llama import Attention, DecoderLayer, MultimodalLM
 from ulysses_mm.parallel.comm import CommStats, Exchange, Workspace, gather_heads, scatter_heads
+from ulysses_mm.parallel.head_chunks import GroupRun, HeadGroups, grouped_attention
+from ulysses_mm.parallel.loss_balance import apply_target_balance
 from ulysses_mm.parallel.mesh import Mesh
 from ulysses_mm.parallel.ring import RingAttention
 
 
 class UlyssesAttention(nn.Module):
-    """Wrap a local attention ``(q, k, v, DocumentMask) -> out`` for sequence parallelism."""
+    """Wrap a local attention ``(q, k, v, DocumentMask) -> out`` for sequence parallelism
+    (``group`` None: one rank, where only ``head_chunks`` > 1 changes anything)."""
 
     def __init__(
         self,
@@ -48,21 +55,30 @@ class UlyssesAttention(nn.Module):
         stats: CommStats | None = None,
         workspace: Workspace | None = None,
         ring: int = 1,
+        head_chunks: int = 1,
     ) -> None:
         super().__init__()
         self.local = local
         self.group = group
         self.sp = dist.get_world_size(group) if group is not None else 1
         self.ring = ring  # the sequence is N / (sp · ring) tokens per rank
-        check_layout(self.sp, num_heads=num_heads, num_kv_heads=num_kv_heads)
+        check_layout(
+            self.sp, num_heads=num_heads, num_kv_heads=num_kv_heads, head_chunks=head_chunks
+        )
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.kv_expanded = expanded_kv_heads(num_heads, num_kv_heads, self.sp)
         self.stats = stats
         self.workspace = workspace or Workspace()
+        self.head_chunks = head_chunks
+        self.groups = HeadGroups(self.sp, num_heads, num_kv_heads, self.kv_expanded, head_chunks)
 
     def extra_repr(self) -> str:
-        return f"sp={self.sp}, heads={self.num_heads}, kv_heads={self.num_kv_heads}->{self.kv_expanded}"
+        chunks = f", head_chunks={self.head_chunks}" if self.head_chunks > 1 else ""
+        return (
+            f"sp={self.sp}, heads={self.num_heads}, "
+            f"kv_heads={self.num_kv_heads}->{self.kv_expanded}{chunks}"
+        )
 
     def _check(self, q: Tensor, k: Tensor, mask: DocumentMask) -> None:
         # Every rank sees the same shapes, so all raise together, before any collective.
@@ -82,9 +98,13 @@ class UlyssesAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
         P = self.sp
-        if P == 1:
+        if P == 1 and self.head_chunks == 1:
             return self.local(q, k, v, mask)
         self._check(q, k, mask)
+        if self.head_chunks > 1:
+            # one group of heads at a time; the send buffers are made per exchange
+            ex = Exchange(self.group, P, None, self.stats) if P > 1 else None
+            return grouped_attention(GroupRun(self.local, mask, self.groups, ex), q, k, v)
         rep = self.kv_expanded // self.num_kv_heads
         if rep > 1:
             # [b, s/P, hk, d] -> [b, s/P, e, d]: kv head j becomes heads j·rep .. j·rep+rep-1
@@ -109,18 +129,31 @@ def apply_ulysses(
     mesh: Mesh,
     stats: CommStats | None = None,
     ring_stats: dict[str, int] | None = None,
+    head_chunks: int = 1,
 ) -> MultimodalLM:
     """Make every decoder layer's attention kernel (``model.layers[i].self_attn.core``)
     sequence-parallel over ``mesh.sp``, in place: Ulysses over the U = sp / ring ranks of
     the Ulysses group and, when ``mesh.ring`` > 1, ring attention across the R groups
-    (``ring_stats`` counts its bytes). Raises before any collective if the heads do not
-    split over U."""
+    (``ring_stats`` counts its bytes); with ``head_chunks`` = C > 1 in C groups of heads
+    (also at sp = 1); and the loss's targets spread evenly over the SP group
+    (:mod:`~ulysses_mm.parallel.loss_balance`). Raises before any collective if the heads
+    do not split over U (and C)."""
     attns = attention_modules(model)
     for attn in attns:
         check_layout(
-            mesh.sp, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads, ring=mesh.ring
+            mesh.sp,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            ring=mesh.ring,
+            head_chunks=head_chunks,
         )
     if mesh.sp == 1:
+        if head_chunks > 1:
+            for attn in attns:
+                core = attn.core.local if isinstance(attn.core, UlyssesAttention) else attn.core
+                attn.core = UlyssesAttention(
+                    core, None, attn.num_heads, attn.num_kv_heads, head_chunks=head_chunks
+                )
         return model
     workspace = Workspace()  # one send buffer for every layer: exchanges never overlap
     for attn in attns:
@@ -140,5 +173,9 @@ def apply_ulysses(
             stats,
             workspace,
             ring=mesh.ring,
+            head_chunks=head_chunks,
         )
+    # every rank of the SP group computes the loss of an equal share of each modality's
+    # targets, so the ranks' loss working sets (and peaks) match
+    apply_target_balance(model, mesh.sp_group, mesh.sp, mesh.sp_rank)
     return model

@@ -23,6 +23,7 @@ from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES, TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model.attention import check_kernel_config, resolve_kernel
 from ulysses_mm.parallel import CommStats, Mesh, RingAttention, loss_weights, unmasked_pairs
+from ulysses_mm.parallel.head_chunks import exchange_heads
 from ulysses_mm.parallel.mesh import in_launched_world, open_world
 from ulysses_mm.parallel.ring import new_ring_stats, ring_theory_bytes
 from ulysses_mm.parallel.slice import sp_slice
@@ -51,9 +52,11 @@ def theory_bytes_per_layer(cfg: RunConfig, opts: VerifyOptions, elem_bytes: int)
     if P == 1:
         return 0, 0
     mha = 4 * N * m.hidden_size // P * (P - 1) // P * elem_bytes * b
-    e = expanded_kv_heads(m.num_attention_heads, m.num_key_value_heads, P)
-    width = 2 * m.num_attention_heads * m.head_dim + 2 * e * m.head_dim  # q + out + k + v
-    real = N * width // P * (P - 1) // P * elem_bytes * b
+    # q + out + k + v (in head groups, a kv head shared by several groups travels with each)
+    heads, _ = exchange_heads(
+        m.num_attention_heads, m.num_key_value_heads, P, cfg.parallel.head_chunks
+    )
+    real = N * heads * m.head_dim // P * (P - 1) // P * elem_bytes * b
     return mha, real
 
 
@@ -138,8 +141,10 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
         "per_modality_parallel": par_report.per_modality,
         "counts": ref_report.counts,
         "grads": rows_out,
-        # two exchanges per layer call; activation checkpointing recomputes (and re-sends)
-        "bytes_per_layer": fwd_bytes / max(1, stats.forward_calls // 2),
+        # two exchanges per layer call and head group; activation checkpointing
+        # recomputes (and re-sends)
+        "bytes_per_layer": fwd_bytes
+        / max(1, stats.forward_calls // (2 * cfg.parallel.head_chunks)),
         "theory_mha": mha,
         "theory_real": real,
         "documents": int(sum(len(torch.unique(d)) for d in global_batch.doc_ids)),
@@ -225,6 +230,7 @@ def run_verify(cfg: RunConfig, opts: VerifyOptions) -> int:
         num_kv_heads=m.num_key_value_heads,
         seq_len=opts.seq_len,
         ring=p.ring,
+        head_chunks=p.head_chunks,
     )
     results = run_world(verify_worker, p.sp * (dp or 1), to_dict(cfg), opts)
     if launched and results[0]["rank"] != 0:

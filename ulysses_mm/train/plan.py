@@ -119,6 +119,7 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
         num_kv_heads=m.num_key_value_heads,
         seq_len=seq_len,
         ring=cfg.parallel.ring,
+        head_chunks=cfg.parallel.head_chunks,
     )
     if len(sources) == 1 and not modalities[0]:  # one source drops a short epoch tail
         check_enough_samples(manifest, dp, d.micro_batch_size)

@@ -12,7 +12,9 @@ be chosen before any GPU is held.
 - ``comm.py``: the bytes one rank sends per layer.
 - ``phases.py``: the tensors live at each phase's high point.
 - ``result.py``: :func:`estimate`, the peak, allocator headroom and runtime reserve.
-- ``search.py``: :func:`max_seq_len`, the longest sequence that fits.
+- ``head_chunks.py``: attention in head groups' sets (``parallel.head_chunks``).
+- ``search.py``: :func:`max_seq_len`, the longest sequence that fits (and
+  :func:`best_head_chunks`, over every head-chunk count).
 - ``render.py``: the breakdown as text; ``cli.py``: the command.
 """
 
@@ -26,7 +28,7 @@ from ulysses_mm.tools.estimate.result import (
     Estimate,
     estimate,
 )
-from ulysses_mm.tools.estimate.search import MAX_GRANULARITY, max_seq_len
+from ulysses_mm.tools.estimate.search import MAX_GRANULARITY, best_head_chunks, max_seq_len
 from ulysses_mm.tools.estimate.shape import (
     ModelShape,
     StepShape,
@@ -50,6 +52,7 @@ __all__ = [
     "StepShape",
     "Term",
     "ZeroStates",
+    "best_head_chunks",
     "estimate",
     "flex_block_mask_bytes",
     "max_seq_len",

@@ -9,7 +9,8 @@ the o_proj input: (3Q + 2E)·a + 4·hq) and the SwiGLU MLP (gate, silu, up, prod
 its input, what the kernel saves and the kernel output; norms, projections and MLP exist
 per tile only. ``sdpa_dense`` adds its [b, s, s] masks (O(s²) per rank whatever sp is),
 ``flex`` its block tables; SDPA without native GQA saves k, v expanded to the query heads.
-Ring attention's own sets are in :mod:`ulysses_mm.tools.estimate.ring`.
+Ring attention's own sets are in :mod:`ulysses_mm.tools.estimate.ring`, attention in
+head groups (``parallel.head_chunks``) in :mod:`ulysses_mm.tools.estimate.head_chunks`.
 
 Symbols: T = b·N/sp tokens of a rank, a = 2 bytes (bf16/fp16) or 4 (fp32), D hidden, F MLP
 width, Q = hq·d, K = hk·d, E = e·d with e the kv heads replicated for Ulysses, V' the
@@ -21,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ulysses_mm.config import RunConfig
+from ulysses_mm.tools.estimate.head_chunks import grouped_sets
 from ulysses_mm.tools.estimate.ring import ring_working_sets
 from ulysses_mm.tools.estimate.shape import ModelShape, StepShape
 
@@ -69,6 +71,7 @@ class Activations:
     ring_scores: int = 0  # ring: one block's [b, hq/U, N/R, N/R] fp32 scores
     ring_forward: int = 0  # ring: the forward's working set (K/V blocks, block kernel)
     ring_backward: int = 0  # ring: the backward's (K/V blocks, dK/dV, block kernel)
+    head_chunks: int = 1  # C: attention in C groups of heads (parallel.head_chunks)
 
     @property
     def layer(self) -> int:
@@ -112,7 +115,8 @@ def activations(
         fixed += step.micro_batch * step.seq_len**2
         kernel_saved += a * step.micro_batch * step.seq_len**2
     packed = T * (Q + 2 * E) * a
-    if U > 1:
+    C = step.head_chunks
+    if U > 1 and C == 1:
         # the exchanges' send buffer: one workspace the size of the largest exchange (q, k,
         # v packed), kept for the whole run (ulysses_mm.parallel.comm.Workspace)
         fixed += packed
@@ -144,6 +148,13 @@ def activations(
         attn_bwd += 4 * T * Q  # the flash backward's fp32 dq accumulator
         if sh.heads > e:
             attn_bwd += 2 * T * Q * a  # GQA: dk, dv expanded to the query heads
+    lt = m.layer_tile_tokens * step.micro_batch
+    layer_tiled = m.layer_tile_tokens > 0 and step.seq_len // P > m.layer_tile_tokens
+    exchange = 2 * packed if U > 1 else 0
+    if C > 1:  # in head groups: their own sets (the send buffers made per exchange)
+        g = grouped_sets(sh, step, a, cuda, kernel, layer_tiled)
+        kernel_saved, packed, exchange = g.kernel_saved, g.group, g.exchange
+        attn_fwd, attn_bwd = g.forward, g.backward
     tiled = m.mlp_tile_tokens > 0 and step.seq_len // P > m.mlp_tile_tokens
     if tiled:
         mt = m.mlp_tile_tokens * step.micro_batch
@@ -171,9 +182,11 @@ def activations(
     loss = tile * (max(2 * D * a + 12 * Vw, 4 * D * a + (4 + low) * Vw) + 24)
     if tile < T:  # the tiles' hidden-state gradients fill one buffer (offload.tiles)
         loss += x
+    if P > 1:
+        # the targets spread over the SP group (parallel.loss_balance): their gradients
+        # travel home beside the rows' gradient buffer and the [T, D] they land in
+        loss = max(loss, 3 * x)
     final_norm, final_norm_bwd = norm, norm_bwd
-    lt = m.layer_tile_tokens * step.micro_batch
-    layer_tiled = m.layer_tile_tokens > 0 and step.seq_len // P > m.layer_tile_tokens
     tile_saved = tile_fwd = tile_bwd = 0
     if layer_tiled:
         # kept: the input (counted as the checkpoint), what the kernel saves and its
@@ -195,7 +208,7 @@ def activations(
         attention_saved=kernel_saved + T * Q * a,
         kernel_saved=kernel_saved,
         after_all_to_all=packed,
-        all_to_all=2 * packed if U > 1 else 0,
+        all_to_all=exchange,
         attention_forward=attn_fwd,
         attention_backward=attn_bwd,
         mlp_saved=mlp_saved,
@@ -216,4 +229,5 @@ def activations(
         ring_scores=ring_scores,
         ring_forward=ring_fwd,
         ring_backward=ring_bwd,
+        head_chunks=C,
     )

@@ -8,10 +8,46 @@ from typing import Any
 from ulysses_mm.config import RunConfig
 from ulysses_mm.core.errors import UserError
 from ulysses_mm.tools.estimate.render import render
-from ulysses_mm.tools.estimate.result import NCCL_GIB_PER_COMMUNICATOR, estimate
-from ulysses_mm.tools.estimate.search import MAX_GRANULARITY, max_seq_len
+from ulysses_mm.tools.estimate.result import (
+    GPUS_PER_NODE,
+    HOST_GIB_PER_NODE,
+    NCCL_GIB_PER_COMMUNICATOR,
+    Estimate,
+    estimate,
+)
+from ulysses_mm.tools.estimate.search import (
+    MAX_GRANULARITY,
+    best_head_chunks,
+    head_chunk_choices,
+    max_seq_len,
+)
 from ulysses_mm.tools.estimate.shape import token_space
 from ulysses_mm.tools.estimate.units import GiB
+
+
+def head_chunks_arg(value: str | None) -> int | str | None:
+    """``--head-chunks``: a count, ``auto``, or None (the config's)."""
+    if value is None or value == "auto":
+        return value
+    try:
+        chunks = int(value)
+    except ValueError:
+        chunks = 0
+    if chunks < 1:
+        raise UserError(f"--head-chunks must be a positive integer or auto, got {value!r}")
+    return chunks
+
+
+def host_refusal(est: Estimate) -> str:
+    """The one line that refuses a plan whose host memory exceeds the node's."""
+    assert est.host_mem is not None
+    ckpt = (est.shape.layers - 1) * est.act.residual if est.offload_checkpoints else 0
+    return (
+        f"host memory: {est.host / GiB:.1f} GiB per GPU (offloaded states "
+        f"{(est.host - ckpt) / GiB:.1f} + checkpoints {ckpt / GiB:.1f}) × {est.node_gpus} GPUs "
+        f"of a node = {est.host_per_node / GiB:.1f} GiB, more than --host-mem "
+        f"{est.host_mem / GiB:g} GiB; use a shorter sequence or more nodes, or raise --host-mem"
+    )
 
 
 def run_cli(args: Any) -> int:
@@ -32,25 +68,59 @@ def run_cli(args: Any) -> int:
         reserve_gib=args.reserve,
         nccl_gib=getattr(args, "nccl_reserve", NCCL_GIB_PER_COMMUNICATOR),
         config_name=str(args.config),
+        host_mem_gib=getattr(args, "host_mem", HOST_GIB_PER_NODE),
+        gpus_per_node=getattr(args, "gpus_per_node", GPUS_PER_NODE),
     )
-    longest = None
+    chunks = head_chunks_arg(getattr(args, "head_chunks", None))
+    if isinstance(chunks, int):
+        kw["head_chunks"] = chunks
+    longest, per_chunks = None, None
     if args.max:
         if args.gpu_mem is None:
             raise UserError("--max needs --gpu-mem GB (the memory of one GPU)")
-        longest, est = max_seq_len(cfg, args.gpu_mem, **kw)
+        if chunks == "auto":
+            longest, est, per_chunks = best_head_chunks(cfg, args.gpu_mem, **kw)
+        else:
+            longest, est = max_seq_len(cfg, args.gpu_mem, **kw)
+        if not longest and est.host_fits is False:
+            raise UserError(host_refusal(est))
     else:
         seq_len = args.seq_len or cfg.data.seq_len
         if not seq_len:
             raise UserError(
                 "give --seq-len N or --max (data.seq_len is 0 in this config: the manifest's)"
             )
-        est = estimate(cfg, seq_len, gpu_mem_gib=args.gpu_mem, **kw)
+        if chunks == "auto":  # the fewest chunks among the lowest totals
+            tried = [
+                estimate(cfg, seq_len, gpu_mem_gib=args.gpu_mem, head_chunks=c, **kw)
+                for c in head_chunk_choices(cfg, args.gpus, args.sp)
+            ]
+            est = min(tried, key=lambda e: (e.total, e.step.head_chunks))
+            per_chunks = {e.step.head_chunks: e.total for e in tried}
+        else:
+            est = estimate(cfg, seq_len, gpu_mem_gib=args.gpu_mem, **kw)
+        if est.host_fits is False:
+            raise UserError(host_refusal(est))
     if args.json:
         out = est.to_dict()
         if args.max:
             out["max_seq_len"] = longest
+        if per_chunks is not None:
+            out["head_chunks_tried"] = per_chunks
         print(json.dumps(out, indent=1))
         return 0
+    if per_chunks is not None:
+        what = "longest sequence" if args.max else "total per GPU"
+        shown = (
+            {c: f"{v:,}" for c, v in per_chunks.items()}
+            if args.max
+            else {c: f"{v / GiB:.2f} GiB" for c, v in per_chunks.items()}
+        )
+        print(
+            f"head chunks auto: {est.step.head_chunks} ({what} by head chunks: "
+            + ", ".join(f"{c}: {v}" for c, v in shown.items())
+            + ")"
+        )
     if args.max:
         step = est.step
         if not longest:

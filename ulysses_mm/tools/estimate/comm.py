@@ -9,19 +9,26 @@ from ulysses_mm.tools.estimate.shape import ModelShape, StepShape
 
 def sent_per_layer(sh: ModelShape, step: StepShape, a: int) -> dict[str, int]:
     """Bytes one rank sends per layer: the all-to-all (q, k, v in and the output back over
-    the U ranks of a Ulysses group, on N/R tokens; the gradients the same way back) and
-    the ring's K/V blocks (backward: again, with their fp32 dK/dV)."""
-    from ulysses_mm.parallel.ring import ring_theory_bytes  # torch: only when computed
+    the U ranks of a Ulysses group, on N/R tokens; the gradients the same way back, and
+    with head chunks q, k, v again for the recomputation:
+    :func:`~ulysses_mm.parallel.head_chunks.exchange_heads`) and the ring's K/V blocks
+    (backward: again, with their fp32 dK/dV)."""
+    # torch: only when computed
+    from ulysses_mm.parallel.head_chunks import exchange_heads
+    from ulysses_mm.parallel.ring import ring_theory_bytes
 
     U, R, b = step.ulysses, step.ring, step.micro_batch
-    width = 2 * sh.q_width + 2 * sh.kv_expanded(U) * sh.head_dim  # q + out + k + v
-    a2a = (step.seq_len // R) * width // U * (U - 1) // U * a * b
+    fwd, bwd = exchange_heads(sh.heads, sh.kv_heads, U, step.head_chunks)
+
+    def a2a(heads: int) -> int:
+        return (step.seq_len // R) * heads * sh.head_dim // U * (U - 1) // U * a * b
+
     ring_fwd, ring_bwd = ring_theory_bytes(
         step.seq_len, R, U, sh.heads, sh.kv_heads, sh.head_dim, b, elem_bytes=a
     )
     return {
-        "all_to_all_forward": a2a,
-        "all_to_all_backward": a2a,
+        "all_to_all_forward": a2a(fwd),
+        "all_to_all_backward": a2a(bwd),
         "ring_forward": ring_fwd,
         "ring_backward": ring_bwd,
     }

@@ -5,9 +5,10 @@ the optimizer step.
 
 With activation checkpointing a layer keeps only its input (D·a) and one layer is
 recomputed at a time in backward. ``model.offload_checkpoints`` keeps those inputs in host
-memory: on the device only the recomputed layer's input and the one prefetched for the
-layer before it. The sequence-tiled layer's backward holds one [T, D] gradient buffer per
-input (the input's, the kernel output's) plus one recomputed tile.
+memory but the last layer's: on the device only the recomputed layer's input and, once
+its attention's backward is done, the one fetched for the layer before it. The
+sequence-tiled layer's backward holds one [T, D] gradient buffer per input (the input's,
+the kernel output's) plus one recomputed tile.
 """
 
 from __future__ import annotations
@@ -64,8 +65,10 @@ class _Step:
         # stash: what the layers before the one at work keep
         self.per_layer = x if ckpt else (x + act.tile_saved if tiled else act.layer)
         self.stash_scale = 0 if offload else 1
-        # offloaded: the layer's input fetched back, and the one before it, prefetched
-        self.fetched = x if offload else 0
+        # offloaded: the last layer's input stays on the device; the one before a layer
+        # is fetched once the layer is past its attention's backward
+        self.kept = x if offload else 0
+        self.prefetched = x if offload else 0
         if tiled:
             self.recompute = act.tile_saved
         else:
@@ -104,7 +107,7 @@ class _Step:
         in forward, or recomputed in backward with checkpointing."""
         L, x, zs = self.L, self.x, self.zs
         if self.ckpt:
-            inputs = (L - 1) * x * self.stash_scale + x + self.fetched
+            inputs = (L - 1) * x * self.stash_scale + x
             return Phase(
                 f"backward: recomputing the last layer's {part}",
                 [
@@ -130,7 +133,9 @@ class _Step:
     def last_attention(self) -> Phase:
         act, x = self.act, self.x
         if self.tiled:
-            live = act.kernel_saved + act.attention_forward + (act.qkv if self.a == 4 else 0)
+            # (in head groups the caller's q, k, v are what the kernel keeps)
+            qkv = act.qkv if self.a == 4 and act.head_chunks == 1 else 0
+            live = act.kernel_saved + act.attention_forward + qkv
         else:
             live = act.norm + act.kernel_saved + act.attention_forward
         layer_input = x if self.a != 4 or self.tiled else 0
@@ -149,7 +154,7 @@ class _Step:
         act = self.act
         kept = [
             *self.bwd(0, reducing=False),
-            Term("saved activations", self.L * self.per_layer * self.stash_scale),
+            Term("saved activations", self.L * self.per_layer * self.stash_scale + self.kept),
             Term("final norm", act.final_norm),
         ]
         return [
@@ -168,9 +173,11 @@ class _Step:
         act, x = self.act, self.x
         done = self.L - 1 - j  # layers whose gradients already exist
         before = j * self.per_layer * self.stash_scale + (x if self.ckpt else 0)
-        before += self.fetched if j else 0
+        fetched = self.prefetched if j else 0  # after the attention's backward
         this = self.recompute if self.ckpt else self.per_layer - (x if self.tiled else 0)
         common = [*self.bwd(done), Term("gradient of the residual stream", x)]
+        # an offloaded layer's backward holds its output's gradient to the end
+        held = [Term("gradient of the residual stream", x)] if self.prefetched else []
         if self.tiled:
             # the tiles after attention, backward: the input's and the kernel output's
             # gradient buffers fill; then the kernel's backward; then the tiles before it
@@ -189,6 +196,7 @@ class _Step:
                     f"backward: {label}'s attention",
                     [
                         *self.bwd(done),
+                        *held,
                         Term("saved activations", before + this - act.o),
                         Term("gradient buffer (input)", x),
                         Term("attention backward working set", act.attention_backward),
@@ -198,7 +206,8 @@ class _Step:
                     f"backward: {label}'s tiles before attention",
                     [
                         *self.bwd(done),
-                        Term("saved activations", before),
+                        *held,
+                        Term("saved activations", before + fetched),
                         Term("q, k, v gradients", act.qkv),
                         Term("gradient buffers (input, twice)", 2 * x),
                         Term("tile backward working set", act.tile_backward),

@@ -43,6 +43,8 @@ def _training(est: Estimate) -> list[str]:
     elif act.mlp_tile_tokens:
         out.append(f"MLP tiles of {act.mlp_tile_tokens:,}")
     out.append(f"loss tiles of {act.loss_tile_tokens:,}")
+    if est.step.head_chunks > 1:
+        out.append(f"attention in {est.step.head_chunks} head groups")
     out.append(f"kernel {est.kernel}" + (" (CPU tensors)" if est.device == "cpu" else ""))
     return out
 
@@ -96,12 +98,18 @@ def _states_and_activations(est: Estimate, row: _Row, at: dict[str, int]) -> lis
         row(
             offload_label,
             2 * act.residual if est.offload_checkpoints else 0,
-            f"host {act.residual * L / row.div:.2f}",
+            f"host {act.residual * (L - 1) / row.div:.2f}",
             2,
         ),
         row("recomputed in backward, one layer at a time", recompute, indent=2),
         "  attention of one layer",
-        row("q, k, v after the all-to-all [b, s, hq/P + 2e/P, d]", act.after_all_to_all, indent=2),
+        row(
+            "q, k, v after the all-to-all [b, s, hq/P + 2e/P, d]"
+            if act.head_chunks == 1
+            else f"q, k, v of one head group of {act.head_chunks} after the all-to-all",
+            act.after_all_to_all,
+            indent=2,
+        ),
         row("forward working set", act.attention_forward, indent=2),
         row("backward working set", act.attention_backward, indent=2),
     ]
@@ -161,7 +169,13 @@ def _tiles_and_buffers(est: Estimate, row: _Row, at: dict[str, int]) -> list[str
             indent=2,
         ),
         "  communication buffers",
-        row("all-to-all send + receive (one exchange of q, k, v)", act.all_to_all, indent=2),
+        row(
+            "all-to-all send + receive (one exchange of q, k, v)"
+            if act.head_chunks == 1
+            else "all-to-all send + receive (a group's q, k, v, output gradient)",
+            act.all_to_all,
+            indent=2,
+        ),
         row(
             "DeepSpeed buckets and gathered parameters, at the peak",
             buffers,
@@ -215,7 +229,13 @@ def _peak_and_total(est: Estimate, row: _Row, unit: str) -> list[str]:
     if est.offloaded_total is not None:
         out.append(row("total with checkpoints offloaded to host (what-if)", est.offloaded_total))
     if est.host:
-        out.append(row("host memory per GPU (offloaded states and checkpoints)", est.host))
+        node = ""
+        if est.host_mem is not None:
+            node = (
+                f"× {est.node_gpus} per node = {est.host_per_node / GiB:.2f} GiB of "
+                f"{est.host_mem / GiB:g} GiB (--host-mem)"
+            )
+        out.append(row("host memory per GPU (offloaded states and checkpoints)", est.host, node))
     out += [f"  note: {x}" for x in est.notes]
     return out
 

@@ -38,6 +38,10 @@ CONTEXT_RESERVE_GIB = 1.0
 # ... and NCCL's buffers per communicator (channels × peers × NCCL_BUFFSIZE, plus NVLS
 # buffers on NVSwitch nodes): a low default, ``--nccl-reserve`` sets the node's.
 NCCL_GIB_PER_COMMUNICATOR = 0.5
+# A node's host memory and GPUs (an 8-GPU node with 2 TiB): what offloaded states and
+# checkpoints may take, ``--host-mem`` and ``--gpus-per-node`` set the node's.
+HOST_GIB_PER_NODE = 2048.0
+GPUS_PER_NODE = 8
 
 
 @dataclass
@@ -70,6 +74,8 @@ class Estimate:
     offloaded_peak: int | None  # the peak with checkpoints offloaded (what-if)
     gpu_mem: int | None = None
     notes: list[str] = field(default_factory=list)
+    host_mem: int | None = None  # host memory of one node (bytes)
+    gpus_per_node: int = GPUS_PER_NODE
     # bytes one rank sends per layer: the all-to-all over U ranks and the ring of R
     # (ulysses_mm.parallel.ring.ring_theory_bytes), forward and backward
     sent_per_layer: dict[str, int] = field(default_factory=dict)
@@ -93,6 +99,19 @@ class Estimate:
     def fits(self) -> bool | None:
         return None if self.gpu_mem is None else self.total <= self.gpu_mem
 
+    @property
+    def node_gpus(self) -> int:
+        """GPUs of this run on one node, sharing its host memory."""
+        return min(self.step.gpus, self.gpus_per_node)
+
+    @property
+    def host_per_node(self) -> int:
+        return self.host * self.node_gpus
+
+    @property
+    def host_fits(self) -> bool | None:
+        return None if self.host_mem is None else self.host_per_node <= self.host_mem
+
     def phase(self, name: str) -> Phase:
         return next(p for p in self.phases if p.name == name)
 
@@ -106,6 +125,8 @@ class Estimate:
         d["total"] = self.total
         d["offloaded_total"] = self.offloaded_total
         d["fits"] = self.fits
+        d["host_per_node"] = self.host_per_node
+        d["host_fits"] = self.host_fits
         return d
 
 
@@ -123,13 +144,19 @@ def estimate(
     nccl_gib: float = NCCL_GIB_PER_COMMUNICATOR,
     gpu_mem_gib: float | None = None,
     config_name: str = "",
+    head_chunks: int | None = None,
+    host_mem_gib: float | None = None,
+    gpus_per_node: int = GPUS_PER_NODE,
 ) -> Estimate:
     """Per-rank memory of one training step of ``cfg`` at ``seq_len`` tokens per sample.
 
     ``device='cuda'`` estimates a GPU (foreach AdamW, flash scratch, allocator headroom,
     runtime reserve); ``device='cpu'`` the tensor memory of a CPU process, which
     :mod:`ulysses_mm.tools.measure` measures. The runtime reserve is CONTEXT_RESERVE_GIB plus
-    ``nccl_gib`` per NCCL communicator of the layout, or ``reserve_gib`` flat when given."""
+    ``nccl_gib`` per NCCL communicator of the layout, or ``reserve_gib`` flat when given.
+    ``head_chunks`` (default: parallel.head_chunks) runs attention in that many head
+    groups; ``host_mem_gib`` is the host memory of a node of ``gpus_per_node`` GPUs that
+    the offloaded states and checkpoints of its GPUs share (:attr:`Estimate.host_fits`)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     if space is None:
@@ -139,7 +166,7 @@ def estimate(
         raise ConfigError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1")
     if ds.offload_param != "none" and ds.zero_stage != 3:
         raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
-    step = step_shape(cfg, seq_len, gpus, sp)
+    step = step_shape(cfg, seq_len, gpus, sp, head_chunks)
     sh = model_shape(cfg, space)
     cuda = device == "cuda"
     kernel = _kernel(cfg, device, step)
@@ -151,7 +178,7 @@ def estimate(
     offloaded = None
     host = zs.host
     if cfg.model.offload_checkpoints:
-        host += sh.layers * act.residual  # every layer's input, on the host
+        host += (sh.layers - 1) * act.residual  # every layer's input but the last, on the host
     elif cfg.model.activation_checkpointing:
         offloaded = max(p.bytes for p in phases(cfg, sh, zs, act, a, offload_checkpoints=True))
     if cuda and reserve_gib is None:
@@ -190,6 +217,8 @@ def estimate(
         gpu_mem=int(gpu_mem_gib * GiB) if gpu_mem_gib else None,
         notes=_notes(kernel, step, act),
         sent_per_layer=sent_per_layer(sh, step, a),
+        host_mem=int(host_mem_gib * GiB) if host_mem_gib else None,
+        gpus_per_node=gpus_per_node,
     )
 
 
@@ -215,6 +244,11 @@ def _notes(kernel: str, step: StepShape, act: Activations) -> list[str]:
         notes.append(
             "flex attention is counted like the flash kernels, plus its block mask "
             f"({flex_block_mask_bytes(step.micro_batch, step.seq_len) / (1 << 20):.1f} MiB)"
+        )
+    if step.head_chunks > 1:
+        notes.append(
+            f"attention in {step.head_chunks} head groups: backward recomputes each group's "
+            "attention forward (one more per layer) and sends its q, k, v once more"
         )
     if kernel == "ring":
         notes.append(

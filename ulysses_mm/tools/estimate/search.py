@@ -1,5 +1,7 @@
-"""The longest sequence that fits a GPU: the estimate grows with the length, so doubling
-then bisection over multiples of sp × :data:`MAX_GRANULARITY` tokens finds it."""
+"""The longest sequence that fits a GPU (and its node's host memory): the estimate grows
+with the length, so doubling then bisection over multiples of sp ×
+:data:`MAX_GRANULARITY` tokens finds it; :func:`best_head_chunks` tries every head-chunk
+count the layout allows."""
 
 from __future__ import annotations
 
@@ -16,18 +18,19 @@ def max_seq_len(
     cfg: RunConfig, gpu_mem_gib: float, limit: int = 1 << 34, **kw: Any
 ) -> tuple[int, Estimate]:
     """The longest sequence (a multiple of sp × MAX_GRANULARITY tokens) whose estimate
-    fits ``gpu_mem_gib``, and its estimate; (0, the estimate at the smallest length) when
-    none does. ``kw`` as for :func:`estimate`. The estimate grows with the length, so
-    doubling then bisection finds it."""
+    fits ``gpu_mem_gib`` (and ``host_mem_gib`` per node when given in ``kw``), and its
+    estimate; (0, the estimate at the smallest length) when none does. ``kw`` as for
+    :func:`estimate`. The estimate grows with the length, so doubling then bisection
+    finds it."""
     first = estimate(cfg, _granule(cfg, kw), gpu_mem_gib=gpu_mem_gib, **kw)
     g = first.step.sp * MAX_GRANULARITY
-    if not first.fits:
+    if not _fits(first):
         return 0, first
     lo, best = 1, first
     hi = 2
     while hi * g <= limit:
         est = estimate(cfg, hi * g, gpu_mem_gib=gpu_mem_gib, **kw)
-        if not est.fits:
+        if not _fits(est):
             break
         lo, best, hi = hi, est, hi * 2
     else:
@@ -35,11 +38,43 @@ def max_seq_len(
     while hi - lo > 1:
         mid = (lo + hi) // 2
         est = estimate(cfg, mid * g, gpu_mem_gib=gpu_mem_gib, **kw)
-        if est.fits:
+        if _fits(est):
             lo, best = mid, est
         else:
             hi = mid
     return lo * g, best
+
+
+def _fits(est: Estimate) -> bool:
+    return bool(est.fits) and est.host_fits is not False
+
+
+def head_chunk_choices(cfg: RunConfig, gpus: int | None, sp: int | None) -> list[int]:
+    """The head-chunk counts the layout allows (each rank's query heads split evenly)."""
+    from ulysses_mm.core.layout import valid_head_chunks
+
+    p, m = cfg.parallel, cfg.model
+    if gpus is None:
+        sp = sp or p.sp
+    elif sp is None:
+        sp = gpus
+    ulysses = max(1, sp // p.ring)
+    return valid_head_chunks(m.num_attention_heads, m.num_key_value_heads, ulysses)
+
+
+def best_head_chunks(
+    cfg: RunConfig, gpu_mem_gib: float, limit: int = 1 << 34, **kw: Any
+) -> tuple[int, Estimate, dict[int, int]]:
+    """:func:`max_seq_len` for every head-chunk count the layout allows: (the longest
+    sequence, its estimate, {C: longest at C}); among equals the fewest chunks (fewer,
+    larger exchanges and kernel calls)."""
+    kw.pop("head_chunks", None)
+    found: dict[int, tuple[int, Estimate]] = {}
+    for c in head_chunk_choices(cfg, kw.get("gpus"), kw.get("sp")):
+        found[c] = max_seq_len(cfg, gpu_mem_gib, limit, head_chunks=c, **kw)
+    best = max(found, key=lambda c: (found[c][0], -c))
+    n, est = found[best]
+    return n, est, {c: v[0] for c, v in found.items()}
 
 
 def _granule(cfg: RunConfig, kw: dict[str, Any]) -> int:

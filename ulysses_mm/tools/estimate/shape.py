@@ -117,6 +117,7 @@ class StepShape:
     seq_len: int
     micro_batch: int
     ring: int = 1  # R: sp = U × R, Ulysses over U ranks, ring attention across R groups
+    head_chunks: int = 1  # C: attention in C groups of heads (parallel.head_chunks)
 
     @property
     def dp(self) -> int:
@@ -147,10 +148,17 @@ class StepShape:
         return sum(n > 1 for n in groups)
 
 
-def step_shape(cfg: RunConfig, seq_len: int, gpus: int | None, sp: int | None) -> StepShape:
+def step_shape(
+    cfg: RunConfig,
+    seq_len: int,
+    gpus: int | None,
+    sp: int | None,
+    head_chunks: int | None = None,
+) -> StepShape:
     """``gpus`` defaults to parallel.sp × parallel.dp; ``sp`` to ``gpus`` when gpus is
     given (the longest context puts every GPU in one sequence-parallel group), else to
-    parallel.sp. The ring is parallel.ring (sp = U × R). Shapes Ulysses × ring cannot run
+    parallel.sp. The ring is parallel.ring (sp = U × R), the head chunks
+    parallel.head_chunks unless given. Shapes Ulysses × ring (× head chunks) cannot run
     are refused with what would work."""
     p = cfg.parallel
     if gpus is None:
@@ -168,7 +176,13 @@ def step_shape(cfg: RunConfig, seq_len: int, gpus: int | None, sp: int | None) -
         num_kv_heads=m.num_key_value_heads,
         seq_len=seq_len,
         ring=p.ring,
+        head_chunks=head_chunks or p.head_chunks,
     )
     return StepShape(
-        gpus=gpus, sp=sp, seq_len=seq_len, micro_batch=cfg.data.micro_batch_size, ring=p.ring
+        gpus=gpus,
+        sp=sp,
+        seq_len=seq_len,
+        micro_batch=cfg.data.micro_batch_size,
+        ring=p.ring,
+        head_chunks=head_chunks or p.head_chunks,
     )

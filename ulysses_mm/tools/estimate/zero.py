@@ -136,9 +136,15 @@ def zero_states(
             host += a * psi_r
             params = a * persist
         grad_partition = a * psi_r
+        if ds.offload_optimizer != "none":
+            # the flat gradient partition lives where the optimizer steps (DeepSpeed's
+            # stage3 grad_partitions_flat_buffer on self.device, the host with offload)
+            host += a * psi_r
+            grad_partition = 0
         persistent = comm * rbs  # one reduce bucket, in the communication dtype
-        if W > 1:
-            # Gathered parameters stay gathered while their reuse distance is short, up to
+        if W > 1 or ds.offload_param != "none":
+            # Gathered parameters (fetched from the host with parameter offload, on one
+            # rank too) stay gathered while their reuse distance is short, up to
             # stage3_max_live_parameters (with the defaults: the whole model below 1e9
             # parameters). Without all-gather-into-tensor (gloo) the gathered flat buffer
             # is also copied out per parameter: twice the bytes.
