@@ -27,8 +27,8 @@ test: venv
 	$(PY) -m pytest -q
 
 lint: venv
-	$(VENV)/bin/ruff check ulysses_mm tests benchmarks
-	$(VENV)/bin/ruff format --check ulysses_mm tests benchmarks
+	$(VENV)/bin/ruff check ulysses_mm tests benchmarks examples
+	$(VENV)/bin/ruff format --check ulysses_mm tests benchmarks examples
 	$(PY) -m ulysses_mm.tools.layers
 
 typecheck: venv

@@ -12,14 +12,15 @@ from ulysses_mm.core import errors
 # Run the CLI with ulysses_mm.config.load_config replaced by one that raises ``EXC``.
 _PROBE = """
 import sys
-import ulysses_mm.cli as cli
+import ulysses_mm.cli.setup as cli_setup
+from ulysses_mm.cli import main
 from ulysses_mm.core import errors
 
 def boom(*a, **k):
     raise eval(sys.argv[1])
 
-cli.load_config = boom
-raise SystemExit(cli.main(["config", "configs/debug-tiny.yaml"]))
+cli_setup.load_config = boom
+raise SystemExit(main(["config", "configs/debug-tiny.yaml"]))
 """
 
 

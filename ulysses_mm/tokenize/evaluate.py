@@ -306,7 +306,7 @@ def _finite(x: Any) -> Any:
 
 
 def cli_eval(args: argparse.Namespace) -> int:
-    """The ``tokenizer eval`` subcommand (see cli._add_tokenizer for its flags)."""
+    """The ``tokenizer eval`` subcommand (see ulysses_mm.cli.data.add_tokenizer for its flags)."""
     from ulysses_mm.tokenize.registry import load_tokenizer
 
     damage = list(args.damage or [])

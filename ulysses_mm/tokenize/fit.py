@@ -124,7 +124,7 @@ def _check_flag_combinations(args: argparse.Namespace, opts: VideoFitOptions) ->
 
 
 def cli_fit(args: argparse.Namespace) -> int:
-    """The ``tokenizer fit`` subcommand (see cli._add_tokenizer for its flags)."""
+    """The ``tokenizer fit`` subcommand (see ulysses_mm.cli.data.add_tokenizer for its flags)."""
     from ulysses_mm.tokenize.registry import load_tokenizer
 
     if args.modality != "video":

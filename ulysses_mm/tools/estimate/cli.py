@@ -1,5 +1,5 @@
 """``ulysses-mm estimate``: one estimate (or the longest sequence that fits) printed as the
-breakdown or as JSON; the arguments are :func:`ulysses_mm.cli._add_estimate`'s."""
+breakdown or as JSON; the arguments are :func:`ulysses_mm.cli.setup.add_estimate`'s."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def host_refusal(est: Estimate) -> str:
 
 
 def run_cli(args: Any) -> int:
-    """``ulysses-mm estimate`` (arguments from :func:`ulysses_mm.cli._add_estimate`)."""
+    """``ulysses-mm estimate`` (arguments from :func:`ulysses_mm.cli.setup.add_estimate`)."""
     import json
 
     from ulysses_mm.config import load_config

@@ -1,0 +1,91 @@
+"""``ulysses-mm``: a thin CLI; each subcommand maps to one function.
+
+The parsers live by what they act on: :mod:`~ulysses_mm.cli.data` (raw files and shards),
+:mod:`~ulysses_mm.cli.model` (training and what a trained model does),
+:mod:`~ulysses_mm.cli.setup` (checks before a run). Configuration precedence everywhere:
+CLI ``section.key=value`` > the YAML file > the schema's defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+from ulysses_mm.cli import data, model, setup
+from ulysses_mm.core.errors import UserError
+
+# One entry per subcommand, in the order `--help` lists them.
+_SUBCOMMANDS = [
+    model.add_demo,
+    data.add_prepare,
+    data.add_inspect,
+    data.add_tokenizer,
+    model.add_train,
+    model.add_export,
+    data.add_hf_tokenizer,
+    model.add_generate,
+    model.add_evaluate,
+    data.add_probe,
+    model.add_report,
+    setup.add_verify,
+    setup.add_estimate,
+    setup.add_config,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ulysses-mm",
+        description="Train one transformer on million-token streams of video, audio and DNA.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in _SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def _strip_local_rank(argv: Sequence[str]) -> list[str]:
+    """The DeepSpeed launcher appends ``--local_rank=N`` to every command (LOCAL_RANK is in
+    the environment too, which is what we read); drop it before parsing."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--local_rank", "--local-rank"):
+            skip = True
+        elif not arg.startswith(("--local_rank=", "--local-rank=")):
+            out.append(arg)
+    return out
+
+
+# ``section.key=value``: a dotted key of letters, digits, '_' and '-', then '='.
+_OVERRIDE = re.compile(r"[A-Za-z_][\w-]*(\.[\w-]+)*=")
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """``parser.parse_args``, with ``key=value`` overrides accepted after options too.
+
+    argparse gives a ``nargs="*"`` positional only the words before the first option
+    (``train CONFIG --nproc 2 train.steps=1`` would leave ``train.steps=1`` unrecognized);
+    the words it could not place that are overrides join ``overrides``, in order."""
+    args, extras = parser.parse_known_args(_strip_local_rank(argv))
+    if extras:
+        takes = isinstance(getattr(args, "overrides", None), list)
+        rest = [a for a in extras if not (takes and _OVERRIDE.match(a))]
+        if rest:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = [*args.overrides, *extras]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
+    try:
+        return int(args.func(args))
+    except UserError as e:  # what the user can fix: one line; anything else keeps its traceback
+        print(f"ulysses-mm {args.command}: {e.prefix}{e}", file=sys.stderr)
+        return e.exit_code
+

@@ -1,0 +1,260 @@
+"""Commands on a model: train it, look at what it learned, hand it on (demo, train,
+export, generate, evaluate, report)."""
+
+from __future__ import annotations
+
+import argparse
+
+from ulysses_mm.cli.common import overrides_help
+from ulysses_mm.config import RunConfig, load_config
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from ulysses_mm.tools.demo import run_demo
+
+    return run_demo(args.out, args.steps)
+
+
+def add_demo(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the default job: prepare the sample data, train the debug model at SP=2, plot",
+        description=(
+            "Prepare the repository's sample files (DNA, speech, video) with pipelines/mixed.yaml, "
+            "train configs/debug-tiny.yaml at SP=2 on 2 CPU processes with W&B offline, and "
+            "write the loss curves and one packed sample as PNGs."
+        ),
+    )
+    p.add_argument("--out", default="build/demo", help="output directory (default build/demo)")
+    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from ulysses_mm.train.loop import run_train
+
+    cfg = load_config(RunConfig, args.config, args.overrides)
+    result = run_train(cfg, args.nproc, args.resume)
+    print(
+        f"trained {result['steps']} steps; final loss {result['final_loss']:.4f}\n"
+        f"  run dir:    {result['run_dir']}\n"
+        f"  metrics:    {result['run_dir']}/metrics.jsonl\n"
+        f"  checkpoint: {result['checkpoint']}\n"
+        + (f"  wandb:      {result['wandb_dir']}\n" if result["wandb_dir"] else "")
+    )
+    return 0
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train",
+        help="train from shards with DeepSpeed + Ulysses",
+        description=(
+            "Train the model of CONFIG on the shards its data.train manifest names. With "
+            "--nproc N it starts N local processes itself; under torchrun or the DeepSpeed "
+            "launcher it joins the world it is given."
+        ),
+    )
+    p.add_argument("config", help="run config YAML (see configs/)")
+    p.add_argument("overrides", nargs="*", help=overrides_help())
+    p.add_argument(
+        "--nproc", type=int, default=None, help="start N local processes (torch elastic launcher)"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint of train.out_dir"
+    )
+    p.set_defaults(func=_cmd_train)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from ulysses_mm.train.export import export
+
+    out = export(args.checkpoint, args.out)
+    arch = json.loads((Path(out) / "config.json").read_text())["architectures"][0]
+    print(f"wrote a transformers {arch} checkpoint to {out} (AutoModelForCausalLM.from_pretrained)")
+    return 0
+
+
+def add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as a transformers (safetensors) model")
+    p.add_argument(
+        "checkpoint", help="a run dir, its checkpoints/ dir, or one checkpoint (step_*) dir"
+    )
+    p.add_argument("out", help="output directory (config.json + model.safetensors)")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from ulysses_mm.tools.generate import GenerateOptions, run_generate
+
+    opts = GenerateOptions(
+        modality=args.modality,
+        new_tokens=args.new_tokens,
+        out=args.out,
+        prompt=args.prompt,
+        prompt_tokens=args.prompt_tokens,
+        prompt_seconds=args.prompt_seconds,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        with_prompt=args.with_prompt,
+        ignore_doc_end=args.ignore_doc_end,
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        device=args.device,
+        nproc=args.nproc,
+    )
+    r = run_generate(args.checkpoint, opts)
+    if r["out"]:
+        print(
+            f"wrote {r['out']}: {r['what']} ({r['kind']}); {r['new_ids']:,} new ids "
+            f"({r['sampled']:,} sampled{', ended by </doc>' if r['ended'] else ''}) after a "
+            f"{r['prompt_ids']:,}-id prompt; {r['tokens_per_s']:,.1f} ids/s with the prefill, "
+            f"on {r['device']} × {r['processes']}"
+        )
+    return 0
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="continue a prompt in one modality; write FASTA / WAV / MP4 / text",
+        description=(
+            "Tokenize PROMPT with the tokenizer the model's training data used, sample "
+            "--new-tokens ids with a KV cache within the modality's head (and the "
+            "tokenizer's layout: whole video frames, interleaved audio), and decode them to "
+            "--out: FASTA for DNA, WAV for audio, MP4 for video (with the clip's audio when "
+            "the spec interleaves it), UTF-8 text. The same seed gives the same output. "
+            "--nproc N prefills a long prompt with N sequence-parallel processes."
+        ),
+    )
+    p.add_argument("checkpoint", help="a run dir, a checkpoint (step_*) dir or an export dir")
+    p.add_argument(
+        "--modality", required=True, help="the modality to write (dna, audio, video, text, …)"
+    )
+    p.add_argument(
+        "--prompt",
+        default=None,
+        metavar="FILE",
+        help="a file of that modality (FASTA, audio, video, .txt); none: start a document",
+    )
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--prompt-tokens", type=int, default=None, metavar="N", help="keep the first N ids"
+    )
+    g.add_argument(
+        "--prompt-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="keep the first S seconds (audio, video)",
+    )
+    p.add_argument("--new-tokens", type=int, required=True, metavar="N", help="ids to generate")
+    p.add_argument("--out", required=True, metavar="FILE", help="the file to write")
+    p.add_argument(
+        "--temperature", type=float, default=1.0, help="softmax temperature (0: greedy; default 1)"
+    )
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="nucleus: the likeliest ids of mass p (1: all)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--with-prompt",
+        action="store_true",
+        help="write the prompt's part too (default: only what was generated)",
+    )
+    p.add_argument(
+        "--ignore-doc-end",
+        action="store_true",
+        help="never sample </doc>: write all --new-tokens ids (default: </doc> ends early)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="SPEC",
+        help="tokenizer spec to use instead of the one recorded with the model",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "fp32", "bf16", "fp16"],
+        default="auto",
+        help="weights' dtype (auto: the training precision)",
+    )
+    p.add_argument(
+        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: a GPU if any"
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="prefill with N local sequence-parallel processes (a prompt too long for one)",
+    )
+    p.set_defaults(func=_cmd_generate)
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from ulysses_mm.tools.evaluate import EvaluateOptions, cli
+
+    edges = [int(x) for x in args.edges.split(",")] if args.edges else None
+    opts = EvaluateOptions(args.nproc, args.batches, args.micro_batch, edges)
+    return cli(args.checkpoint, args.manifest, opts, args.json, args.png)
+
+
+def add_evaluate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="held-out loss per modality (bits per base / sample / byte) and by position",
+        description=(
+            "Run MANIFEST's samples, in order and at full length, through the training "
+            "step's forward under the run's sequence-parallel layout: cross-entropy per "
+            "modality in nats per token and in the units people quote (DNA bits per base, "
+            "audio bits per sample, text bits per byte, video bits per frame), and against "
+            "the target's position inside its document in log-spaced bins. The figures "
+            "match the periodic eval of `ulysses-mm train` on the same batches."
+        ),
+    )
+    p.add_argument("checkpoint", help="a run dir, its checkpoints/ dir or a step_* dir")
+    p.add_argument("manifest", help="manifest.json of held-out shards (path or fsspec URL)")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="local processes (default: the run's parallel.sp; dp = nproc / sp)",
+    )
+    p.add_argument(
+        "--batches",
+        type=int,
+        default=0,
+        help="micro-batches per DP rank (default 0: every sample once)",
+    )
+    p.add_argument(
+        "--micro-batch", type=int, default=0, help="samples per DP rank (default: the run's)"
+    )
+    p.add_argument(
+        "--edges",
+        default=None,
+        metavar="P0,P1,...",
+        help="position bin edges instead of log-spaced ones, e.g. 2,1026,2050",
+    )
+    p.add_argument("--json", action="store_true", help="print every figure as JSON")
+    p.add_argument("--png", default=None, metavar="FILE", help="plot loss against position")
+    p.set_defaults(func=_cmd_evaluate)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from ulysses_mm.tools.report import plot
+
+    print(f"wrote {plot(args.run_dir, args.png)}")
+    return 0
+
+
+def add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="plot a run's loss curves per modality")
+    p.add_argument("run_dir", help="the run directory (train.out_dir)")
+    p.add_argument("--png", required=True, help="where to write the plot")
+    p.set_defaults(func=_cmd_report)
