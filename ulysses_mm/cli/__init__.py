@@ -88,4 +88,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UserError as e:  # what the user can fix: one line; anything else keeps its traceback
         print(f"ulysses-mm {args.command}: {e.prefix}{e}", file=sys.stderr)
         return e.exit_code
-
