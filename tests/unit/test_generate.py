@@ -151,7 +151,7 @@ def test_generated_ids_decode_in_every_kind(tmp_path):
     """An untrained model's ids, within the grammar, decode through each tokenizer (the
     same seed giving the same ids)."""
     h264 = json.loads((SPECS / "video-h264.json").read_text())
-    h264["params"] |= {"tokens_per_frame": 8, "buffer_frames": 1.0}  # frames of 32 ids at most
+    h264["params"] |= {"tokens_per_frame": 8}  # frames of 4 · 2 · 8 = 64 ids at most
     (tmp_path / "h264.json").write_text(json.dumps(h264))
     h264_space = TokenSpace.from_vocab({"video": 65792})
     h264_model = build_model(
@@ -163,7 +163,7 @@ def test_generated_ids_decode_in_every_kind(tmp_path):
         (SPECS / "audio-mulaw-16k.json", 50, model, SPACE, 0),
         (SPECS / "text-bytes.json", 30, model, SPACE, 0),
         (SPECS / "video-vq.json", 257 + 20, model, SPACE, 1),  # a frame, a part frame
-        (tmp_path / "h264.json", 2 * 33 + 5, h264_model.eval(), h264_space, 2),
+        (tmp_path / "h264.json", 2 * 65 + 5, h264_model.eval(), h264_space, 2),
     ):
         tok = load_tokenizer(spec)
         ids = _generated(m, tok, space, new)

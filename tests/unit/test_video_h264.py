@@ -271,6 +271,9 @@ def test_bad_params_are_one_clear_error():
         H264VideoTokenizer(_spec(buffer_frames=1.5))  # libx264 would quietly make it 2
     with pytest.raises(ValueError, match="intra_refresh"):
         H264VideoTokenizer(_spec(intra_refresh="yes"))
+    # what libx264 itself refuses (a buffer below its floor at this rate) names the params
+    with pytest.raises(ValueError, match=r"libx264 refuses these params .*tokens_per_frame=4"):
+        H264VideoTokenizer(_spec(tokens_per_frame=4))
     with pytest.raises(ValueError, match="vocab_size 65792"):
         H264VideoTokenizer(TokenizerSpec("x", "video", "video-h264", 256, {}))
 

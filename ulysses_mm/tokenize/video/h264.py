@@ -174,6 +174,14 @@ class H264VideoTokenizer(VideoTokenizer):
             ) from None
         self.tokens_per_frame = p["tokens_per_frame"]  # on average
         self._headers: bytes | None = None
+        try:  # what libx264 refuses (a rate too low for its buffer, say) is the spec's fault
+            self.headers()
+        except av.error.FFmpegError as e:
+            raise DataError(
+                f"{where}: libx264 refuses these params ({type(e).__name__}: {e.strerror}; "
+                f"tokens_per_frame={p['tokens_per_frame']}, buffer_frames={p['buffer_frames']}, "
+                f"size={p['size']}, fps={p['fps']})"
+            ) from None
 
     # ------------------------------------------------------------------ encode
     def _codec(self) -> Any:
