@@ -229,9 +229,36 @@ def stream_blocks(
 
 class _Reader:
     records = 0
+    out: _Out  # the line readers' token blocks in the making
 
     def blocks(self, first: bytes, rest: IO[bytes]) -> Iterator[TokenBlock]:
         raise NotImplementedError
+
+    def _flush(self) -> Iterator[TokenBlock]:
+        block = self.out.flush()
+        if block is not None:
+            yield block
+
+
+def _read_on(pending: bytes, rest: IO[bytes], eof: bool) -> tuple[bytes, bool]:
+    """``pending`` and the next block of ``rest`` (unless it ended); whether it has."""
+    if eof:
+        return pending, True
+    data = rest.read(BLOCK)
+    return pending + data, not data
+
+
+def _whole_lines(pending: bytes, eof: bool) -> tuple[bytes | None, bytes]:
+    """(the whole lines at the start of ``pending``, the rest): None while no line is
+    whole; at the file's end everything, its last line given its newline."""
+    if eof:
+        if pending and not pending.endswith((b"\n", b"\r")):
+            pending += b"\n"
+        return pending, b""
+    nl = pending.rfind(b"\n")
+    if nl < 0:
+        return None, pending
+    return pending[: nl + 1], pending[nl + 1 :]
 
 
 class _Records(_Reader):
@@ -288,19 +315,10 @@ class _Fasta(_Reader):
     def blocks(self, first: bytes, rest: IO[bytes]) -> Iterator[TokenBlock]:
         pending, eof, mid_line = first, False, False
         while True:
-            if not eof:
-                data = rest.read(BLOCK)
-                eof = not data
-                pending += data
-            if eof:
-                body, pending = pending, b""
-                if body and not body.endswith((b"\n", b"\r")):
-                    body += b"\n"
-            else:
-                nl = pending.rfind(b"\n")
-                if nl >= 0:
-                    body, pending = pending[: nl + 1], pending[nl + 1 :]
-                elif len(pending) >= BLOCK and (mid_line or not pending.startswith(b">")):
+            pending, eof = _read_on(pending, rest, eof)
+            body, pending = _whole_lines(pending, eof)
+            if body is None:
+                if len(pending) >= BLOCK and (mid_line or not pending.startswith(b">")):
                     # one sequence line longer than a block: its bases so far, all but
                     # trailing whitespace (the line's end decides what of it is kept)
                     cut = len(pending.rstrip(WS))
@@ -308,9 +326,7 @@ class _Fasta(_Reader):
                     pending, mid_line = pending[cut:], True
                     if self.out.size >= BLOCK:
                         yield from self._flush()
-                    continue
-                else:
-                    continue  # a header line longer than a block: read on
+                continue  # else a header line longer than a block: read on
             self._read(_normalise(body), mid_line)
             mid_line = False
             if self.out.size >= BLOCK or eof:
@@ -319,11 +335,6 @@ class _Fasta(_Reader):
                 break
         self._end()
         yield from self._flush()
-
-    def _flush(self) -> Iterator[TokenBlock]:
-        block = self.out.flush()
-        if block is not None:
-            yield block
 
     def _read(self, body: bytes, mid_line: bool) -> None:
         """Whole lines (the first one's start already read when ``mid_line``)."""
@@ -385,19 +396,10 @@ class _Fastq(_Reader):
     def blocks(self, first: bytes, rest: IO[bytes]) -> Iterator[TokenBlock]:
         pending, eof = first, False
         while True:
-            if not eof:
-                data = rest.read(BLOCK)
-                eof = not data
-                pending += data
-            if eof:
-                body, pending = pending, b""
-                if body and not body.endswith((b"\n", b"\r")):
-                    body += b"\n"
-            else:
-                nl = pending.rfind(b"\n")
-                if nl < 0:
-                    continue
-                body, pending = pending[: nl + 1], pending[nl + 1 :]
+            pending, eof = _read_on(pending, rest, eof)
+            body, pending = _whole_lines(pending, eof)
+            if body is None:
+                continue
             lines = _normalise(body).split(b"\n")  # the last is b"" (after the last newline)
             done = self._plain(lines, eof)
             left = len(lines) - 1 - done  # whole lines not taken
@@ -414,11 +416,6 @@ class _Fastq(_Reader):
             if eof:
                 break
         yield from self._flush()
-
-    def _flush(self) -> Iterator[TokenBlock]:
-        block = self.out.flush()
-        if block is not None:
-            yield block
 
     def _exact(self, left: bytes, rest: IO[bytes]) -> Iterator[TokenBlock]:
         """The rest of the file, from ``left`` on, through ``FastqGeneralIterator``."""
