@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo import run_distributed
+from hf_models import tiny_hf_model
 from torch.testing import assert_close
 
 from ulysses_mm.core.errors import UnsupportedError
@@ -36,29 +37,9 @@ SHAPE = dict(
 
 
 def _model(kind: str, heads: int, kv_heads: int, attn: str, seed: int = 0):
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
+    model = tiny_hf_model(
+        kind, seed, 0.05, num_attention_heads=heads, num_key_value_heads=kv_heads, **SHAPE
     )
-
-    cfg_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-        "mistral": (MistralConfig, MistralForCausalLM),
-    }[kind]
-    torch.manual_seed(seed)
-    cfg = cfg_cls(num_attention_heads=heads, num_key_value_heads=kv_heads, **SHAPE)
-    model = model_cls(cfg)
-    with torch.no_grad():  # norms and biases away from their init, so each one matters
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
     model.set_attn_implementation(attn)
     return model
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import yaml
 from gloo import run_distributed
+from hf_models import tiny_hf_model
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig, RunConfig, to_dict
@@ -48,28 +49,9 @@ SHAPE = dict(
 
 
 def _save_hf(kind: str, path, seed: int = 0):
-    """A tiny randomly initialised transformers model of ``kind``, saved as safetensors;
-    every parameter (norms and biases too) perturbed so each one matters."""
-    from transformers import (
-        LlamaConfig,
-        LlamaForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-    )
-
-    cfg_cls, model_cls = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-    }[kind]
-    torch.manual_seed(seed)
-    hf = model_cls(cfg_cls(vocab_size=TEXT_VOCAB, tie_word_embeddings=False, **SHAPE)).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn_like(p) * 0.1)
-    hf.save_pretrained(path)
+    """A tiny randomly initialised transformers model of ``kind``, saved as safetensors."""
+    hf = tiny_hf_model(kind, seed, vocab_size=TEXT_VOCAB, tie_word_embeddings=False, **SHAPE)
+    hf.eval().save_pretrained(path)
     return hf
 
 
