@@ -16,9 +16,9 @@ uninterrupted one; with dp > 1 it is when the checkpoint step × gradient accumu
 a multiple of sp (DeepSpeed's adapter reads sp micro-batches at a time).
 
 :func:`weights_only_checkpoints` makes DeepSpeed's torch checkpoint engine, which the
-Trainer resumes through and which unpickles (``torch.load(weights_only=False)``), load
-with ``weights_only=True`` and only the DeepSpeed classes its states hold allowed, as our
-own engine does.
+Trainer resumes through and which by default unpickles whatever a checkpoint holds, load
+weights only, with just the DeepSpeed classes its states hold allowed, as our own engine
+does.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from transformers import TrainerCallback
 from ulysses_mm.core.errors import ConfigError, DataError
 from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.hf.dataset import ShardDataset
-from ulysses_mm.train.engine import _safe_engine_class
+from ulysses_mm.train.engine import safe_engine_class
 
 DATA_STATE = "ulysses_mm_data.json"
 
@@ -112,7 +112,7 @@ def weights_only_checkpoints() -> Iterator[None]:
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     original = TorchCheckpointEngine.load
-    TorchCheckpointEngine.load = _safe_engine_class().load  # type: ignore[method-assign]
+    TorchCheckpointEngine.load = safe_engine_class().load  # type: ignore[method-assign]
     try:
         yield
     finally:

@@ -109,7 +109,7 @@ def _safe_globals() -> list[Any]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
-def _safe_engine_class():
+def safe_engine_class():
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
     class SafeTorchCheckpointEngine(TorchCheckpointEngine):
@@ -133,5 +133,5 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, mesh: Mesh):
         mpu=SequenceParallelMPU(mesh) if mesh.sp > 1 else None,
         lr_scheduler=lr_schedule(cfg.deepspeed.scheduler, cfg.train.steps),
     )
-    engine.checkpoint_engine = _safe_engine_class()(engine._config)
+    engine.checkpoint_engine = safe_engine_class()(engine._config)
     return engine, optimizer, scheduler
