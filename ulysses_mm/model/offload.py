@@ -150,10 +150,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             with torch.enable_grad():
                 out = ctx.run(x, *ctx.args)
         finally:
-            marked = _PENDING.copy is None
-            _PENDING.copy = None
-        if previous is not None and not marked:
-            previous.prefetch()  # no point marked: overlapped with the whole backward
+            unmarked, _PENDING.copy = _PENDING.copy, None
+        if unmarked is not None:
+            unmarked.prefetch()  # no point marked: overlapped with the whole backward
         torch.autograd.backward(out, grad)
         if previous is not None:
             previous.prefetch()  # (no-op once started) a marked point that never ran
