@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from ulysses_mm.core.layout import head_group_sizes
 from ulysses_mm.model.attention import DocumentMask
+from ulysses_mm.model.offload import side_stream
 from ulysses_mm.parallel.comm import Exchange, heads_to_seq_parts, seq_to_heads_parts
 
 
@@ -117,7 +118,7 @@ class _Schedule:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
-            self.side = _side_stream(device)
+            self.side = side_stream(device, "head group exchanges")
 
     def fetch(self, fn: Callable[[], list[Tensor]], reads: list[Tensor]) -> Any:
         """Start ``fn`` (an exchange whose inputs are ``reads``); :meth:`take` its result."""
@@ -156,15 +157,6 @@ class _Schedule:
     def finish(self) -> None:
         if self.cuda:
             self.main.wait_stream(self.side)
-
-
-_STREAMS: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
 
 
 @dataclass
