@@ -67,12 +67,12 @@ def worker(args: argparse.Namespace) -> dict:
             # buffers it makes included)
             out[chunks] = runners[chunks].measure(args.seq_len, args.doc_len).to_dict()
         # time: the same steps, the three settings interleaved round by round
-        batch = runners[1]._batch(args.seq_len, args.doc_len)
+        batch = runners[1].batch(args.seq_len, args.doc_len)
         times: dict[int, list[float]] = {c: [] for c in CHUNKS}
         for r in range(args.steps):
             for chunks in CHUNKS[r % 2 :: 1] + CHUNKS[: r % 2]:
                 t0 = time.perf_counter()
-                runners[chunks]._step(batch)
+                runners[chunks].step(batch)
                 times[chunks].append(time.perf_counter() - t0)
         for chunks in CHUNKS:
             out[chunks]["step_s"] = min(times[chunks])

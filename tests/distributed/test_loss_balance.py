@@ -20,7 +20,7 @@ from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model import build_model
 from ulysses_mm.parallel import Mesh, apply_ulysses, loss_weights
-from ulysses_mm.parallel.loss_balance import TargetBalance
+from ulysses_mm.parallel.loss_balance import TargetBalance, received_targets, share_bounds
 from ulysses_mm.parallel.slice import sp_slice
 from ulysses_mm.tools.memory import TensorMemoryTracker
 from ulysses_mm.train.step import forward_backward
@@ -97,7 +97,7 @@ def test_shares_cover_every_target_once():
     # 2 (±1) of modality 0 and 2 or 3 of modality 1; what rank j receives from each rank
     balance = TargetBalance(None, 3, 0, 2)
     every = torch.tensor([[5, 0], [1, 4], [0, 3]])
-    got = torch.stack([balance._received(every, j) for j in range(3)])  # [dst, src, M]
+    got = received_targets(every, share_bounds(every.sum(0), 3))  # [dst, src, M]
     assert got.sum(1).tolist() == [[2, 2], [2, 2], [2, 3]]
     assert got.sum(0).tolist() == every.tolist()  # every target sent exactly once
     assert got[0].tolist() == [[2, 0], [0, 2], [0, 0]]

@@ -73,6 +73,17 @@ def valid_head_chunks(num_heads: int, num_kv_heads: int, ulysses: int) -> list[i
     return [c for c in range(1, local + 1) if local % c == 0 and (kv % c == 0 or c % kv == 0)]
 
 
+def head_group_sizes(
+    num_heads: int, num_kv_heads: int, ulysses: int, chunks: int
+) -> tuple[int, int]:
+    """(hg, eg): the query heads and the kv heads (of e = lcm(hk, U) after replication)
+    one of ``chunks`` = C groups holds on one of ``ulysses`` = U ranks: hq/(U·C), and
+    e/(U·C) when C divides the rank's e/U kv heads, else the one kv head its query heads
+    read."""
+    el = math.lcm(num_kv_heads, ulysses) // ulysses
+    return num_heads // ulysses // chunks, el // chunks if el % chunks == 0 else 1
+
+
 def check_head_chunks(head_chunks: int, num_heads: int, num_kv_heads: int, ulysses: int) -> None:
     """Refuse, in one line, head chunks that do not split a rank's heads evenly."""
     if head_chunks < 1:

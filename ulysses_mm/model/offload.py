@@ -150,10 +150,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             with torch.enable_grad():
                 out = ctx.run(x, *ctx.args)
         finally:
-            marked = _PENDING.copy is None
-            _PENDING.copy = None
-        if previous is not None and not marked:
-            previous.prefetch()  # no point marked: overlapped with the whole backward
+            unmarked, _PENDING.copy = _PENDING.copy, None
+        if unmarked is not None:
+            unmarked.prefetch()  # no point marked: overlapped with the whole backward
         torch.autograd.backward(out, grad)
         if previous is not None:
             previous.prefetch()  # (no-op once started) a marked point that never ran
@@ -167,7 +166,7 @@ def offloaded_layers(layers: Sequence[Callable[..., Tensor]], x: Tensor, *args: 
     checkpointed with its input kept in host memory. ``args`` get no gradient."""
     stream = None
     if x.is_cuda:
-        stream = _side_stream(x.device)
+        stream = side_stream(x.device, "host copies")
     previous: HostCopy | None = None
     for i, layer in enumerate(layers):
         copy = HostCopy(x, stream, keep=i == len(layers) - 1)
@@ -177,10 +176,14 @@ def offloaded_layers(layers: Sequence[Callable[..., Tensor]], x: Tensor, *args: 
     return x
 
 
-_STREAMS: dict[torch.device, Any] = {}
+_STREAMS: dict[tuple[str, torch.device], Any] = {}
 
 
-def _side_stream(device: torch.device) -> Any:
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
+def side_stream(device: torch.device, purpose: str) -> Any:
+    """A CUDA stream beside the compute stream, made once per ``purpose`` and device:
+    each purpose (host copies here, head groups' exchanges) has its own, so neither's work
+    queues behind the other's."""
+    key = (purpose, device)
+    if key not in _STREAMS:
+        _STREAMS[key] = torch.cuda.Stream(device)
+    return _STREAMS[key]

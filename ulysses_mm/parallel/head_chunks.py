@@ -35,7 +35,6 @@ d head dim.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +42,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ulysses_mm.core.layout import head_group_sizes
 from ulysses_mm.model.attention import DocumentMask
+from ulysses_mm.model.offload import side_stream
 from ulysses_mm.parallel.comm import Exchange, heads_to_seq_parts, seq_to_heads_parts
 
 
@@ -59,18 +60,14 @@ class HeadGroups:
     num_kv_heads: int
     kv_expanded: int
     chunks: int
-    kv_index: list[Tensor | None] = field(default_factory=list)
+    kv_index: list[Tensor | None] = field(init=False)
 
     def __post_init__(self) -> None:
         U, C, e = self.ulysses, self.chunks, self.kv_expanded
         self.el = el = e // U
-        self.hg = self.num_heads // U // C
-        self.eg = el // C if el % C == 0 else 1
+        self.hg, self.eg = head_group_sizes(self.num_heads, self.num_kv_heads, U, C)
         # the rank's kv heads group g reads: its own share, or the one its queries share
-        self.kv_slots = [
-            (g * self.eg, (g + 1) * self.eg) if el % C == 0 else (g * el // C, g * el // C + 1)
-            for g in range(C)
-        ]
+        self.kv_slots = [(g * el // C, g * el // C + self.eg) for g in range(C)]
         rep = e // self.num_kv_heads  # expanded heads per original kv head
         self.kv_index = []
         for a, b in self.kv_slots:
@@ -121,7 +118,7 @@ class _Schedule:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.main = torch.cuda.current_stream(device)
-            self.side = _side_stream(device)
+            self.side = side_stream(device, "head group exchanges")
 
     def fetch(self, fn: Callable[[], list[Tensor]], reads: list[Tensor]) -> Any:
         """Start ``fn`` (an exchange whose inputs are ``reads``); :meth:`take` its result."""
@@ -160,15 +157,6 @@ class _Schedule:
     def finish(self) -> None:
         if self.cuda:
             self.main.wait_stream(self.side)
-
-
-_STREAMS: dict[torch.device, Any] = {}
-
-
-def _side_stream(device: torch.device) -> Any:
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
 
 
 @dataclass
@@ -284,9 +272,8 @@ def exchange_heads(num_heads: int, num_kv_heads: int, ulysses: int, chunks: int)
     carry, forward and backward: q, k, v in and the output back; backward the output
     gradient in and the q, k, v gradients back and, with ``chunks`` > 1, q, k, v again
     for the recomputation. A kv head shared by several groups travels with each."""
-    e = math.lcm(num_kv_heads, ulysses)
-    el = e // ulysses
-    kv = e if el % chunks == 0 else e * chunks // el
+    # every group's kv heads on every rank: e = lcm(hk, U) at C = 1
+    kv = ulysses * chunks * head_group_sizes(num_heads, num_kv_heads, ulysses, chunks)[1]
     if chunks == 1:
-        return 2 * num_heads + 2 * e, 2 * num_heads + 2 * e
+        return 2 * num_heads + 2 * kv, 2 * num_heads + 2 * kv
     return 2 * num_heads + 2 * kv, 3 * num_heads + 4 * kv

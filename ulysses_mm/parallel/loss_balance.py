@@ -50,10 +50,19 @@ class _ExchangeRows(torch.autograd.Function):
         return back, None, None, None
 
 
-def _shares(total: Tensor, P: int) -> Tensor:
+def share_bounds(total: Tensor, P: int) -> Tensor:
     """[M] totals -> [P + 1, M] bounds: rank j takes targets [bounds[j], bounds[j + 1])."""
     j = torch.arange(P + 1, dtype=torch.long)[:, None]
     return j * total[None, :] // P
+
+
+def received_targets(every: Tensor, bounds: Tensor) -> Tensor:
+    """[P(dest), P(source), M] targets each rank gets from each rank: the overlap of the
+    source's targets [start, end) of a modality with the destination's share of it."""
+    start = torch.cumsum(every, 0) - every  # [P, M] each source's first global index
+    end = start + every
+    lo, hi = bounds[:-1, None], bounds[1:, None]  # [P, 1, M] each destination's share
+    return (torch.minimum(end, hi) - torch.maximum(start, lo)).clamp(min=0)
 
 
 class TargetBalance:
@@ -79,16 +88,15 @@ class TargetBalance:
         gathered = [torch.empty_like(counts) for _ in range(P)]
         dist.all_gather(gathered, counts, group=self.group)
         every = torch.stack(gathered).cpu()  # [P, M]: every rank's targets per modality
-        received = self._received(every)  # [P(source), M] rows this rank gets
-        k = received.sum(1)  # per source
-        k_all = torch.stack([self._received(every, j).sum() for j in range(P)])
-        k_max = int(k_all.max())
+        bounds = share_bounds(every.sum(0), P)  # [P + 1, M]
+        received = received_targets(every, bounds)  # [P(dest), P(source), M]
+        k = received[self.rank].sum(1)  # rows this rank gets, per source
+        k_max = int(received.sum((1, 2)).max())
         if k_max == 0:  # no target anywhere: every rank keeps its rows (as many tiles)
             return hidden, labels, label_modality, bins
         # where each of this rank's targets goes: its modality's global index among the
         # group's targets (ranks in order), against the ranks' shares
         offset = every[: self.rank].sum(0)  # [M] targets of this modality on ranks before
-        bounds = _shares(every.sum(0), P)  # [P + 1, M]
         index = torch.zeros_like(m_rows)
         for m in range(M):
             sel = m_rows == m
@@ -114,15 +122,6 @@ class TargetBalance:
         out = empty.repeat(k_max, 1).index_copy_(0, place, got)
         moved_bins = out[None, :, 2].to(bins.dtype) if bins is not None else None
         return h[None], out[None, :, 0], out[None, :, 1], moved_bins
-
-    def _received(self, every: Tensor, rank: int | None = None) -> Tensor:
-        """[P(source), M] targets rank ``rank`` (default this one) gets from each rank."""
-        j = self.rank if rank is None else rank
-        bounds = _shares(every.sum(0), self.P)
-        lo, hi = bounds[j], bounds[j + 1]  # [M] its share of each modality
-        start = torch.cumsum(every, 0) - every  # [P, M] each source's first global index
-        end = start + every
-        return (torch.minimum(end, hi) - torch.maximum(start, lo)).clamp(min=0)
 
     def _interleave(self, m: Tensor) -> Tensor:
         """Where each received row (modality ``m``) goes so that every modality is spread

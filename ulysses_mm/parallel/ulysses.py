@@ -147,13 +147,7 @@ def apply_ulysses(
             ring=mesh.ring,
             head_chunks=head_chunks,
         )
-    if mesh.sp == 1:
-        if head_chunks > 1:
-            for attn in attns:
-                core = attn.core.local if isinstance(attn.core, UlyssesAttention) else attn.core
-                attn.core = UlyssesAttention(
-                    core, None, attn.num_heads, attn.num_kv_heads, head_chunks=head_chunks
-                )
+    if mesh.sp == 1 and head_chunks == 1:
         return model
     workspace = Workspace()  # one send buffer for every layer: exchanges never overlap
     for attn in attns:
@@ -175,7 +169,8 @@ def apply_ulysses(
             ring=mesh.ring,
             head_chunks=head_chunks,
         )
-    # every rank of the SP group computes the loss of an equal share of each modality's
-    # targets, so the ranks' loss working sets (and peaks) match
-    apply_target_balance(model, mesh.sp_group, mesh.sp, mesh.sp_rank)
+    if mesh.sp > 1:
+        # every rank of the SP group computes the loss of an equal share of each
+        # modality's targets, so the ranks' loss working sets (and peaks) match
+        apply_target_balance(model, mesh.sp_group, mesh.sp, mesh.sp_rank)
     return model

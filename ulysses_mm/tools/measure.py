@@ -112,16 +112,19 @@ class StepRunner:
             self.rt = build_setup(cfg, self.space, world)
             self.model, self.kernel = self.rt.model, self.rt.kernel
             warm = 16 * self.mesh.sp
-            self._step(self._batch(warm, min(warm, 64), seed=1))
+            self.step(self.batch(warm, min(warm, 64), seed=1))
         except BaseException:
             self.close()
             raise
 
-    def _batch(self, seq_len: int, doc_len: int, seed: int = 0) -> Batch:
+    def batch(self, seq_len: int, doc_len: int, seed: int = 0) -> Batch:
+        """The measured batch: ``micro_batch_size`` samples of ``seq_len`` tokens in
+        documents of ``doc_len``, all of the modality with the widest head."""
         b = self.cfg.data.micro_batch_size
         return single_modality_batch(self.space, b, seq_len, doc_len, seed=seed)
 
-    def _step(self, batch: Batch) -> None:
+    def step(self, batch: Batch) -> None:
+        """One training step on ``batch`` (untimed, unmeasured)."""
         train_step(self.rt, [batch], grad_norm=False)
 
     def measure(self, seq_len: int, doc_len: int | None = None, steps: int = 1) -> MeasuredStep:
@@ -138,7 +141,7 @@ class StepRunner:
             seq_len=seq_len,
             ring=self.mesh.ring,
         )
-        batch = self._batch(seq_len, doc_len or min(seq_len, 4096))
+        batch = self.batch(seq_len, doc_len or min(seq_len, 4096))
         gc.collect()
         if isinstance(self.counter, _CudaCounter):
             self.counter.reset_peak()
@@ -149,7 +152,7 @@ class StepRunner:
         host0 = HOST.live
         t0 = time.perf_counter()
         for _ in range(steps):
-            self._step(batch)
+            self.step(batch)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = (time.perf_counter() - t0) / steps

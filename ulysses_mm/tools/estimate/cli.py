@@ -41,7 +41,7 @@ def head_chunks_arg(value: str | None) -> int | str | None:
 def host_refusal(est: Estimate) -> str:
     """The one line that refuses a plan whose host memory exceeds the node's."""
     assert est.host_mem is not None
-    ckpt = (est.shape.layers - 1) * est.act.residual if est.offload_checkpoints else 0
+    ckpt = est.host_checkpoints if est.offload_checkpoints else 0
     return (
         f"host memory: {est.host / GiB:.1f} GiB per GPU (offloaded states "
         f"{(est.host - ckpt) / GiB:.1f} + checkpoints {ckpt / GiB:.1f}) × {est.node_gpus} GPUs "

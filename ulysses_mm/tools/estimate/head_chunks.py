@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from ulysses_mm.core.layout import head_group_sizes
 from ulysses_mm.tools.estimate.ring import ring_working_sets
 from ulysses_mm.tools.estimate.shape import ModelShape, StepShape
 
@@ -33,10 +34,8 @@ class GroupedSets:
 def group_heads(sh: ModelShape, U: int, C: int) -> tuple[int, int, bool]:
     """(query heads, kv heads) of one group on one rank over all U sequence chunks, and
     whether its kv heads are gathered by index (replicated or shared heads)."""
-    e = sh.kv_expanded(U)
-    el = e // U
-    eg = el // C if el % C == 0 else 1
-    return sh.heads // C, U * eg, e != sh.kv_heads
+    hg, eg = head_group_sizes(sh.heads, sh.kv_heads, U, C)
+    return U * hg, U * eg, sh.kv_expanded(U) != sh.kv_heads
 
 
 def grouped_sets(

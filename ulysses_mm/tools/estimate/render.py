@@ -98,7 +98,7 @@ def _states_and_activations(est: Estimate, row: _Row, at: dict[str, int]) -> lis
         row(
             offload_label,
             2 * act.residual if est.offload_checkpoints else 0,
-            f"host {act.residual * (L - 1) / row.div:.2f}",
+            f"host {est.host_checkpoints / row.div:.2f}",
             2,
         ),
         row("recomputed in backward, one layer at a time", recompute, indent=2),

@@ -100,6 +100,12 @@ class Estimate:
         return None if self.gpu_mem is None else self.total <= self.gpu_mem
 
     @property
+    def host_checkpoints(self) -> int:
+        """Host bytes of the layer inputs that offloaded checkpoints keep (in :attr:`host`
+        when model.offload_checkpoints is on)."""
+        return checkpoints_on_host(self.shape, self.act)
+
+    @property
     def node_gpus(self) -> int:
         """GPUs of this run on one node, sharing its host memory."""
         return min(self.step.gpus, self.gpus_per_node)
@@ -178,7 +184,7 @@ def estimate(
     offloaded = None
     host = zs.host
     if cfg.model.offload_checkpoints:
-        host += (sh.layers - 1) * act.residual  # every layer's input but the last, on the host
+        host += checkpoints_on_host(sh, act)
     elif cfg.model.activation_checkpointing:
         offloaded = max(p.bytes for p in phases(cfg, sh, zs, act, a, offload_checkpoints=True))
     if cuda and reserve_gib is None:
@@ -220,6 +226,12 @@ def estimate(
         host_mem=int(host_mem_gib * GiB) if host_mem_gib else None,
         gpus_per_node=gpus_per_node,
     )
+
+
+def checkpoints_on_host(sh: ModelShape, act: Activations) -> int:
+    """Every layer's input but the last (whose backward comes first) on the host:
+    ``model.offload_checkpoints`` (:mod:`ulysses_mm.model.offload`)."""
+    return (sh.layers - 1) * act.residual
 
 
 def _kernel(cfg: RunConfig, device: str, step: StepShape) -> str:

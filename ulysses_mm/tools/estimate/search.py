@@ -9,6 +9,7 @@ from typing import Any
 
 from ulysses_mm.config import RunConfig
 from ulysses_mm.tools.estimate.result import Estimate, estimate
+from ulysses_mm.tools.estimate.shape import gpus_and_sp
 
 # A sequence length searched by --max is a multiple of sp × this.
 MAX_GRANULARITY = 1024
@@ -53,12 +54,8 @@ def head_chunk_choices(cfg: RunConfig, gpus: int | None, sp: int | None) -> list
     """The head-chunk counts the layout allows (each rank's query heads split evenly)."""
     from ulysses_mm.core.layout import valid_head_chunks
 
-    p, m = cfg.parallel, cfg.model
-    if gpus is None:
-        sp = sp or p.sp
-    elif sp is None:
-        sp = gpus
-    ulysses = max(1, sp // p.ring)
+    m = cfg.model
+    ulysses = max(1, gpus_and_sp(cfg, gpus, sp)[1] // cfg.parallel.ring)
     return valid_head_chunks(m.num_attention_heads, m.num_key_value_heads, ulysses)
 
 
@@ -78,7 +75,4 @@ def best_head_chunks(
 
 
 def _granule(cfg: RunConfig, kw: dict[str, Any]) -> int:
-    sp = kw.get("sp")
-    if sp is None:
-        sp = kw.get("gpus") or cfg.parallel.sp
-    return int(sp) * MAX_GRANULARITY
+    return gpus_and_sp(cfg, kw.get("gpus"), kw.get("sp"))[1] * MAX_GRANULARITY

@@ -148,6 +148,19 @@ class StepShape:
         return sum(n > 1 for n in groups)
 
 
+def gpus_and_sp(cfg: RunConfig, gpus: int | None, sp: int | None) -> tuple[int, int]:
+    """(gpus, sp): ``gpus`` defaults to parallel.sp × parallel.dp; ``sp`` to ``gpus`` when
+    gpus is given (the longest context puts every GPU in one sequence-parallel group),
+    else to parallel.sp."""
+    p = cfg.parallel
+    if gpus is None:
+        sp = sp or p.sp
+        gpus = sp * (p.dp or 1)
+    elif sp is None:
+        sp = gpus
+    return gpus, sp
+
+
 def step_shape(
     cfg: RunConfig,
     seq_len: int,
@@ -155,17 +168,11 @@ def step_shape(
     sp: int | None,
     head_chunks: int | None = None,
 ) -> StepShape:
-    """``gpus`` defaults to parallel.sp × parallel.dp; ``sp`` to ``gpus`` when gpus is
-    given (the longest context puts every GPU in one sequence-parallel group), else to
-    parallel.sp. The ring is parallel.ring (sp = U × R), the head chunks
-    parallel.head_chunks unless given. Shapes Ulysses × ring (× head chunks) cannot run
-    are refused with what would work."""
+    """The step of ``gpus`` and ``sp`` (defaults: :func:`gpus_and_sp`). The ring is
+    parallel.ring (sp = U × R), the head chunks parallel.head_chunks unless given. Shapes
+    Ulysses × ring (× head chunks) cannot run are refused with what would work."""
     p = cfg.parallel
-    if gpus is None:
-        sp = sp or p.sp
-        gpus = sp * (p.dp or 1)
-    elif sp is None:
-        sp = gpus
+    gpus, sp = gpus_and_sp(cfg, gpus, sp)
     if gpus < 1:
         raise LayoutError(f"need at least one GPU, got {gpus}")
     m = cfg.model
