@@ -157,12 +157,12 @@ class CachedDecoder:
         cos, sin = bb.rotary_emb(position_ids, x.dtype)
         kept = 0
         for i, layer in enumerate(self.layers()):
-            q, k, v = tile_map(layer._qkv, layer.tile_tokens, x, cos, sin)  # [b, n, h, d]
+            q, k, v = tile_map(layer.qkv, layer.tile_tokens, x, cos, sin)  # [b, n, h, d]
             ks, vs = (k, v) if keep is None else (k[:, keep], v[:, keep])
             self.cache.write(i, ks, vs)
             kept = ks.shape[1]
             o = layer.self_attn.core(q, k, v, mask)  # [b, n, hq, d]
-            x = tile_map(layer._after_attention, layer.tile_tokens, x, o)
+            x = tile_map(layer.after_attention, layer.tile_tokens, x, o)
         self.cache.advance(kept)
         self.position = input_ids.shape[1] if positions is None else positions
         return tile_map(bb.norm, bb.tile_tokens, x)
@@ -189,13 +189,13 @@ class CachedDecoder:
         cos, sin = bb.rotary_emb(pos, x.dtype)
         extra = 1 if store else 0
         for i, layer in enumerate(self.layers()):
-            q, k, v = layer._qkv(x, cos, sin)  # [b, 1, h, d]
+            q, k, v = layer.qkv(x, cos, sin)  # [b, 1, h, d]
             if store:
                 self.cache.write(i, k, v)
             ks, vs = self.cache.view(i, extra)  # [b, hk, T, d]
             out, lse = attend(q, ks, vs)
             o = self.merge(out, lse).to(x.dtype)  # [b, 1, hq, d]
-            x = layer._after_attention(x, o)
+            x = layer.after_attention(x, o)
         self.cache.advance(extra)
         self.position += 1
         return bb.norm(x)[:, 0]
