@@ -198,7 +198,6 @@ def evaluate_batches(
     nb = len(edge_list) - 1
     units = units or {}
     tables = {m: u.table.to(device) for m, u in units.items()}
-    ns = space.num_specials
     # this rank's sums, reduced once at the end: CE and targets per (modality, bin) and
     # units per modality
     by_bin = torch.zeros(len(mods), nb, dtype=torch.float64, device=device)
@@ -221,9 +220,7 @@ def evaluate_batches(
             hit = sel & (bins >= 0)
             bin_counts[i] += torch.bincount(bins[hit], minlength=nb)[:nb].double()
             if m in tables:
-                labels = local.labels[sel]
-                index = torch.where(labels < ns, labels, labels - space.range(m).start + ns)
-                unit_counts[i] += tables[m][index].sum()
+                unit_counts[i] += tables[m][rt.model.heads.head_index(local.labels[sel], m)].sum()
     reduced = torch.cat([by_bin.flatten(), bin_counts.flatten(), unit_counts])
     seen = torch.tensor([float(samples)], dtype=torch.float64, device=device)
     if rt.mesh.distributed:
