@@ -199,7 +199,7 @@ def run_generate(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
         if int(os.environ.get("RANK", "0")) != 0:
             return {"out": "", "rank": int(os.environ["RANK"])}
     media = decode_media(tok, trained.space, prompt, out["ids"], opts.with_prompt)
-    if media.kind == "mp4" and (media.frames is None or not len(media.frames)):
+    if media.no_frames:
         from ulysses_mm.tokenize.video.base import VideoTokenizer
 
         also = ""
