@@ -11,6 +11,7 @@ loss-by-position curves of the eval become one line chart.
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,8 @@ def write_samples(
 
 
 def wandb_media(
-    samples: dict[str, tuple[str, Path]], position: dict[str, list[list[float]]] | None = None
+    samples: dict[str, tuple[str, Path]],
+    position: Mapping[str, Sequence[Sequence[float]]] | None = None,
 ) -> dict[str, Any]:
     """W&B objects: each sample as audio, video or text; the loss-by-position curves of
     the eval (``{modality: [[lo, hi, nats, targets], ...]}``) as one line chart."""
