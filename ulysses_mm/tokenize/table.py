@@ -38,10 +38,12 @@ class TokenizerTable:
         cls, tokenizers: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
     ) -> TokenizerTable:
         """From a manifest's ``tokenizers`` and ``config`` fields."""
-        return cls(
-            {m: dict(e) for m, e in tokenizers.items()},
-            [str(p) for p in config.get("tokenizers") or []],
-            {str(k): str(v) for k, v in (config.get("tokenizer_kinds") or {}).items()},
+        return cls.from_dict(
+            {
+                "tokenizers": tokenizers,
+                "spec_paths": config.get("tokenizers"),
+                "kinds": config.get("tokenizer_kinds"),
+            }
         )
 
     @classmethod
