@@ -27,11 +27,13 @@ _REPO = Path(__file__).resolve().parents[2]
 @dataclass
 class TokenizerTable:
     """Per modality, the spec entry a manifest recorded; the spec files and the extra
-    kinds (``tokenizer_kinds``) of the pipelines that wrote the data."""
+    kinds (``tokenizer_kinds``) of the pipelines that wrote the data. A tokenizer, once
+    loaded, is kept (a training run asks again at every eval)."""
 
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
     spec_paths: list[str] = field(default_factory=list)
     kinds: dict[str, str] = field(default_factory=dict)
+    loaded: dict[str, Tokenizer] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_manifest(
@@ -71,6 +73,11 @@ class TokenizerTable:
 
     def tokenizer(self, modality: str) -> Tokenizer:
         """The tokenizer of ``modality``; LookupError says why it cannot be had."""
+        if modality not in self.loaded:
+            self.loaded[modality] = self._load(modality)
+        return self.loaded[modality]
+
+    def _load(self, modality: str) -> Tokenizer:
         entry = self.entries.get(modality)
         if entry is None:
             raise LookupError(f"no tokenizer is recorded for {modality!r}")
