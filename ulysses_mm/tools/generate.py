@@ -124,8 +124,9 @@ def _first_seconds(
     )
 
 
-def _worker(payload: dict[str, Any]) -> dict[str, Any]:
-    """One rank: the model (sequence-parallel over the launched world), the decode."""
+def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str, Any]:
+    """One rank: the model (sequence-parallel over the launched world), the decode.
+    ``trained``: what the parent opened, when it runs in the parent's process."""
     import torch
 
     from ulysses_mm.model.generate import generate
@@ -134,7 +135,7 @@ def _worker(payload: dict[str, Any]) -> dict[str, Any]:
     from ulysses_mm.tokenize.grammar import Grammar
     from ulysses_mm.train.step import build_inference_setup
 
-    trained = open_trained(payload["checkpoint"])
+    trained = trained or open_trained(payload["checkpoint"])
     opts = GenerateOptions(**payload["options"])
     cfg = replace(
         trained.cfg,
@@ -195,7 +196,7 @@ def run_generate(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
     if world > 1 and not in_launched_world():
         out = run_world(_worker, opts.nproc, payload)[0]
     else:
-        out = _worker(payload)  # this process (one of a launched world's ranks)
+        out = _worker(payload, trained)  # this process (one of a launched world's ranks)
         if int(os.environ.get("RANK", "0")) != 0:
             return {"out": "", "rank": int(os.environ["RANK"])}
     media = decode_media(tok, trained.space, prompt, out["ids"], opts.with_prompt)
