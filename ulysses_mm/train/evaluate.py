@@ -56,10 +56,6 @@ class Unit:
     name: str
     table: Tensor  # float64 [specials + V_m]
 
-    @property
-    def key(self) -> str:
-        return f"bits_per_{self.name}"
-
 
 def token_bytes(tokenizer: Any, size: int) -> np.ndarray:
     """UTF-8 bytes each local id of a transformers tokenizer decodes to (a byte-level
