@@ -41,10 +41,10 @@ PER_OCTAVE = 4
 MAX_OCTAVES = 41  # positions up to 2^41: more than any document
 
 
-def log_edges(per_octave: int = PER_OCTAVE, octaves: int = MAX_OCTAVES) -> list[int]:
-    """Integer bin edges, log-spaced, every power of two one of them: 0, 1, 2, …, 8, 10,
-    11, 13, 16, 19, 23, 27, 32, … (each bin is ``[edge_i, edge_i+1)``)."""
-    raw = [0] + [round(2 ** (j / per_octave)) for j in range(per_octave * octaves + 1)]
+def log_edges() -> list[int]:
+    """Integer bin edges, :data:`PER_OCTAVE` a doubling, every power of two one of them:
+    0, 1, 2, …, 8, 10, 11, 13, 16, 19, 23, 27, 32, … (each bin is ``[edge_i, edge_i+1)``)."""
+    raw = [0] + [round(2 ** (j / PER_OCTAVE)) for j in range(PER_OCTAVE * MAX_OCTAVES + 1)]
     return sorted(set(raw))
 
 
