@@ -16,6 +16,7 @@ keeps its own).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -107,7 +108,7 @@ def generate(
     prompt: list[int],
     new_tokens: int,
     sampling: Sampling,
-    agree=agree_local,
+    agree: Callable[[int], int] = agree_local,
 ) -> Generated:
     """Up to ``new_tokens`` ids after ``prompt`` (a document's ids from its ``<doc>``)."""
     for t in prompt:

@@ -15,6 +15,8 @@ gather parameters (ZeRO-3) fire identically on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -46,31 +48,31 @@ class ModalityHeads(nn.Module):
         weights += [self.heads[r.name].weight for r in self.space.ranges]  # type: ignore[misc]
         return torch.cat(weights)
 
-    def _tile_loss(self, h: Tensor, labels: Tensor, mods: Tensor) -> Tensor:
-        # h [t, D], labels [t], mods [t] -> [M] summed cross-entropy per modality
-        sums = []
+    def head_index(self, ids: Tensor, modality: str) -> Tensor:
+        """Token ids (specials or ``modality``'s range) -> indices into its head's logits."""
         ns = self.space.num_specials
+        return torch.where(ids < ns, ids, ids - self.space.range(modality).start + ns)
+
+    def _head_ce(
+        self, h: Tensor, labels: Tensor, mods: Tensor, reduction: str
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        # h [t, D], labels [t], mods [t] -> per modality (its tokens [t] bool, their CE)
         for i, r in enumerate(self.space.ranges):
             sel = mods == i
-            hm = h[sel]  # [k, D]
-            target = labels[sel]
-            local = torch.where(target < ns, target, target - r.start + ns)  # id -> head index
-            logits = self.logits(hm, r.name).float()  # [k, ns + V_m]
-            sums.append(F.cross_entropy(logits, local, reduction="sum"))
-        return torch.stack(sums)
+            logits = self.logits(h[sel], r.name).float()  # [k, ns + V_m]
+            target = self.head_index(labels[sel], r.name)
+            yield sel, F.cross_entropy(logits, target, reduction=reduction)
+
+    def _tile_loss(self, h: Tensor, labels: Tensor, mods: Tensor) -> Tensor:
+        # -> [M] summed cross-entropy per modality
+        return torch.stack([ce for _, ce in self._head_ce(h, labels, mods, "sum")])
 
     def _tile_loss_by_bin(
         self, h: Tensor, labels: Tensor, mods: Tensor, bins: Tensor, num_bins: int
     ) -> tuple[Tensor, Tensor]:
         # as _tile_loss, and with bins [t] (-1: none) each modality's sum per bin [M, B]
         sums, binned = [], []
-        ns = self.space.num_specials
-        for i, r in enumerate(self.space.ranges):
-            sel = mods == i
-            target = labels[sel]
-            local = torch.where(target < ns, target, target - r.start + ns)
-            logits = self.logits(h[sel], r.name).float()  # [k, ns + V_m]
-            ce = F.cross_entropy(logits, local, reduction="none")  # [k]
+        for sel, ce in self._head_ce(h, labels, mods, "none"):  # ce [k]
             sums.append(ce.sum())
             b = bins[sel]
             keep = b >= 0
@@ -103,24 +105,23 @@ class ModalityHeads(nn.Module):
             )
         m = len(self.space.ranges)
         total = hidden.new_zeros(m, dtype=torch.float32)
-        by_bin = hidden.new_zeros(m, num_bins, dtype=torch.float32)
+        counts = torch.stack([(flat_mods == i).sum() for i in range(m)]).to(torch.float32)
         t = self.tile_tokens
         # the tiles' hidden-state gradients fill one buffer (no zero-padded [b*n, D] copy
         # per tile summed into a running one)
         parts = zip(tiles(h, t, 0), flat_labels.split(t), flat_mods.split(t), strict=True)
-        flat_bins = bins.reshape(-1).split(t) if bins is not None else None
-        for j, args in enumerate(parts):
-            if flat_bins is not None:
-                sums, per_bin = self._tile_loss_by_bin(*args, flat_bins[j], num_bins)
-                total, by_bin = total + sums, by_bin + per_bin
-            elif torch.is_grad_enabled():
-                total = total + checkpoint(self._tile_loss, *args, use_reentrant=False)
-            else:
-                total = total + self._tile_loss(*args)
-        counts = torch.stack([(flat_mods == i).sum() for i in range(m)]).to(torch.float32)
-        if bins is not None:
-            return total, counts, by_bin
-        return total, counts
+        if bins is None:
+            for args in parts:
+                if torch.is_grad_enabled():
+                    total = total + checkpoint(self._tile_loss, *args, use_reentrant=False)
+                else:
+                    total = total + self._tile_loss(*args)
+            return total, counts
+        by_bin = hidden.new_zeros(m, num_bins, dtype=torch.float32)
+        for args, tile_bins in zip(parts, bins.reshape(-1).split(t), strict=True):
+            sums, per_bin = self._tile_loss_by_bin(*args, tile_bins, num_bins)
+            total, by_bin = total + sums, by_bin + per_bin
+        return total, counts, by_bin
 
     def _in_vocab(self, labels: Tensor, mods: Tensor) -> Tensor:
         starts = torch.tensor([r.start for r in self.space.ranges], device=labels.device)

@@ -130,13 +130,11 @@ class CachedDecoder:
         stepwise: bool = False,
     ) -> None:
         self.model = model
+        self.layers = [cast(DecoderLayer, layer) for layer in model.model.layers]
         self.cache = KVCache.for_model(model, batch, capacity)
         self.merge = merge
         self.stepwise = stepwise  # prefill token by token, never calling the attention core
         self.position = 0  # the document position of the next token
-
-    def layers(self) -> list[DecoderLayer]:
-        return [cast(DecoderLayer, layer) for layer in self.model.model.layers]
 
     @torch.no_grad()
     def prefill(
@@ -156,13 +154,13 @@ class CachedDecoder:
         x = bb.embed_tokens(input_ids)  # [b, n, D]
         cos, sin = bb.rotary_emb(position_ids, x.dtype)
         kept = 0
-        for i, layer in enumerate(self.layers()):
-            q, k, v = tile_map(layer._qkv, layer.tile_tokens, x, cos, sin)  # [b, n, h, d]
+        for i, layer in enumerate(self.layers):
+            q, k, v = tile_map(layer.qkv, layer.tile_tokens, x, cos, sin)  # [b, n, h, d]
             ks, vs = (k, v) if keep is None else (k[:, keep], v[:, keep])
             self.cache.write(i, ks, vs)
             kept = ks.shape[1]
             o = layer.self_attn.core(q, k, v, mask)  # [b, n, hq, d]
-            x = tile_map(layer._after_attention, layer.tile_tokens, x, o)
+            x = tile_map(layer.after_attention, layer.tile_tokens, x, o)
         self.cache.advance(kept)
         self.position = input_ids.shape[1] if positions is None else positions
         return tile_map(bb.norm, bb.tile_tokens, x)
@@ -188,14 +186,14 @@ class CachedDecoder:
         pos = torch.full((b, 1), self.position, dtype=torch.long, device=input_ids.device)
         cos, sin = bb.rotary_emb(pos, x.dtype)
         extra = 1 if store else 0
-        for i, layer in enumerate(self.layers()):
-            q, k, v = layer._qkv(x, cos, sin)  # [b, 1, h, d]
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.qkv(x, cos, sin)  # [b, 1, h, d]
             if store:
                 self.cache.write(i, k, v)
             ks, vs = self.cache.view(i, extra)  # [b, hk, T, d]
             out, lse = attend(q, ks, vs)
             o = self.merge(out, lse).to(x.dtype)  # [b, 1, hq, d]
-            x = layer._after_attention(x, o)
+            x = layer.after_attention(x, o)
         self.cache.advance(extra)
         self.position += 1
         return bb.norm(x)[:, 0]

@@ -168,10 +168,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tile_tokens = cfg.layer_tile_tokens
 
-    def _qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The token-wise part before the attention kernel: its q, k, v [b, n, h, d]."""
         return self.self_attn.qkv(self.input_layernorm(x), cos, sin)
 
-    def _after_attention(self, x: Tensor, o: Tensor) -> Tensor:
+    def after_attention(self, x: Tensor, o: Tensor) -> Tensor:
+        """The token-wise part after the kernel's output ``o`` [b, n, hq, d] -> [b, n, D]
+        (a KV-cache decoder runs the kernel's part itself between the two)."""
         x = x + self.self_attn.out(o)
         return x + self.mlp._mlp(self.post_attention_layernorm(x))
 
@@ -179,10 +182,10 @@ class DecoderLayer(nn.Module):
         if self.tile_tokens and x.shape[1] > self.tile_tokens:
             # token-wise parts in recomputed tiles: kept are x, the kernel's q, k, v, its
             # output (and what the kernel saves), not the norms' or MLP's activations
-            q, k, v = tile_map(self._qkv, self.tile_tokens, x, cos, sin)
+            q, k, v = tile_map(self.qkv, self.tile_tokens, x, cos, sin)
             prefetch_after(q)  # an offloaded layer fetches the one before once past attention
             o = self.self_attn.core(q, k, v, mask)  # [b, n, hq, d]
-            return tile_map(self._after_attention, self.tile_tokens, x, o)
+            return tile_map(self.after_attention, self.tile_tokens, x, o)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 

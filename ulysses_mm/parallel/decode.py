@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ulysses_mm.core.tokenspace import PAD
+from ulysses_mm.model.attention import DocumentMask
 from ulysses_mm.model.kv_cache import CachedDecoder
 from ulysses_mm.model.llama import MultimodalLM
 from ulysses_mm.parallel.mesh import Mesh
@@ -32,8 +33,6 @@ from ulysses_mm.parallel.slice import ring_order
 def local_index(doc_ids: Tensor, sp_rank: int, sp: int, ring: int = 1) -> Tensor:
     """[n] global positions (row 0 of ``doc_ids`` [1, N]) held by ``sp_rank``: the order
     :func:`~ulysses_mm.parallel.slice.sp_slice` gives each rank."""
-    from ulysses_mm.model.attention import DocumentMask
-
     n = doc_ids.shape[-1]
     order = ring_order(DocumentMask(doc_ids).run_ids, ring)[0]  # identity when ring == 1
     chunk = n // sp

@@ -27,21 +27,25 @@ _REPO = Path(__file__).resolve().parents[2]
 @dataclass
 class TokenizerTable:
     """Per modality, the spec entry a manifest recorded; the spec files and the extra
-    kinds (``tokenizer_kinds``) of the pipelines that wrote the data."""
+    kinds (``tokenizer_kinds``) of the pipelines that wrote the data. A tokenizer, once
+    loaded, is kept (a training run asks again at every eval)."""
 
     entries: dict[str, dict[str, Any]] = field(default_factory=dict)
     spec_paths: list[str] = field(default_factory=list)
     kinds: dict[str, str] = field(default_factory=dict)
+    loaded: dict[str, Tokenizer] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_manifest(
         cls, tokenizers: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
     ) -> TokenizerTable:
         """From a manifest's ``tokenizers`` and ``config`` fields."""
-        return cls(
-            {m: dict(e) for m, e in tokenizers.items()},
-            [str(p) for p in config.get("tokenizers") or []],
-            {str(k): str(v) for k, v in (config.get("tokenizer_kinds") or {}).items()},
+        return cls.from_dict(
+            {
+                "tokenizers": tokenizers,
+                "spec_paths": config.get("tokenizers"),
+                "kinds": config.get("tokenizer_kinds"),
+            }
         )
 
     @classmethod
@@ -69,6 +73,11 @@ class TokenizerTable:
 
     def tokenizer(self, modality: str) -> Tokenizer:
         """The tokenizer of ``modality``; LookupError says why it cannot be had."""
+        if modality not in self.loaded:
+            self.loaded[modality] = self._load(modality)
+        return self.loaded[modality]
+
+    def _load(self, modality: str) -> Tokenizer:
         entry = self.entries.get(modality)
         if entry is None:
             raise LookupError(f"no tokenizer is recorded for {modality!r}")

@@ -104,6 +104,11 @@ class Media:
     frames: np.ndarray | None = None
     fps: float = 0.0
 
+    @property
+    def no_frames(self) -> bool:
+        """Video ids that held no whole frame: no MP4 to write."""
+        return self.kind == "mp4" and (self.frames is None or not len(self.frames))
+
     def to_bytes(self, record_id: str = "generated", description: str = "") -> bytes:
         if self.kind == "fasta":
             return fasta_bytes(self.text, record_id, description)

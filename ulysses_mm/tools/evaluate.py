@@ -73,7 +73,9 @@ def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> 
     return trained, cfg, m
 
 
-def _worker(payload: dict[str, Any]) -> dict[str, Any]:
+def _worker(payload: dict[str, Any], plan: Any = None) -> dict[str, Any]:
+    """One rank's evaluation; ``plan``: what the parent's :func:`_plan` gave, when it
+    runs in the parent's process."""
     from ulysses_mm.loader.batch import samples_batch
     from ulysses_mm.loader.stream import ShardStream, StreamOptions
     from ulysses_mm.parallel.mesh import open_world
@@ -81,7 +83,7 @@ def _worker(payload: dict[str, Any]) -> dict[str, Any]:
     from ulysses_mm.train.step import build_inference_setup
 
     opts = EvaluateOptions(**payload["options"])
-    trained, cfg, manifest = _plan(
+    trained, cfg, manifest = plan or _plan(
         payload["checkpoint"], payload["manifest"], opts, payload["world"]
     )
     world = open_world(cfg, engine=False)
@@ -114,7 +116,7 @@ def run_evaluate(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalR
 
         opts = replace(opts, nproc=open_trained(checkpoint).cfg.parallel.sp)
     world = world_size(opts.nproc)
-    _plan(checkpoint, manifest, opts, world)  # what the user can fix: here, one line
+    plan = _plan(checkpoint, manifest, opts, world)  # what the user can fix: here, one line
     payload = {
         "checkpoint": str(checkpoint),
         "manifest": str(manifest),
@@ -124,7 +126,7 @@ def run_evaluate(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalR
     if world > 1 and not in_launched_world():
         out = run_world(_worker, opts.nproc, payload)[0]
     else:
-        out = _worker(payload)  # this process (one of a launched world's ranks)
+        out = _worker(payload, plan)  # this process (one of a launched world's ranks)
     out["bins"] = {m: [tuple(r) for r in rows] for m, rows in out["bins"].items()}
     out["units"] = {m: tuple(u) for m, u in out["units"].items()}
     return EvalResult(**out)

@@ -124,17 +124,18 @@ def _first_seconds(
     )
 
 
-def _worker(payload: dict[str, Any]) -> dict[str, Any]:
-    """One rank: the model (sequence-parallel over the launched world), the decode."""
+def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str, Any]:
+    """One rank: the model (sequence-parallel over the launched world), the decode.
+    ``trained``: what the parent opened, when it runs in the parent's process."""
     import torch
 
-    from ulysses_mm.model.generate import generate
+    from ulysses_mm.model.generate import Decoder, agree_local, generate
     from ulysses_mm.model.kv_cache import CachedDecoder
     from ulysses_mm.parallel.mesh import open_world
     from ulysses_mm.tokenize.grammar import Grammar
     from ulysses_mm.train.step import build_inference_setup
 
-    trained = open_trained(payload["checkpoint"])
+    trained = trained or open_trained(payload["checkpoint"])
     opts = GenerateOptions(**payload["options"])
     cfg = replace(
         trained.cfg,
@@ -149,22 +150,22 @@ def _worker(payload: dict[str, Any]) -> dict[str, Any]:
     prompt: list[int] = payload["prompt"]
     grammar = Grammar(tok, trained.space, end=not opts.ignore_doc_end)
     t0 = time.perf_counter()
+    decoder: Decoder
     if world.mesh.sp > 1:
         from ulysses_mm.parallel.decode import SequenceParallelDecoder
 
         sp = SequenceParallelDecoder(rt.model, world.mesh, len(prompt), opts.new_tokens)
-        result = generate(
-            rt.model, sp, grammar, prompt, opts.new_tokens, opts.sampling, agree=sp.agree
-        )
+        decoder, agree = sp, sp.agree
     else:
-        decoder = CachedDecoder(rt.model, len(prompt) + opts.new_tokens)
-        result = generate(rt.model, decoder, grammar, prompt, opts.new_tokens, opts.sampling)
+        decoder, agree = CachedDecoder(rt.model, len(prompt) + opts.new_tokens), agree_local
+    result = generate(rt.model, decoder, grammar, prompt, opts.new_tokens, opts.sampling, agree)
     if world.device.type == "cuda":
         torch.cuda.synchronize(world.device)
     seconds = time.perf_counter() - t0
     return {
         "ids": result.ids,
         "sampled": result.sampled,
+        "ended": result.ended,
         "seconds": seconds,
         "device": str(world.device),
     }
@@ -195,11 +196,11 @@ def run_generate(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
     if world > 1 and not in_launched_world():
         out = run_world(_worker, opts.nproc, payload)[0]
     else:
-        out = _worker(payload)  # this process (one of a launched world's ranks)
+        out = _worker(payload, trained)  # this process (one of a launched world's ranks)
         if int(os.environ.get("RANK", "0")) != 0:
             return {"out": "", "rank": int(os.environ["RANK"])}
     media = decode_media(tok, trained.space, prompt, out["ids"], opts.with_prompt)
-    if media.kind == "mp4" and (media.frames is None or not len(media.frames)):
+    if media.no_frames:
         from ulysses_mm.tokenize.video.base import VideoTokenizer
 
         also = ""
@@ -219,7 +220,7 @@ def run_generate(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
         "prompt_ids": len(prompt),
         "new_ids": len(out["ids"]),
         "sampled": out["sampled"],
-        "ended": bool(out["ids"]) and out["ids"][-1] == DOC_END,
+        "ended": out["ended"],
         "seconds": out["seconds"],
         "tokens_per_s": len(out["ids"]) / max(out["seconds"], 1e-9),
         "device": out["device"],

@@ -183,12 +183,12 @@ def check_complete(path: Path, zero_stage: int, ranks: int | None = None) -> Non
             f"--resume: checkpoint {path} has no {pattern} (DeepSpeed's model states for "
             f"deepspeed.zero_stage={zero_stage}){hint}"
         )
-    if zero_stage >= 1 and not any(path.glob(_OPTIM_PARTITIONS)):
+    partitions = sorted(path.glob(_OPTIM_PARTITIONS))
+    if zero_stage >= 1 and not partitions:
         raise DataError(
             f"--resume: checkpoint {path} has no zero_pp_rank_*_optim_states.pt (DeepSpeed's "
             f"optimizer partitions for deepspeed.zero_stage={zero_stage})"
         )
-    partitions = sorted(path.glob(_OPTIM_PARTITIONS))
     saved_ranks = len(partitions) or (len(found) if zero_stage == 3 else None)
     if ranks is not None and saved_ranks is not None and saved_ranks != ranks:
         raise DataError(

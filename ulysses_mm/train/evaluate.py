@@ -41,10 +41,10 @@ PER_OCTAVE = 4
 MAX_OCTAVES = 41  # positions up to 2^41: more than any document
 
 
-def log_edges(per_octave: int = PER_OCTAVE, octaves: int = MAX_OCTAVES) -> list[int]:
-    """Integer bin edges, log-spaced, every power of two one of them: 0, 1, 2, …, 8, 10,
-    11, 13, 16, 19, 23, 27, 32, … (each bin is ``[edge_i, edge_i+1)``)."""
-    raw = [0] + [round(2 ** (j / per_octave)) for j in range(per_octave * octaves + 1)]
+def log_edges() -> list[int]:
+    """Integer bin edges, :data:`PER_OCTAVE` a doubling, every power of two one of them:
+    0, 1, 2, …, 8, 10, 11, 13, 16, 19, 23, 27, 32, … (each bin is ``[edge_i, edge_i+1)``)."""
+    raw = [0] + [round(2 ** (j / PER_OCTAVE)) for j in range(PER_OCTAVE * MAX_OCTAVES + 1)]
     return sorted(set(raw))
 
 
@@ -55,10 +55,6 @@ class Unit:
 
     name: str
     table: Tensor  # float64 [specials + V_m]
-
-    @property
-    def key(self) -> str:
-        return f"bits_per_{self.name}"
 
 
 def token_bytes(tokenizer: Any, size: int) -> np.ndarray:
@@ -198,7 +194,6 @@ def evaluate_batches(
     nb = len(edge_list) - 1
     units = units or {}
     tables = {m: u.table.to(device) for m, u in units.items()}
-    ns = space.num_specials
     # this rank's sums, reduced once at the end: CE and targets per (modality, bin) and
     # units per modality
     by_bin = torch.zeros(len(mods), nb, dtype=torch.float64, device=device)
@@ -221,9 +216,7 @@ def evaluate_batches(
             hit = sel & (bins >= 0)
             bin_counts[i] += torch.bincount(bins[hit], minlength=nb)[:nb].double()
             if m in tables:
-                labels = local.labels[sel]
-                index = torch.where(labels < ns, labels, labels - space.range(m).start + ns)
-                unit_counts[i] += tables[m][index].sum()
+                unit_counts[i] += tables[m][rt.model.heads.head_index(local.labels[sel], m)].sum()
     reduced = torch.cat([by_bin.flatten(), bin_counts.flatten(), unit_counts])
     seen = torch.tensor([float(samples)], dtype=torch.float64, device=device)
     if rt.mesh.distributed:

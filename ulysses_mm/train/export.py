@@ -6,8 +6,8 @@ per-modality heads, concatenated in token-id order (shared specials, then each m
 range), are exactly one ``lm_head`` over the whole token space. The result — config.json
 and model.safetensors, with the token space and the tokenizer record beside them (what
 ``ulysses-mm generate`` reads) — loads with ``AutoModelForCausalLM.from_pretrained`` and
-gives the backbone's hidden states. (A softmax over that ``lm_head`` is the joint distribution; the
-training objective was each modality's head over its own slice of it.)
+gives the backbone's hidden states. (A softmax over that ``lm_head`` is the joint
+distribution; the training objective was each modality's head over its own slice of it.)
 """
 
 from __future__ import annotations

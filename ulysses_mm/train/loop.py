@@ -28,7 +28,7 @@ from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.parallel.mesh import in_launched_world, open_world
 from ulysses_mm.tokenize.table import TokenizerTable
 from ulysses_mm.train import checkpoint
-from ulysses_mm.train.evaluate import evaluate_batches, units_for
+from ulysses_mm.train.evaluate import EvalResult, evaluate_batches, units_for
 from ulysses_mm.train.flops import causal_pairs, peak_tflops, train_flops
 from ulysses_mm.train.logger import MetricsLogger
 from ulysses_mm.train.metrics import ModalitySums, peak_memory_mb
@@ -134,7 +134,7 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, Any]:
+    def evaluate(self) -> EvalResult:
         """The held-out figures of :func:`~ulysses_mm.train.evaluate.evaluate_batches`
         (what ``ulysses-mm evaluate`` computes) over ``train.eval_batches`` micro-batches."""
         assert self.eval_manifest is not None
@@ -147,9 +147,9 @@ class Trainer:
         finally:
             stream.close()
             self.engine.train()
-        return {"kind": "eval", **result.metrics("eval/")}
+        return result
 
-    def eval_media(self, metrics: dict[str, Any]) -> dict[str, Any] | None:
+    def eval_media(self, result: EvalResult) -> dict[str, Any] | None:
         """W&B objects of an evaluation: its loss-by-position chart and, with
         ``logging.samples``, one generated document per modality (rank 0 generates; the
         other ranks wait for it at the next collective)."""
@@ -169,9 +169,7 @@ class Trainer:
                 self.engine.train()
         if self.logger.run is None:
             return None
-        prefix = "eval/position/"
-        position = {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
-        return wandb_media(samples, position)
+        return wandb_media(samples, result.bins)
 
     def save(self) -> Path:
         path = checkpoint.save(
@@ -216,8 +214,9 @@ class Trainer:
                     and t.eval_every
                     and self.step % t.eval_every == 0
                 ):
-                    metrics = self.evaluate()
-                    self.logger.log(self.step, metrics, self.eval_media(metrics))
+                    result = self.evaluate()
+                    metrics = {"kind": "eval", **result.metrics("eval/")}
+                    self.logger.log(self.step, metrics, self.eval_media(result))
                 if (
                     t.checkpoint_every and self.step % t.checkpoint_every == 0
                 ) or self.step == t.steps:

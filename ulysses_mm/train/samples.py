@@ -11,11 +11,13 @@ loss-by-position curves of the eval become one line chart.
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ulysses_mm.core.tokenspace import DOC_START
 from ulysses_mm.model.generate import Sampling, generate
 from ulysses_mm.model.kv_cache import CachedDecoder
 from ulysses_mm.model.llama import MultimodalLM
@@ -45,12 +47,12 @@ def write_samples(
             tok = tokenizers.tokenizer(m)
         except (LookupError, OSError, ValueError):
             continue
-        prompt = [1, space.boundary_token(m)]  # <doc> <|m|>
+        prompt = [DOC_START, space.boundary_token(m)]
         decoder = CachedDecoder(model, len(prompt) + new_tokens, stepwise=True)
         sampling = Sampling(temperature=1.0, seed=seed + step)
         got = generate(model, decoder, Grammar(tok, space, end=False), prompt, new_tokens, sampling)
         media = decode_media(tok, space, prompt, got.ids)
-        if media.kind == "mp4" and (media.frames is None or not len(media.frames)):
+        if media.no_frames:
             continue  # too few ids for a whole frame
         path = out_dir / f"step_{step:08d}_{m}.{SUFFIX[media.kind]}"
         write_file(path, media.to_bytes(f"step_{step}_{m}", f"{len(got.ids)} ids at step {step}"))
@@ -59,7 +61,8 @@ def write_samples(
 
 
 def wandb_media(
-    samples: dict[str, tuple[str, Path]], position: dict[str, list[list[float]]] | None = None
+    samples: dict[str, tuple[str, Path]],
+    position: Mapping[str, Sequence[Sequence[float]]] | None = None,
 ) -> dict[str, Any]:
     """W&B objects: each sample as audio, video or text; the loss-by-position curves of
     the eval (``{modality: [[lo, hi, nats, targets], ...]}``) as one line chart."""

@@ -43,7 +43,8 @@ def build_parallel_model(
     cfg: RunConfig, space: TokenSpace, mesh: Mesh, kernel: str, stats: CommStats | None = None
 ) -> MultimodalLM:
     """The run's model (seeded by ``train.seed``) with Ulysses applied over ``mesh.sp``
-    (in ``parallel.head_chunks`` groups of heads), on the host; ``model.init_from`` loads a pretrained checkpoint into it first."""
+    (in ``parallel.head_chunks`` groups of heads), on the host; ``model.init_from`` loads
+    a pretrained checkpoint into it first."""
     model = build_model(cfg.model, space, kernel, seed=cfg.train.seed)
     if cfg.model.init_from:
         from ulysses_mm.model.hf_import import load_pretrained
