@@ -15,9 +15,12 @@ import itertools
 import json
 import math
 import os
+import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from ulysses_mm.core.errors import ConfigError, UserError
 from ulysses_mm.train.evaluate import EvalResult
@@ -95,6 +98,9 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> dict[str, Any]:
         per_epoch = stream.order.batches_per_epoch
         count = min(opts.batches, per_epoch) if opts.batches else per_epoch
         batches = (samples_batch(stream.next_batch(), trained.space) for _ in range(count))
+        if mesh.rank == 0:  # one bar: a long evaluation shows where it is
+            tqdm.set_lock(threading.RLock())  # not a multiprocessing lock (see train/loop.py)
+            batches = tqdm(batches, total=count, desc="evaluate", unit="batch", leave=False)
         result = evaluate_batches(
             rt, batches, units_for(trained.space, trained.tokenizers), opts.edges
         )
