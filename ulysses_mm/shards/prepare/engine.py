@@ -29,6 +29,7 @@ from typing import Protocol
 
 from tqdm import tqdm
 
+from ulysses_mm.core.errors import first_line
 from ulysses_mm.shards.prepare.assemble import Assembler, InOrder, write_partition
 from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask, completed
 from ulysses_mm.shards.prepare.pool import CRASHED, Loaded, loaded, run_pool, tokenize_held
@@ -215,9 +216,7 @@ class LocalEngine:
             except PrepareError:
                 raise
             except Exception as e:
-                raise partition_failed(
-                    t, f"{type(e).__name__}: {_first(e)}", log_dir, traceback.format_exc()
-                ) from e
+                raise partition_failed(t, first_line(e), log_dir, traceback.format_exc()) from e
             progress.partition_done(results[t.index], inputs_counted=True)
             if not job.keep_staging:
                 shutil.rmtree(partition_staging(job.staging, t.index), ignore_errors=True)
@@ -241,8 +240,3 @@ class LocalEngine:
             n = min(self.workers, len(work))
             for task, outcome in run_pool(work, n, job.worker):
                 yield from order.put(position[task.index], Result(outcome, task.staged))
-
-
-def _first(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else ""
