@@ -30,7 +30,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from ulysses_mm.core.errors import first_line
-from ulysses_mm.shards.prepare.assemble import Assembler, InOrder, write_partition
+from ulysses_mm.shards.prepare.assemble import InOrder, write_partition
 from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask, completed
 from ulysses_mm.shards.prepare.pool import CRASHED, Loaded, loaded, run_pool, tokenize_held
 from ulysses_mm.shards.prepare.route import (
@@ -206,7 +206,7 @@ class LocalEngine:
         stream = self._tokenized(job, todo)
         log_dir = Path(job.staging) / "logs"
 
-        def counted(done: Result, assembler: Assembler) -> None:
+        def counted(done: Result) -> None:
             progress.inputs_done(1, done.outcome.tokens if done.outcome.ok else 0)
 
         for t, _ in todo:
