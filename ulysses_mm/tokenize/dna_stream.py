@@ -202,13 +202,7 @@ def stream_blocks(
     try:
         raw = decompressed(f)
         first = raw.read(4096)  # what the format is sniffed from
-        head = first.decode("latin-1")
-        if not head.strip():
-            raise DecodeError(f"{source}: empty file (no sequence records)")
-        sniffed = sniff_format(source, head)
-        if fmt is not None and fmt != sniffed:
-            raise DecodeError(f"{source}: the spec says {fmt}, the file looks like {sniffed}")
-        fmt = sniffed
+        fmt = sniff_format(source, first.decode("latin-1"), fmt)
     except READ_ERRORS as e:
         raise read_error(source, fmt, e) from None
     if fmt == "genbank" or tok.text is not None:
