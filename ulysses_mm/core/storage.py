@@ -564,14 +564,6 @@ def _expand_one(pattern: str, storage_options: Mapping[str, Any] | None) -> list
     ]
 
 
-def input_identity(location: str, storage_options: Mapping[str, Any] | None = None) -> dict:
-    """What identifies an input's content cheaply: size and mtime (or ETag) — the cache key."""
-    if is_local(location):
-        return _local_input(str(local_path(location))).identity
-    fs, path = url_to_fs(location, storage_options)
-    return _identity(fs.info(path))
-
-
 def fetch(location: str, dest_dir: Path, storage_options: Mapping[str, Any] | None = None) -> Path:
     """A local file with the content of ``location`` (itself when local; a copy in
     ``dest_dir`` keeping the file name, so tokenizers can still route on the suffix)."""
