@@ -19,13 +19,7 @@ from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY, PackedSample
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.manifest import InputEntry
 from ulysses_mm.shards.pack import Packer
-from ulysses_mm.shards.prepare.partition import (
-    Job,
-    PartitionResult,
-    PartitionTask,
-    part_prefix,
-    save_fragment,
-)
+from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask, save_fragment
 from ulysses_mm.shards.prepare.publish import Output
 from ulysses_mm.shards.prepare.route import Result
 from ulysses_mm.shards.prepare.staged import staged_blocks
@@ -126,7 +120,7 @@ def write_partition(
         output.publish,
         job.max_bytes,
         job.max_samples,
-        prefix=part_prefix(task.index, job.multi),
+        prefix=output.prefix,
     )
     assembler = Assembler(space, job.seq_len, writer)
     reused, crashed = 0, []

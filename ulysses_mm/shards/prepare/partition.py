@@ -72,11 +72,6 @@ def partition_inputs(
     return list(itertools.pairwise(bounds))
 
 
-def part_prefix(index: int, multi: bool) -> str:
-    """Where partition ``index``'s shards go, relative to the output ('' for one partition)."""
-    return f"part-{index:05d}/" if multi else ""
-
-
 @dataclass(frozen=True)
 class Job:
     """What every partition of a run is done with (picklable: it travels to the workers)."""
