@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline_fakes import VIDEO, expected_documents, make_inputs, write_pipeline
+from pipeline_fakes import VIDEO, expected_documents, files_of, make_inputs, write_pipeline
 
 from ulysses_mm.core import storage
 from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY
@@ -44,15 +44,6 @@ def ray_local():
     )
     yield ray
     ray.shutdown()
-
-
-def files_of(directory: Path) -> dict[str, bytes]:
-    """Every file under ``directory`` by relative path (partition folders included)."""
-    return {
-        str(p.relative_to(directory)): p.read_bytes()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture(scope="module")

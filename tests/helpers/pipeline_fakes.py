@@ -12,7 +12,8 @@ pipeline config's ``tokenizer_kinds`` (so spawned workers and CLI subprocesses f
   followed by ``<eof>``; optionally interleaved with ``<|audio|>`` runs.
 
 ``expected_documents`` computes, independently of the pipeline, what each file should give;
-``make_inputs`` and ``write_pipeline`` lay out a small dataset and its pipeline spec;
+``make_inputs`` and ``write_pipeline`` lay out a small dataset and its pipeline spec,
+``files_of`` reads a dataset back whole;
 ``cut_blocks`` streams documents as blocks cut anywhere, as a streaming tokenizer gives them.
 """
 
@@ -228,6 +229,15 @@ def write_pipeline(
     path = root / "pipeline.yaml"
     path.write_text(json.dumps(spec))  # JSON is YAML
     return path
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` by relative path (partition folders included)."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def cut_blocks(
