@@ -82,7 +82,6 @@ class RayEngine:
             run_partition
         )
         window = self.workers or max(1, int(ray.cluster_resources().get("CPU", 1) // self.cpus))
-        window = max(window, 1)
         todo = list(tasks)
         running: dict[Any, PartitionTask] = {}
         results: dict[int, PartitionResult] = {}
