@@ -165,6 +165,7 @@ def run_partition(job: Job, task: PartitionTask) -> PartitionResult:
                 outcome = skipped(
                     t.source, CRASHED, modality=t.modality, reusable=False, crashed=True
                 )
+                held = None
             else:
                 mark.write_text(str(attempts + 1))
                 so = job.worker.storage_options
