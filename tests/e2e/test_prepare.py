@@ -17,7 +17,15 @@ import fsspec
 import numpy as np
 import pytest
 from conftest import require_fixture
-from pipeline_fakes import KINDS, VIDEO, expected_documents, make_inputs, write_pipeline, write_spec
+from pipeline_fakes import (
+    KINDS,
+    VIDEO,
+    expected_documents,
+    files_of,
+    make_inputs,
+    write_pipeline,
+    write_spec,
+)
 
 from ulysses_mm.config import PipelineConfig
 from ulysses_mm.core import storage
@@ -36,10 +44,6 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS / "help
 
 def config(root: Path, output: str, overrides: list[str] = (), **kw) -> PipelineConfig:  # type: ignore[assignment]
     return load_pipeline_config(write_pipeline(root, output, **kw), list(overrides))
-
-
-def files_of(directory: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
 def rebuild_documents(m: Manifest) -> dict[int, np.ndarray]:

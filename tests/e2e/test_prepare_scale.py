@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline_fakes import VIDEO, expected_documents, make_inputs, write_pipeline
+from pipeline_fakes import VIDEO, expected_documents, files_of, make_inputs, write_pipeline
 
 from ulysses_mm.core import storage
 from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY
@@ -44,15 +44,6 @@ def ray_local():
     )
     yield ray
     ray.shutdown()
-
-
-def files_of(directory: Path) -> dict[str, bytes]:
-    """Every file under ``directory`` by relative path (partition folders included)."""
-    return {
-        str(p.relative_to(directory)): p.read_bytes()
-        for p in sorted(directory.rglob("*"))
-        if p.is_file()
-    }
 
 
 @pytest.fixture(scope="module")
@@ -185,6 +176,34 @@ def test_an_input_that_kills_its_ray_worker_twice_is_skipped_as_on_the_local_eng
         entries[engine] = [e.to_dict() for e in result.manifest.inputs]
     assert entries["ray"] == entries["local"]
     assert files_of(tmp_path / "ray") == files_of(tmp_path / "local")
+
+
+def test_an_input_a_ray_task_died_on_twice_is_skipped_even_as_its_first(tmp_path):
+    """The partition function a Ray task runs, in this process: the first input it would
+    tokenize has the attempts of two dead workers behind it, so it is recorded as crashed
+    and the partition is packed from the rest."""
+    from ulysses_mm.shards.prepare.engine import CRASHES_TO_SKIP, plan_partition, run_partition
+    from ulysses_mm.shards.prepare.partition import Job, PartitionTask
+    from ulysses_mm.shards.prepare.pool import WorkerConfig, loaded
+    from ulysses_mm.shards.prepare.route import load_specs, staging_dir
+
+    make_inputs(tmp_path, n_dna=2, bad=False)
+    cfg = load_pipeline_config(write_pipeline(tmp_path, str(tmp_path / "out")))
+    specs, space = load_specs(cfg)
+    inputs, _ = storage.list_inputs(cfg.sources)
+    worker = WorkerConfig(
+        [s.path for s in specs], dict(cfg.tokenizer_kinds), space.to_dict(), {}, os.getpid()
+    )
+    suffixes = {m: list(v) for m, v in cfg.suffixes.items()}
+    job = Job(
+        worker, suffixes, cfg.output, str(staging_dir(cfg)), 512, 1 << 20, 0, False, False, ""
+    )
+    task = PartitionTask(0, 0, inputs)
+    first = plan_partition(job, task, loaded(worker)).tasks[0]
+    Path(first.staged + ".attempts").write_text(str(CRASHES_TO_SKIP))
+    result = run_partition(job, task)
+    assert result.crashed == [first.source]
+    assert [e.status for e in result.entries].count("ok") == len(inputs) - 1
 
 
 def test_a_killed_driver_rerun_skips_the_partitions_it_finished(corpus, tmp_path):

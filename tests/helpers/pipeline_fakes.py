@@ -12,23 +12,26 @@ pipeline config's ``tokenizer_kinds`` (so spawned workers and CLI subprocesses f
   followed by ``<eof>``; optionally interleaved with ``<|audio|>`` runs.
 
 ``expected_documents`` computes, independently of the pipeline, what each file should give;
-``make_inputs`` and ``write_pipeline`` lay out a small dataset and its pipeline spec.
+``make_inputs`` and ``write_pipeline`` lay out a small dataset and its pipeline spec,
+``files_of`` reads a dataset back whole;
+``cut_blocks`` streams documents as blocks cut anywhere, as a streaming tokenizer gives them.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
-from ulysses_mm.tokenize.base import DecodeError, TokenDocument, Tokenizer
+from ulysses_mm.tokenize.base import DecodeError, TokenBlock, TokenDocument, Tokenizer
 
 HERE = Path(__file__).resolve().parent
 KINDS = {
@@ -226,3 +229,34 @@ def write_pipeline(
     path = root / "pipeline.yaml"
     path.write_text(json.dumps(spec))  # JSON is YAML
     return path
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory`` by relative path (partition folders included)."""
+    return {
+        str(p.relative_to(directory)): p.read_bytes()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+def cut_blocks(
+    docs: Sequence[np.ndarray], mods: Sequence[int], cuts: Sequence[int]
+) -> Iterator[TokenBlock]:
+    """The documents as :class:`TokenBlock` pieces cut at token positions ``cuts``: a
+    document split across blocks is left open (``closed=False``) and carried on by the next
+    block (``continues``)."""
+    tokens = np.concatenate(docs)
+    ends = np.cumsum([len(d) for d in docs])
+    starts = ends - [len(d) for d in docs]
+    for a, b in itertools.pairwise([0, *cuts, len(tokens)]):
+        first = int(np.searchsorted(ends, a, side="right"))  # the document holding token a
+        last = int(np.searchsorted(ends, b - 1, side="right"))
+        lens = [min(ends[d], b) - max(starts[d], a) for d in range(first, last + 1)]
+        yield TokenBlock(
+            tokens[a:b],
+            np.array(lens, np.int64),
+            np.array(mods[first : last + 1], np.int64),
+            continues=bool(starts[first] < a),
+            closed=bool(ends[last] <= b),
+        )

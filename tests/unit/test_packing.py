@@ -9,6 +9,7 @@ import itertools
 
 import numpy as np
 import pytest
+from pipeline_fakes import cut_blocks
 
 from ulysses_mm.core.format import SEGMENT_COLUMNS, PackedSample, segments_to_ids
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
@@ -170,20 +171,12 @@ def test_packed_samples_feed_the_model_batch():
 def cut_anywhere(rng, docs, mods) -> list[DocumentBlock]:
     """The same documents as blocks cut at random token positions, a document split
     across blocks carried on by ``continues`` (as staged entries are read back)."""
-    tokens = np.concatenate(docs).astype(SPACE.dtype())
-    lengths = np.array([len(d) for d in docs])
-    ends = np.cumsum(lengths)
-    cuts = sorted({int(c) for c in rng.integers(1, len(tokens), size=6)})
-    blocks, open_doc = [], -1
-    for a, b in itertools.pairwise([0, *cuts, len(tokens)]):
-        first = int(np.searchsorted(ends, a, side="right"))  # the doc holding token a
-        last = int(np.searchsorted(ends, b - 1, side="right"))
-        lens = [
-            min(int(ends[d]), b) - max(int(ends[d] - lengths[d]), a) for d in range(first, last + 1)
-        ]
-        blocks.append(DocumentBlock(tokens[a:b], lens, mods[first : last + 1], first == open_doc))
-        open_doc = last
-    return blocks
+    docs = [d.astype(SPACE.dtype()) for d in docs]
+    cuts = sorted({int(c) for c in rng.integers(1, sum(map(len, docs)), size=6)})
+    return [
+        DocumentBlock(b.tokens, b.lengths, b.modalities, b.continues)
+        for b in cut_blocks(docs, mods, cuts)
+    ]
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -8,6 +8,7 @@ import itertools
 
 import numpy as np
 import pytest
+from pipeline_fakes import cut_blocks
 
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
 from ulysses_mm.shards.pack import DocumentBlock, pack
@@ -65,25 +66,6 @@ def _doc(rng, modality: str, n: int) -> np.ndarray:
     )
 
 
-def _pieces(docs, mods, cuts):
-    """The documents streamed as TokenBlocks cut at ``cuts`` (token positions)."""
-    tokens = np.concatenate(docs)
-    ends = np.cumsum([len(d) for d in docs])
-    starts = ends - [len(d) for d in docs]
-    bounds = [0, *cuts, len(tokens)]
-    for a, b in itertools.pairwise(bounds):
-        first = int(np.searchsorted(ends, a, side="right"))
-        last = int(np.searchsorted(ends, b - 1, side="right"))
-        lens = [min(ends[d], b) - max(starts[d], a) for d in range(first, last + 1)]
-        yield TokenBlock(
-            tokens[a:b],
-            np.array(lens, np.int64),
-            np.array(mods[first : last + 1], np.int64),
-            continues=starts[first] < a,
-            closed=ends[last] <= b,
-        )
-
-
 @pytest.mark.parametrize("chunk", [3, 17, 1 << 20])
 def test_a_staged_entry_reads_back_as_the_documents_streamed_into_it(tmp_path, chunk):
     rng = np.random.default_rng(chunk)
@@ -91,7 +73,7 @@ def test_a_staged_entry_reads_back_as_the_documents_streamed_into_it(tmp_path, c
     docs = [_doc(rng, SPACE.modalities[m], int(n)) for m, n in zip(mods, [40, 0, 7, 120, 3])]
     stem = str(tmp_path / "entry")
     w = StagedWriter(stem, SPACE)
-    for block in _pieces(docs, mods, [5, 6, 50, 51, 52, 160]):
+    for block in cut_blocks(docs, mods, [5, 6, 50, 51, 52, 160]):
         w.add(block)
     w.commit()
     assert (w.documents, w.tokens) == (5, sum(len(d) for d in docs))
@@ -148,7 +130,7 @@ def test_a_held_entry_reads_back_the_same_and_leaves_nothing(tmp_path, hold):
     mods = [0, 1, 0]
     docs = [_doc(rng, SPACE.modalities[m], int(n)) for m, n in zip(mods, [90, 4, 200])]
     w = StagedWriter(str(tmp_path / "held"), SPACE, hold=hold)
-    for block in _pieces(docs, mods, [10, 60, 95]):
+    for block in cut_blocks(docs, mods, [10, 60, 95]):
         w.add(block)
     w.commit()
     assert any(tmp_path.iterdir()) == (hold == 100)  # spilled to a local file past hold

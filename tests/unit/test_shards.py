@@ -328,5 +328,5 @@ def test_expand_sources(tmp_path: Path):
     fs.pipe("/ulysses-test-src/x/b.wav", b"RIFF")
     files, _ = storage.expand_sources(["memory://ulysses-test-src/x/*.fa"])
     assert files == [fs.unstrip_protocol("/ulysses-test-src/x/a.fa")]
-    assert storage.input_identity(files[0])["size"] == 6
+    assert storage.list_inputs(files)[0][0].identity["size"] == 6
     fs.rm("/ulysses-test-src", recursive=True)

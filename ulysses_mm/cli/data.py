@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from ulysses_mm.cli.common import overrides_help
+from ulysses_mm.config.pipeline import ENGINES
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -54,7 +55,7 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--engine",
-        choices=["local", "ray"],
+        choices=ENGINES,
         help="what runs the partitions: this machine's process pool (local, the default) or "
         "a Ray cluster (ray; pip install 'ulysses-mm[ray]'); the same bytes either way",
     )

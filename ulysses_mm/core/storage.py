@@ -409,17 +409,29 @@ def remove_empty_dir(location: str, storage_options: Mapping[str, Any] | None = 
 
 def list_names(location: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
     """Names of the files directly inside a directory or URL prefix ([] if absent)."""
+    return _list(location, storage_options, dirs=False)
+
+
+def list_dirs(location: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """Names of the directories (URL prefixes) directly inside ``location`` ([] if absent)."""
+    return _list(location, storage_options, dirs=True)
+
+
+def _list(location: str, storage_options: Mapping[str, Any] | None, dirs: bool) -> list[str]:
     if is_local(location):
         d = local_path(location)
-        return sorted(p.name for p in d.iterdir() if p.is_file()) if d.is_dir() else []
+        if not d.is_dir():
+            return []
+        return sorted(p.name for p in d.iterdir() if (p.is_dir() if dirs else p.is_file()))
     fs, path = url_to_fs(location, storage_options)
     if not fs.exists(path):
         return []
-    names = []
-    for entry in fs.ls(path, detail=True):
-        if entry.get("type") == "file":
-            names.append(str(entry["name"]).rstrip("/").rsplit("/", 1)[-1])
-    return sorted(names)
+    kind = "directory" if dirs else "file"
+    return sorted(
+        str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+        for e in fs.ls(path, detail=True)
+        if e.get("type") == kind
+    )
 
 
 def remove_stale_temps(location: str, storage_options: Mapping[str, Any] | None = None) -> int:
@@ -552,15 +564,6 @@ def _expand_one(pattern: str, storage_options: Mapping[str, Any] | None) -> list
     ]
 
 
-def input_identity(location: str, storage_options: Mapping[str, Any] | None = None) -> dict:
-    """What identifies an input's content cheaply: size and mtime (or ETag) — the cache key."""
-    if is_local(location):
-        st = local_path(location).stat()
-        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    fs, path = url_to_fs(location, storage_options)
-    return _identity(fs.info(path))
-
-
 def fetch(location: str, dest_dir: Path, storage_options: Mapping[str, Any] | None = None) -> Path:
     """A local file with the content of ``location`` (itself when local; a copy in
     ``dest_dir`` keeping the file name, so tokenizers can still route on the suffix)."""
@@ -588,28 +591,8 @@ def size_and_sha256(
 ) -> tuple[int, str]:
     """(bytes, sha256) of a file or object, read in chunks."""
     h, size = hashlib.sha256(), 0
-    if is_local(location):
-        f: IO[bytes] = open(local_path(location), "rb")  # noqa: SIM115
-    else:
-        fs, path = url_to_fs(location, storage_options)
-        f = fs.open(path, "rb")
-    with f:
+    with open_input(location, storage_options) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             size += len(chunk)
     return size, h.hexdigest()
-
-
-def list_dirs(location: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
-    """Names of the directories (URL prefixes) directly inside ``location`` ([] if absent)."""
-    if is_local(location):
-        d = local_path(location)
-        return sorted(p.name for p in d.iterdir() if p.is_dir()) if d.is_dir() else []
-    fs, path = url_to_fs(location, storage_options)
-    if not fs.exists(path):
-        return []
-    return sorted(
-        str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
-        for e in fs.ls(path, detail=True)
-        if e.get("type") == "directory"
-    )

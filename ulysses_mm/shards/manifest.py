@@ -47,7 +47,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -106,16 +106,12 @@ class PartitionEntry:
     runs: int  # its entries of modality_runs
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "first_input": self.first_input,
-            "inputs": self.inputs,
-            "input_bytes": self.input_bytes,
-            "first_sample": self.first_sample,
-            "samples": self.samples,
-            "first_doc_id": self.first_doc_id,
-            "documents": self.documents,
-            "runs": self.runs,
-        }
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> PartitionEntry:
+        """The entry :meth:`to_dict` wrote (KeyError, TypeError: not one)."""
+        return cls(**{f.name: _int(d[f.name]) for f in fields(cls)})
 
 
 @dataclass
@@ -147,6 +143,21 @@ class InputEntry:
                 **note,
             }
         return {"source": self.source, "status": self.status, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> InputEntry:
+        """The entry :meth:`to_dict` wrote (KeyError, TypeError: not one)."""
+        return cls(
+            source=str(d["source"]),
+            status=str(d["status"]),
+            modality=str(d.get("modality", "")),
+            documents=_int(d.get("documents", 0)),
+            tokens=_int(d.get("tokens", 0)),
+            first_doc_id=_int(d.get("first_doc_id", 0)),
+            reason=str(d.get("reason", "")),
+            skipped_records=_int(d.get("skipped_records", 0)),
+            skip_reason=str(d.get("skip_reason", "")),
+        )
 
 
 @dataclass
@@ -377,20 +388,7 @@ class Manifest:
                 )
                 for s in data["shards"]
             ]
-            inputs = [
-                InputEntry(
-                    source=str(i["source"]),
-                    status=str(i["status"]),
-                    modality=str(i.get("modality", "")),
-                    documents=_int(i.get("documents", 0)),
-                    tokens=_int(i.get("tokens", 0)),
-                    first_doc_id=_int(i.get("first_doc_id", 0)),
-                    reason=str(i.get("reason", "")),
-                    skipped_records=_int(i.get("skipped_records", 0)),
-                    skip_reason=str(i.get("skip_reason", "")),
-                )
-                for i in data["inputs"]
-            ]
+            inputs = [InputEntry.from_dict(i) for i in data["inputs"]]
         except (KeyError, TypeError, ValueError) as e:
             raise fail(f"malformed shard or input entry: {e!r}") from e
         runs = data.get("modality_runs")
@@ -400,11 +398,7 @@ class Manifest:
             raise fail(f"modality_runs must be [modality, tokens] pairs: {e!r}") from e
         parts = data.get("partitions")
         try:
-            partitions = (
-                None
-                if parts is None
-                else [PartitionEntry(**{k: _int(p[k]) for k in _PARTITION_KEYS}) for p in parts]
-            )
+            partitions = None if parts is None else [PartitionEntry.from_dict(p) for p in parts]
         except (KeyError, TypeError, ValueError) as e:
             raise fail(f"malformed partition entry: {e!r}") from e
         m = cls(
@@ -502,18 +496,6 @@ class Manifest:
             part = parts[k]
             if not part.first_sample <= s.first_sample < part.first_sample + part.samples:
                 raise fail(f"shard {i} ({s.url}) lies outside its partition {k}")
-
-
-_PARTITION_KEYS = (
-    "first_input",
-    "inputs",
-    "input_bytes",
-    "first_sample",
-    "samples",
-    "first_doc_id",
-    "documents",
-    "runs",
-)
 
 
 def _int(value: Any) -> int:

@@ -93,17 +93,24 @@ def translation_table(case: str, iupac: str, invalid: str) -> bytes:
     return bytes(table)
 
 
-def sniff_format(path: str, head: str) -> str:
-    """fasta / fastq / genbank from the first non-blank line (the content decides, not the name)."""
+def sniff_format(path: str, head: str, fmt: str | None = None) -> str:
+    """fasta / fastq / genbank from the first non-blank line of ``head``, the file's start
+    (the content decides, not the name); ``fmt`` (the spec's ``format``) must agree."""
+    if not head.strip():
+        raise DecodeError(f"{path}: empty file (no sequence records)")
     first = next((ln for ln in head.splitlines() if ln.strip()), "")
     if first.startswith(">"):
-        return "fasta"
-    if first.startswith("@"):
-        return "fastq"
-    if first.startswith("LOCUS"):
-        return "genbank"
-    what = "binary data" if "\x00" in head else f"text starting {first[:40]!r}"
-    raise DecodeError(f"{path}: not FASTA ('>'), FASTQ ('@') or GenBank ('LOCUS'): {what}")
+        sniffed = "fasta"
+    elif first.startswith("@"):
+        sniffed = "fastq"
+    elif first.startswith("LOCUS"):
+        sniffed = "genbank"
+    else:
+        what = "binary data" if "\x00" in head else f"text starting {first[:40]!r}"
+        raise DecodeError(f"{path}: not FASTA ('>'), FASTQ ('@') or GenBank ('LOCUS'): {what}")
+    if fmt is not None and fmt != sniffed:
+        raise DecodeError(f"{path}: the spec says {fmt}, the file looks like {sniffed}")
+    return sniffed
 
 
 def open_text(path: str) -> IO[str]:
@@ -129,13 +136,7 @@ def iter_annotated_records(path: str, fmt: str | None = None) -> Iterator[tuple[
     """(record id, sequence, header text) for every record: see :func:`iter_records`."""
     try:
         with open_text(path) as handle:
-            head = handle.read(4096)
-            if not head.strip():
-                raise DecodeError(f"{path}: empty file (no sequence records)")
-            sniffed = sniff_format(path, head)
-            if fmt is not None and fmt != sniffed:
-                raise DecodeError(f"{path}: the spec says {fmt}, the file looks like {sniffed}")
-            fmt = sniffed
+            fmt = sniff_format(path, handle.read(4096), fmt)
             handle.seek(0)
             yield from parse_records(path, handle, fmt)
     except READ_ERRORS as e:

@@ -202,19 +202,13 @@ def stream_blocks(
     try:
         raw = decompressed(f)
         first = raw.read(4096)  # what the format is sniffed from
-        head = first.decode("latin-1")
-        if not head.strip():
-            raise DecodeError(f"{source}: empty file (no sequence records)")
-        sniffed = sniff_format(source, head)
-        if fmt is not None and fmt != sniffed:
-            raise DecodeError(f"{source}: the spec says {fmt}, the file looks like {sniffed}")
-        fmt = sniffed
+        fmt = sniff_format(source, first.decode("latin-1"), fmt)
     except READ_ERRORS as e:
         raise read_error(source, fmt, e) from None
     if fmt == "genbank" or tok.text is not None:
-        reader: _Reader = _Records(tok, codes, source, space, fmt)
+        reader: _Reader = _Records(tok, source, space, fmt)
     elif fmt == "fasta":
-        reader = _Fasta(tok, codes, source)
+        reader = _Fasta(codes, source)
     else:
         reader = _Fastq(tok, codes, source, space)
     try:
@@ -264,10 +258,8 @@ def _whole_lines(pending: bytes, eof: bool) -> tuple[bytes | None, bytes]:
 class _Records(_Reader):
     """Record by record through the parsers ``encode_file`` uses (GenBank, annotations)."""
 
-    def __init__(
-        self, tok: DnaTokenizer, codes: Codes, source: str, space: TokenSpace, fmt: str
-    ) -> None:
-        self.tok, self.codes, self.source, self.space, self.fmt = tok, codes, source, space, fmt
+    def __init__(self, tok: DnaTokenizer, source: str, space: TokenSpace, fmt: str) -> None:
+        self.tok, self.source, self.space, self.fmt = tok, source, space, fmt
 
     def blocks(self, first: bytes, rest: IO[bytes]) -> Iterator[TokenBlock]:
         yield from self.documents(_text(first, rest), 0)
@@ -306,8 +298,8 @@ def _block(docs: list[np.ndarray], mods: list[int]) -> TokenBlock:
 
 
 class _Fasta(_Reader):
-    def __init__(self, tok: DnaTokenizer, codes: Codes, source: str) -> None:
-        self.tok, self.codes, self.source = tok, codes, source
+    def __init__(self, codes: Codes, source: str) -> None:
+        self.codes, self.source = codes, source
         self.out = _Out(codes)
         self.rid: str | None = None  # the record being read (None: before the first)
         self.at = 0  # its bases so far
@@ -419,7 +411,7 @@ class _Fastq(_Reader):
 
     def _exact(self, left: bytes, rest: IO[bytes]) -> Iterator[TokenBlock]:
         """The rest of the file, from ``left`` on, through ``FastqGeneralIterator``."""
-        records = _Records(self.tok, self.codes, self.source, self.space, "fastq")
+        records = _Records(self.tok, self.source, self.space, "fastq")
         yield from records.documents(_text(left, rest), self.records)
         self.records = records.records
 

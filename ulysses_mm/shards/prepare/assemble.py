@@ -19,13 +19,7 @@ from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY, PackedSample
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.manifest import InputEntry
 from ulysses_mm.shards.pack import Packer
-from ulysses_mm.shards.prepare.partition import (
-    Job,
-    PartitionResult,
-    PartitionTask,
-    part_prefix,
-    save_fragment,
-)
+from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask, save_fragment
 from ulysses_mm.shards.prepare.publish import Output
 from ulysses_mm.shards.prepare.route import Result
 from ulysses_mm.shards.prepare.staged import staged_blocks
@@ -60,15 +54,9 @@ class Assembler:
         self.packer = Packer(seq_len, space.dtype())
         self.writer = writer
         self.entries: list[InputEntry] = []
-        self.tokens = 0  # real tokens of the ok inputs so far
         self.counts = np.zeros(len(space.modalities), dtype=np.int64)  # per modality
-        self.modalities = space.modalities
         # the token stream as runs of one modality: [modality index, tokens]
         self.runs: list[list[int]] = []
-
-    @property
-    def any_ok(self) -> bool:
-        return any(e.status == "ok" for e in self.entries)
 
     def add(self, result: Result) -> None:
         """The next input in input order."""
@@ -98,12 +86,6 @@ class Assembler:
         finally:
             if result.held is not None:
                 result.held.abort()
-        self.tokens += o.tokens
-
-    @property
-    def modality_runs(self) -> list[tuple[str, int]]:
-        """The packed token stream as ``(modality, tokens)`` runs (for the manifest)."""
-        return [(self.modalities[m], t) for m, t in self.runs]
 
     def finish(self) -> list[ShardRecord]:
         """The padded last sample written, the last shard closed: every shard's record."""
@@ -127,7 +109,7 @@ def write_partition(
     task: PartitionTask,
     space: TokenSpace,
     results: Iterable[Result],
-    on_input: Callable[[Result, Assembler], None] | None = None,
+    on_input: Callable[[Result], None] | None = None,
 ) -> PartitionResult:
     """Pack a partition's inputs (``results``, one per input in input order) into its
     shards, publish them, write its fragment; what it holds. ``on_input`` is called after
@@ -138,7 +120,7 @@ def write_partition(
         output.publish,
         job.max_bytes,
         job.max_samples,
-        prefix=part_prefix(task.index, job.multi),
+        prefix=output.prefix,
     )
     assembler = Assembler(space, job.seq_len, writer)
     reused, crashed = 0, []
@@ -149,7 +131,7 @@ def write_partition(
             if done.outcome.crashed:
                 crashed.append(done.outcome.source)
             if on_input is not None:
-                on_input(done, assembler)
+                on_input(done)
         records = assembler.finish()
     except BaseException:
         writer.abort()

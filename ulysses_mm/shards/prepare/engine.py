@@ -24,16 +24,15 @@ import sys
 import time
 import traceback
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from tqdm import tqdm
 
-from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.shards.prepare.assemble import Assembler, InOrder, write_partition
+from ulysses_mm.core.errors import first_line
+from ulysses_mm.shards.prepare.assemble import InOrder, write_partition
 from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask, completed
-from ulysses_mm.shards.prepare.pool import CRASHED, WorkerConfig, run_pool, tokenize_held
+from ulysses_mm.shards.prepare.pool import CRASHED, Loaded, loaded, run_pool, tokenize_held
 from ulysses_mm.shards.prepare.route import (
     Plan,
     PrepareError,
@@ -43,8 +42,6 @@ from ulysses_mm.shards.prepare.route import (
     plan_inputs,
     skipped,
 )
-from ulysses_mm.tokenize import registry
-from ulysses_mm.tokenize.base import Tokenizer, TokenizerSpec
 
 
 class PartitionError(PrepareError):
@@ -116,35 +113,7 @@ class Engine(Protocol):
 # ------------------------------------------------------------------ one process
 
 
-@dataclass
-class _Context:
-    """A process's specs, token space and tokenizers for a job (loaded once per process)."""
-
-    specs: list[TokenizerSpec]
-    space: TokenSpace
-    tokenizers: dict[str, Tokenizer] = field(default_factory=dict)
-
-    def tokenizer(self, modality: str) -> Tokenizer:
-        if modality not in self.tokenizers:
-            spec = next(s for s in self.specs if s.modality == modality)
-            self.tokenizers[modality] = registry.load_tokenizer(spec)
-        return self.tokenizers[modality]
-
-
-_contexts: dict[str, _Context] = {}
-
-
-def context(config: WorkerConfig) -> _Context:
-    key = repr((config.spec_paths, sorted(config.kinds.items()), config.space))
-    if key not in _contexts:
-        for kind, target in config.kinds.items():
-            registry.register_kind(kind, target)
-        specs = [TokenizerSpec.load(p) for p in config.spec_paths]
-        _contexts[key] = _Context(specs, TokenSpace.from_dict(config.space))
-    return _contexts[key]
-
-
-def plan_partition(job: Job, task: PartitionTask, ctx: _Context) -> Plan:
+def plan_partition(job: Job, task: PartitionTask, ctx: Loaded) -> Plan:
     return plan_inputs(
         task.inputs,
         task.first_input,
@@ -176,7 +145,7 @@ def run_partition(job: Job, task: PartitionTask) -> PartitionResult:
     done = completed(job, task)
     if done is not None:
         return done
-    ctx = context(job.worker)
+    ctx = loaded(job.worker)
     plan = plan_partition(job, task, ctx)
     tasks = {t.index: t for t in plan.tasks}
 
@@ -196,6 +165,7 @@ def run_partition(job: Job, task: PartitionTask) -> PartitionResult:
                 outcome = skipped(
                     t.source, CRASHED, modality=t.modality, reusable=False, crashed=True
                 )
+                held = None
             else:
                 mark.write_text(str(attempts + 1))
                 so = job.worker.storage_options
@@ -224,7 +194,7 @@ class LocalEngine:
     def run(
         self, job: Job, tasks: Sequence[PartitionTask], progress: Progress
     ) -> list[PartitionResult]:
-        ctx = context(job.worker)
+        ctx = loaded(job.worker)
         results: dict[int, PartitionResult] = {}
         todo: list[tuple[PartitionTask, Plan]] = []
         for t in tasks:
@@ -237,7 +207,7 @@ class LocalEngine:
         stream = self._tokenized(job, todo)
         log_dir = Path(job.staging) / "logs"
 
-        def counted(done: Result, assembler: Assembler) -> None:
+        def counted(done: Result) -> None:
             progress.inputs_done(1, done.outcome.tokens if done.outcome.ok else 0)
 
         for t, _ in todo:
@@ -247,9 +217,7 @@ class LocalEngine:
             except PrepareError:
                 raise
             except Exception as e:
-                raise partition_failed(
-                    t, f"{type(e).__name__}: {_first(e)}", log_dir, traceback.format_exc()
-                ) from e
+                raise partition_failed(t, first_line(e), log_dir, traceback.format_exc()) from e
             progress.partition_done(results[t.index], inputs_counted=True)
             if not job.keep_staging:
                 shutil.rmtree(partition_staging(job.staging, t.index), ignore_errors=True)
@@ -273,8 +241,3 @@ class LocalEngine:
             n = min(self.workers, len(work))
             for task, outcome in run_pool(work, n, job.worker):
                 yield from order.put(position[task.index], Result(outcome, task.staged))
-
-
-def _first(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else ""

@@ -72,11 +72,6 @@ def partition_inputs(
     return list(itertools.pairwise(bounds))
 
 
-def part_prefix(index: int, multi: bool) -> str:
-    """Where partition ``index``'s shards go, relative to the output ('' for one partition)."""
-    return f"part-{index:05d}/" if multi else ""
-
-
 @dataclass(frozen=True)
 class Job:
     """What every partition of a run is done with (picklable: it travels to the workers)."""
@@ -164,24 +159,10 @@ class PartitionResult:
         d = json.loads(raw)
         if d.get("version") != FRAGMENT_VERSION:
             raise ValueError(f"fragment version {d.get('version')!r}")
-        entries = [
-            InputEntry(
-                source=e["source"],
-                status=e["status"],
-                modality=e.get("modality", ""),
-                documents=e.get("documents", 0),
-                tokens=e.get("tokens", 0),
-                first_doc_id=e.get("first_doc_id", 0),
-                reason=e.get("reason", ""),
-                skipped_records=e.get("skipped_records", 0),
-                skip_reason=e.get("skip_reason", ""),
-            )
-            for e in d["entries"]
-        ]
         return cls(
             index=int(d["index"]),
             key=str(d["key"]),
-            entries=entries,
+            entries=[InputEntry.from_dict(e) for e in d["entries"]],
             shards=[ShardRecord(**r) for r in d["shards"]],
             documents=int(d["documents"]),
             samples=int(d["samples"]),

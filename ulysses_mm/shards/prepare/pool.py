@@ -48,23 +48,39 @@ class WorkerConfig:
 
 
 @dataclass
-class _Worker:
-    """This process's tokenizers, loaded on first use: a DNA-only worker never imports video."""
+class Loaded:
+    """A process's specs, token space and tokenizers for a run, each tokenizer loaded on
+    first use: a DNA-only worker never imports video."""
 
-    specs: dict[str, TokenizerSpec]
+    specs: list[TokenizerSpec]
     space: TokenSpace
-    storage_options: dict[str, Any]
     tokenizers: dict[str, Tokenizer] = field(default_factory=dict)
 
     def tokenizer(self, modality: str) -> Tokenizer:
         if modality not in self.tokenizers:
-            self.tokenizers[modality] = registry.load_tokenizer(self.specs[modality])
+            spec = next(s for s in self.specs if s.modality == modality)
+            self.tokenizers[modality] = registry.load_tokenizer(spec)
         return self.tokenizers[modality]
 
 
-# The one worker of this process, set by _init (a pool's initializer is the only hook a
-# spawned process gets; the main process never sets it).
-_worker: _Worker | None = None
+_loaded: dict[str, Loaded] = {}
+
+
+def loaded(config: WorkerConfig) -> Loaded:
+    """This process's :class:`Loaded` for ``config``: its extra kinds registered and its
+    specs read once per process, whichever engine runs in it."""
+    key = repr((config.spec_paths, sorted(config.kinds.items()), config.space))
+    if key not in _loaded:
+        for kind, target in config.kinds.items():
+            registry.register_kind(kind, target)
+        specs = [TokenizerSpec.load(p) for p in config.spec_paths]
+        _loaded[key] = Loaded(specs, TokenSpace.from_dict(config.space))
+    return _loaded[key]
+
+
+# What this pool process was started with, set by _init (a pool's initializer is the only
+# hook a spawned process gets; the main process never sets it).
+_config: WorkerConfig | None = None
 
 
 def _watch_parent(ppid: int) -> None:
@@ -76,12 +92,10 @@ def _watch_parent(ppid: int) -> None:
 
 
 def _init(config: WorkerConfig) -> None:
-    global _worker
+    global _config
     threading.Thread(target=_watch_parent, args=(config.parent_pid,), daemon=True).start()
-    for kind, target in config.kinds.items():
-        registry.register_kind(kind, target)
-    specs = {s.modality: s for s in (TokenizerSpec.load(p) for p in config.spec_paths)}
-    _worker = _Worker(specs, TokenSpace.from_dict(config.space), config.storage_options)
+    _config = config
+    loaded(config)
 
 
 def one_line(text: str) -> str:
@@ -204,8 +218,9 @@ def _tokenize(
 
 def tokenize(task: Task) -> Outcome:
     """Tokenize one input in a worker process started by :func:`run_pool`."""
-    w = _worker
-    assert w is not None, "tokenize runs in a worker process started by run_pool"
+    config = _config
+    assert config is not None, "tokenize runs in a worker process started by run_pool"
+    w = loaded(config)
     try:
         tok = w.tokenizer(task.modality)
     except Exception as e:
@@ -215,7 +230,7 @@ def tokenize(task: Task) -> Outcome:
             modality=task.modality,
             reusable=False,
         )
-    return tokenize_input(task, tok, w.space, w.storage_options)
+    return tokenize_input(task, tok, w.space, config.storage_options)
 
 
 def run_pool(

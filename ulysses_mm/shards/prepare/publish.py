@@ -23,6 +23,11 @@ _SHARD_RE = re.compile(r"^shard-\d{6}\.tar$")
 _PART_RE = re.compile(r"^part-\d{5}$")
 
 
+def part_prefix(index: int, multi: bool) -> str:
+    """Where partition ``index``'s shards go, relative to the output ('' for one partition)."""
+    return f"part-{index:05d}/" if multi else ""
+
+
 class Output:
     """Partition ``index``'s destination in a dataset at ``url`` (a directory or a URL)."""
 
@@ -32,7 +37,8 @@ class Output:
         self.url = url
         self.so = dict(storage_options)
         self.local = storage.is_local(url)
-        sub = f"part-{index:05d}" if multi else ""
+        self.prefix = part_prefix(index, multi)  # of its shards' names, relative to url
+        sub = self.prefix.rstrip("/")
         self.dir_url = storage.join(url, sub) if sub else url
         storage.makedirs(self.dir_url, self.so)
         if self.local:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ulysses_mm.core.errors import StorageError, UnsupportedError
+from ulysses_mm.core.errors import StorageError, UnsupportedError, first_line
 from ulysses_mm.shards.prepare.engine import Progress, partition_failed, run_partition
 from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask
 
@@ -82,7 +82,6 @@ class RayEngine:
             run_partition
         )
         window = self.workers or max(1, int(ray.cluster_resources().get("CPU", 1) // self.cpus))
-        window = max(window, 1)
         todo = list(tasks)
         running: dict[Any, PartitionTask] = {}
         results: dict[int, PartitionResult] = {}
@@ -109,9 +108,7 @@ class RayEngine:
             return ray.get(ref)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if e.cause is not None else e
-            text = str(cause).strip().splitlines()
-            why = f"{type(cause).__name__}: {text[0] if text else ''}".rstrip(": ")
-            raise partition_failed(task, why, log_dir, _plain(str(e))) from None
+            raise partition_failed(task, first_line(cause), log_dir, _plain(str(e))) from None
         except ray.exceptions.RayError as e:  # the worker died on every attempt, a lost node
             why = (
                 f"its worker died on each of {MAX_RETRIES + 1} attempts (crash, out of memory or "

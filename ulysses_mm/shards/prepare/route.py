@@ -169,10 +169,6 @@ class Plan:
     known: dict[int, Result]  # by input index
     tasks: list[Task]
 
-    @property
-    def reused(self) -> int:
-        return sum(1 for r in self.known.values() if r.reused)
-
 
 # ------------------------------------------------------------------- the staging directory
 
