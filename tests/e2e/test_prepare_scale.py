@@ -278,6 +278,26 @@ def test_a_partition_failing_for_a_reason_other_than_an_input_fails_the_run_in_o
     assert "ulysses-mm prepare: partition 1 (" in proc.stderr
 
 
+def test_a_ray_address_nothing_answers_is_one_line_and_writes_nothing(corpus, tmp_path, capsys):
+    """Ray's client retries an unreachable head for minutes; the run checks it first."""
+    import socket
+
+    from ulysses_mm.cli import main
+
+    with socket.socket() as s:  # a port nothing listens on once this socket is closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    pipeline, _, _ = corpus
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    code = main(["prepare", str(pipeline), f"output={out}", "--engine", "ray"]
+                + ["--address", f"127.0.0.1:{port}", "progress=false"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"cannot join a Ray cluster at 127.0.0.1:{port}: nothing accepts connections" in err
+    assert time.monotonic() - t0 < 15 and not out.exists()
+
+
 def _fasta(rng: np.random.Generator, records: int, bases: int) -> str:
     out = []
     for i in range(records):

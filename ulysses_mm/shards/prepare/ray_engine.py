@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,17 +29,43 @@ from ulysses_mm.shards.prepare.engine import Progress, partition_failed, run_par
 from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask
 
 MAX_RETRIES = 3  # attempts after a worker process dies, per partition
+CONNECT_S = 10.0  # seconds a cluster's head may take to accept a connection
 
 
-def connect(address: str, cpus: int) -> tuple[Any, bool]:
-    """``(ray, started)``: the ray module, connected (``started``: this call started a
-    local Ray, which the caller shuts down)."""
+def check_ready(address: str) -> None:
+    """What a run can know before it starts: Ray is installed, and a ``HOST:PORT`` (or
+    ``ray://HOST:PORT``) head accepts connections within :data:`CONNECT_S` (Ray's own
+    client retries for minutes). ``auto`` is left to Ray, which finds a running cluster on
+    this node or says there is none."""
+    _import_ray()
+    hostport = address.split("://", 1)[-1]
+    host, sep, port = hostport.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
+    except OSError as e:
+        raise StorageError(
+            f"cannot join a Ray cluster at {address}: nothing accepts connections there "
+            f"({e.strerror or type(e).__name__}); start it with `ray start --head` or fix "
+            "--address"
+        ) from None
+
+
+def _import_ray() -> Any:
     try:
         import ray
     except ImportError:
         raise UnsupportedError(
             "engine=ray needs Ray: pip install 'ulysses-mm[ray]' (or engine=local)"
         ) from None
+    return ray
+
+
+def connect(address: str, cpus: int) -> tuple[Any, bool]:
+    """``(ray, started)``: the ray module, connected (``started``: this call started a
+    local Ray, which the caller shuts down)."""
+    ray = _import_ray()
     if ray.is_initialized():
         return ray, False
     kw: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}

@@ -176,10 +176,10 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
         run_key=_run_key(cfg, specs, space),
     )
     tasks = [PartitionTask(p, a, inputs[a:b]) for p, (a, b) in enumerate(ranges)]
+    engine = _engine(cfg)  # an engine that cannot start fails here, before anything is written
     storage.makedirs(cfg.output, so)
     storage.remove_stale_temps(cfg.output, so)
     staging.mkdir(parents=True, exist_ok=True)
-    engine = _engine(cfg)
     progress = Progress(len(inputs), len(tasks), cfg.progress)
     try:
         results = engine.run(job, tasks, progress) if tasks else []
@@ -213,8 +213,9 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
 
 def _engine(cfg: PipelineConfig) -> Engine:
     if cfg.engine == "ray":
-        from ulysses_mm.shards.prepare.ray_engine import RayEngine
+        from ulysses_mm.shards.prepare.ray_engine import RayEngine, check_ready
 
+        check_ready(cfg.ray_address)
         return RayEngine(cfg.ray_address, cfg.workers)
     return LocalEngine(cfg.workers)
 
