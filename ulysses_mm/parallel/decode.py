@@ -23,20 +23,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ulysses_mm.core.tokenspace import PAD
-from ulysses_mm.model.attention import DocumentMask
 from ulysses_mm.model.kv_cache import CachedDecoder
 from ulysses_mm.model.llama import MultimodalLM
 from ulysses_mm.parallel.mesh import Mesh
-from ulysses_mm.parallel.slice import ring_order
-
-
-def local_index(doc_ids: Tensor, sp_rank: int, sp: int, ring: int = 1) -> Tensor:
-    """[n] global positions (row 0 of ``doc_ids`` [1, N]) held by ``sp_rank``: the order
-    :func:`~ulysses_mm.parallel.slice.sp_slice` gives each rank."""
-    n = doc_ids.shape[-1]
-    order = ring_order(DocumentMask(doc_ids).run_ids, ring)[0]  # identity when ring == 1
-    chunk = n // sp
-    return order[sp_rank * chunk : (sp_rank + 1) * chunk]
+from ulysses_mm.parallel.slice import sp_index
 
 
 def padded_length(n: int, sp: int, ring: int = 1) -> int:
@@ -83,7 +73,7 @@ class SequenceParallelDecoder:
         doc[:, :n] = 0  # the padding is a document of its own
         pos = torch.arange(total, device=device)
         pos = torch.where(pos < n, pos, pos - n).expand(b, total)
-        idx = local_index(doc, self.mesh.sp_rank, self.sp, self.mesh.ring)
+        idx = sp_index(doc, self.mesh.sp_rank, self.sp, self.mesh.ring)[0]
         keep = idx < n
         hidden = self.inner.prefill(ids[:, idx], pos[:, idx], doc, keep=keep, positions=n)
         last = torch.zeros_like(hidden[:, 0])

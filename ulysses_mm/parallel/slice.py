@@ -40,8 +40,7 @@ def sp_slice(batch: Batch, sp_rank: int, sp: int, ring: int = 1) -> Batch:
         sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
         take = lambda t: t[:, sl]  # noqa: E731
     else:
-        idx = ring_order(DocumentMask(batch.doc_ids).run_ids, ring)
-        idx = idx[:, sp_rank * chunk : (sp_rank + 1) * chunk]
+        idx = sp_index(batch.doc_ids, sp_rank, sp, ring)
         take = lambda t: t.gather(1, idx)  # noqa: E731
     return replace(
         batch,
@@ -50,6 +49,14 @@ def sp_slice(batch: Batch, sp_rank: int, sp: int, ring: int = 1) -> Batch:
         labels=take(batch.labels),
         label_modality=take(batch.label_modality),
     )
+
+
+def sp_index(doc_ids: Tensor, sp_rank: int, sp: int, ring: int = 1) -> Tensor:
+    """[b, N/sp] the positions of each row of ``doc_ids`` [b, N] that rank ``sp_rank``
+    holds, in the order :func:`sp_slice` gives it."""
+    chunk = doc_ids.shape[-1] // sp
+    order = ring_order(DocumentMask(doc_ids).run_ids, ring)  # the identity at ring 1
+    return order[:, sp_rank * chunk : (sp_rank + 1) * chunk]
 
 
 def doc_spans(run_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -17,11 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ulysses_mm.core import storage
+from ulysses_mm.core import REPO, storage
 from ulysses_mm.tokenize import registry
 from ulysses_mm.tokenize.base import Tokenizer, TokenizerSpec
-
-_REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
@@ -85,7 +83,7 @@ class TokenizerTable:
             registry.register_kind(kind, target)
         want = entry.get("spec_sha256")
         candidates = [Path(p) for p in self.spec_paths if not storage.is_url(p)]
-        for d in dict.fromkeys([Path.cwd() / "tokenizers", _REPO / "tokenizers"]):
+        for d in dict.fromkeys([Path.cwd() / "tokenizers", REPO / "tokenizers"]):
             if d.is_dir():
                 candidates += sorted(d.glob("*.json"))
         for path in candidates:

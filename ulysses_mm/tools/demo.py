@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from ulysses_mm.config import RunConfig, load_config
+from ulysses_mm.core import REPO
 from ulysses_mm.core.errors import NotFoundError
 
-REPO = Path(__file__).resolve().parents[2]
 PIPELINE = REPO / "pipelines" / "mixed.yaml"
 CONFIG = REPO / "configs" / "debug-tiny.yaml"
 # every modality: DNA with its headers as text, speech, the clip with its audio, text

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ulysses_mm.core import REPO
 from ulysses_mm.core.errors import ConfigError, DataError
 from ulysses_mm.train.metrics import LN2
 
-REPO = Path(__file__).resolve().parents[2]
 PIPELINE = REPO / "pipelines" / "dna.yaml"
 HEADER = 2  # <doc> <|dna|>: the first base is at position 2
 
