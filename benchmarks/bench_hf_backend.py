@@ -214,17 +214,8 @@ def probe(sp: int) -> dict:
     _world()
     shape = dict(num_attention_heads=4, num_key_value_heads=4, hidden_size=128, head_dim=32)
     n = 64 * sp
-    out: dict = {}
-    try:
-        model = _model(**shape)
-        model.set_attn_implementation("sdpa")
-        UlyssesSPAttentionHF.register_with_transformers(
-            model, "sdpa", sp, 1, seq_length=n, seq_length_is_variable=False
-        )
-        out["deepspeed"] = "ran"
-    except Exception as e:  # what DeepSpeed says about this layout
-        out["deepspeed"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     ids, pos, targets, lengths = _sample(n, True, MODEL["vocab_size"], seed=1)
+    # the reference first: a registration DeepSpeed accepts replaces `sdpa` for every model
     ref = _model(**shape)
     ref.set_attn_implementation("sdpa")
     total, at = torch.zeros(()), 0
@@ -236,6 +227,16 @@ def probe(sp: int) -> dict:
             )
             at += k
     want = float(total / (targets != IGNORE).sum())
+    out: dict = {}
+    try:
+        model = _model(**shape)
+        model.set_attn_implementation("sdpa")
+        UlyssesSPAttentionHF.register_with_transformers(
+            model, "sdpa", sp, 1, seq_length=n, seq_length_is_variable=False
+        )
+        out["deepspeed"] = "ran"
+    except Exception as e:  # what DeepSpeed says about this layout
+        out["deepspeed"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     mesh = Mesh.build(sp, ring=sp // 4)
     register(mesh)
     model = _model(**shape)
