@@ -214,8 +214,12 @@ def _generate(
     sources: Any, micro_batch: int, readers: int, reader: Sequence[int], data: DataConfig
 ) -> Iterator[dict[str, list[int]]]:
     for r in reader:  # one shard of the datasets.IterableDataset per reader
-        for item in ShardDataset(sources, micro_batch, readers, r, data):
-            yield {k: v.tolist() for k, v in item.items()}
+        ds = ShardDataset(sources, micro_batch, readers, r, data)
+        try:  # the stream is endless: its prefetch thread stops when the consumer does
+            for item in ds:
+                yield {k: v.tolist() for k, v in item.items()}
+        finally:
+            ds.close()
 
 
 def hf_dataset(
