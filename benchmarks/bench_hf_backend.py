@@ -32,6 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 
+from ulysses_mm.core.format import IGNORE
 from ulysses_mm.core.layout import valid_sp_sizes
 
 MODEL = dict(
@@ -44,7 +45,6 @@ MODEL = dict(
     head_dim=32,
     use_cache=False,
 )
-IGNORE = -100
 
 
 def _rss_mib() -> float:
@@ -205,30 +205,17 @@ def memory_worker(backend: str, n: int, packed: bool) -> dict:
 def probe(sp: int) -> dict:
     """sp ranks, a model of 4 heads and 4 kv heads: DeepSpeed's registration, and ours
     (Ulysses 4 × ring sp/4) against one process run per document."""
-    import deepspeed
     import torch.distributed as dist
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
     from ulysses_mm.hf import register, shard_inputs
     from ulysses_mm.parallel import Mesh
-    from ulysses_mm.parallel.mesh import init_distributed
 
-    torch.set_num_threads(1)
-    init_distributed("gloo")
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    _world()
     shape = dict(num_attention_heads=4, num_key_value_heads=4, hidden_size=128, head_dim=32)
     n = 64 * sp
-    out: dict = {}
-    try:
-        model = _model(**shape)
-        model.set_attn_implementation("sdpa")
-        UlyssesSPAttentionHF.register_with_transformers(
-            model, "sdpa", sp, 1, seq_length=n, seq_length_is_variable=False
-        )
-        out["deepspeed"] = "ran"
-    except Exception as e:  # what DeepSpeed says about this layout
-        out["deepspeed"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     ids, pos, targets, lengths = _sample(n, True, MODEL["vocab_size"], seed=1)
+    # the reference first: a registration DeepSpeed accepts replaces `sdpa` for every model
     ref = _model(**shape)
     ref.set_attn_implementation("sdpa")
     total, at = torch.zeros(()), 0
@@ -240,6 +227,16 @@ def probe(sp: int) -> dict:
             )
             at += k
     want = float(total / (targets != IGNORE).sum())
+    out: dict = {}
+    try:
+        model = _model(**shape)
+        model.set_attn_implementation("sdpa")
+        UlyssesSPAttentionHF.register_with_transformers(
+            model, "sdpa", sp, 1, seq_length=n, seq_length_is_variable=False
+        )
+        out["deepspeed"] = "ran"
+    except Exception as e:  # what DeepSpeed says about this layout
+        out["deepspeed"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
     mesh = Mesh.build(sp, ring=sp // 4)
     register(mesh)
     model = _model(**shape)

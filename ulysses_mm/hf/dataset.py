@@ -53,7 +53,7 @@ from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader import state as loader_state
 from ulysses_mm.loader.batch import make_labels
 from ulysses_mm.loader.node_cache import NodeCache
-from ulysses_mm.loader.order import Cursor, Sources
+from ulysses_mm.loader.order import Sources
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.train.plan import train_entries
@@ -127,14 +127,9 @@ class ShardDataset(IterableDataset):
         self.micro_batch, self.readers, self.reader = micro_batch, readers, reader
         self.options = StreamOptions.from_config(d)
         self.cache = NodeCache(d.cache_dir, d.cache_bytes) if d.cache_dir else None
-        if reader is None:  # the whole stream: one reader taking every global micro-batch
-            self.stream = ShardStream(
-                self.sources, 0, 1, readers * micro_batch, self.options, self.cache
-            )
-        else:
-            self.stream = ShardStream(
-                self.sources, reader, readers, micro_batch, self.options, self.cache
-            )
+        # the whole stream is one reader taking every global micro-batch
+        split = (0, 1) if reader is None else (reader, readers)
+        self.stream = ShardStream(self.sources, *split, self.batch_items, self.options, self.cache)
         self._pending: list[PackedSample] = []
         self._taken = 0  # items of _pending yielded
         self._before: dict[str, Any] | None = None  # the stream's state before _pending
@@ -212,19 +207,19 @@ class ShardDataset(IterableDataset):
             n = min(left, _SPAN_CHUNK)
             cursor = order.span(cursor, n)[2]
             left -= n
-        return self._state(loader_state.state_dict(order, _copy(cursor)), taken)
-
-
-def _copy(cursor: Cursor) -> Cursor:
-    return Cursor(cursor.epoch, cursor.position, cursor.counts.copy())
+        return self._state(loader_state.state_dict(order, cursor), taken)
 
 
 def _generate(
     sources: Any, micro_batch: int, readers: int, reader: Sequence[int], data: DataConfig
 ) -> Iterator[dict[str, list[int]]]:
     for r in reader:  # one shard of the datasets.IterableDataset per reader
-        for item in ShardDataset(sources, micro_batch, readers, r, data):
-            yield {k: v.tolist() for k, v in item.items()}
+        ds = ShardDataset(sources, micro_batch, readers, r, data)
+        try:  # the stream is endless: its prefetch thread stops when the consumer does
+            for item in ds:
+                yield {k: v.tolist() for k, v in item.items()}
+        finally:
+            ds.close()
 
 
 def hf_dataset(

@@ -32,7 +32,7 @@ from torch import Tensor
 from ulysses_mm.core.format import IGNORE
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.parallel.mesh import Mesh
-from ulysses_mm.parallel.slice import sp_slice
+from ulysses_mm.parallel.slice import doc_spans, sp_slice
 
 
 def document_ids(position_ids: Tensor) -> Tensor:
@@ -47,9 +47,7 @@ def document_ids(position_ids: Tensor) -> Tensor:
 def cu_seq_lens(doc_ids: Tensor) -> Tensor:
     """int32 [documents + 1]: where each document of the flattened [b, N] batch starts,
     and the total (flash-attention's ``cu_seqlens``; documents never span rows)."""
-    b, n = doc_ids.shape
-    flat = (doc_ids.long() + torch.arange(b, device=doc_ids.device)[:, None] * (n + 1)).flatten()
-    _, lengths = torch.unique_consecutive(flat, return_counts=True)
+    lengths = doc_spans(doc_ids)[2]
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=doc_ids.device)
     cu[1:] = torch.cumsum(lengths, 0)
     return cu

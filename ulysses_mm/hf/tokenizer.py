@@ -36,8 +36,7 @@ from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.tokenize.dna import alphabet
-
-SPACE_FILE = "token_space.json"
+from ulysses_mm.train.checkpoint import SPACE_FILE
 
 
 def _escape(token: str) -> str:
