@@ -37,10 +37,13 @@ def test_round_trip_over_every_packed_sample(written):
     assert len(tok) == ds.space.vocab_size
     assert (tok.pad_token, tok.bos_token, tok.eos_token) == ("<pad>", "<doc>", "</doc>")
     n = ds.stream.order.manifests[0].num_samples
-    for item in itertools.islice(ds, n):
-        ids = item["input_ids"].tolist()
-        text = tok.decode(ids)
-        assert tok.encode(text, add_special_tokens=False) == ids
+    try:
+        for item in itertools.islice(ds, n):
+            ids = item["input_ids"].tolist()
+            text = tok.decode(ids)
+            assert tok.encode(text, add_special_tokens=False) == ids
+    finally:
+        ds.close()  # its prefetch thread
     assert "<doc> <|dna|> dna:" in text
     assert set(tok.decode(ids, skip_special_tokens=True).split()) <= {
         f"dna:{c}" for c in "ACGTNacgtn"
@@ -52,6 +55,19 @@ def test_an_existing_directory_is_refused_in_one_line(written, capsys):
     assert main(["hf-tokenizer", str(manifest), str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "not an empty directory" in err
+
+
+def test_the_directory_takes_the_umask_not_mkdtemps_0700(written, tmp_path):
+    import os
+
+    manifest, _ = written
+    old = os.umask(0o027)
+    try:
+        assert main(["hf-tokenizer", str(manifest), str(tmp_path / "tok")]) == 0
+    finally:
+        os.umask(old)
+    assert (tmp_path / "tok").stat().st_mode & 0o777 == 0o750
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "tok").iterdir()} == {0o640}
 
 
 def test_resize_token_embeddings_and_generate(written):

@@ -123,6 +123,42 @@ def atomic_local_file(path: str | Path) -> Iterator[IO[bytes]]:
     _fsync_dir(path.parent)
 
 
+@contextlib.contextmanager
+def atomic_local_dir(path: str | Path, replace: bool = False) -> Iterator[Path]:
+    """``with atomic_local_dir(p) as tmp: <write files into tmp>``: a folder filled in a
+    temporary sibling and renamed onto ``path`` only if the block succeeds, so ``path`` is
+    whole or absent (``replace``: an existing ``path`` goes first; else it must be empty
+    or absent). The folder and its files take the modes of a plain ``mkdir`` and
+    ``open`` (0777 / 0666 less the umask), not the 0700 / 0600 that ``mkdtemp`` and some
+    writers use."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield tmp
+        umask = _umask()
+        tmp.chmod(0o777 & ~umask)
+        for f in tmp.rglob("*"):
+            f.chmod((0o777 if f.is_dir() else 0o666) & ~umask)
+        if path.exists():
+            if replace:
+                shutil.rmtree(path)
+            else:
+                path.rmdir()  # an empty folder only
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it, then putting it back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_local(path: str | Path, data: bytes | memoryview) -> None:
     """Write ``path`` through a temporary sibling and ``os.replace``."""
     with atomic_local_file(path) as f:

@@ -30,6 +30,8 @@ PAD, DOC_START, DOC_END, EOF = 0, 1, 2, 3
 # The modality vocabularies of the shipped specs (tokenizers/dna-base, audio-mulaw-16k,
 # video-vq): the space of a run whose config names none and that has no manifest to ask.
 DEFAULT_MODALITIES = {"dna": 10, "audio": 256, "video": 256}
+# the file a checkpoint, an export or a tokenizer directory keeps its token space in
+SPACE_FILE = "token_space.json"
 
 
 @dataclass(frozen=True)

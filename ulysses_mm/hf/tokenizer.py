@@ -26,17 +26,15 @@ specs turn files into ids.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from ulysses_mm.core.errors import DataError
-from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.core.storage import atomic_local_dir
+from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.tokenize.dna import alphabet
-from ulysses_mm.train.checkpoint import SPACE_FILE
 
 
 def _escape(token: str) -> str:
@@ -147,15 +145,7 @@ def write_tokenizer(
     tok = build_tokenizer(
         manifest.token_space, manifest.tokenizers, text_tokenizer, manifest.seq_len
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with atomic_local_dir(out) as tmp:
         tok.save_pretrained(str(tmp))
         (tmp / SPACE_FILE).write_text(json.dumps(manifest.token_space.to_dict(), indent=1) + "\n")
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out

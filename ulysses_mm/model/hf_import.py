@@ -24,7 +24,7 @@ import torch
 
 from ulysses_mm.config import ModelConfig
 from ulysses_mm.core.errors import DataError
-from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 
 SUPPORTED = ("llama", "qwen2", "qwen3")
 # ModelConfig fields an init_from checkpoint fixes, in the order they are compared
@@ -208,7 +208,7 @@ def _shape(handle: Any, name: str) -> list[int]:
 
 
 def _exported_space(path: Path) -> TokenSpace | None:
-    p = path / "token_space.json"
+    p = path / SPACE_FILE
     if not p.is_file():
         return None
     try:

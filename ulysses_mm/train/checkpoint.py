@@ -35,12 +35,11 @@ import yaml
 
 from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.storage import atomic_write_local
-from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 
 LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "run_config.yaml"
-SPACE_FILE = "token_space.json"
 TOKENIZERS_FILE = "tokenizers.json"
 # DeepSpeed's optimizer partitions, one per rank (ZeRO >= 1; bf16_ before them in bf16)
 _OPTIM_PARTITIONS = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"

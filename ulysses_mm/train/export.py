@@ -13,15 +13,14 @@ distribution; the training objective was each modality's head over its own slice
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ulysses_mm.config import ConfigError, ModelConfig, RunConfig, from_dict, read_yaml
+from ulysses_mm.core.storage import atomic_local_dir
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
 from ulysses_mm.train.checkpoint import (
     CONFIG_FILE,
@@ -74,13 +73,6 @@ def hf_config_for(model: ModelConfig, vocab_size: int, dtype: torch.dtype) -> An
     )
 
 
-def _umask() -> int:
-    """The process's umask (read by setting it, then putting it back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def export(checkpoint: str | Path, out: str | Path) -> Path:
     from safetensors.torch import load_file, save_file
 
@@ -92,24 +84,10 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     dtype = next(iter(state.values())).dtype
     hf_config = hf_config_for(cfg.model, space.vocab_size, dtype)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # Written into a temporary sibling, then renamed into place whole. mkdtemp makes the
-    # folder 0700 and safetensors' save_file its file 0600; the published folder takes the
-    # modes of every other file instead (0777 / 0666 less the umask).
-    umask = _umask()
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        tmp.chmod(0o777 & ~umask)
+    with atomic_local_dir(out, replace=True) as tmp:  # whole or absent, plain file modes
         hf_config.save_pretrained(tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "model.safetensors").chmod(0o666 & ~umask)
-        (tmp / "token_space.json").write_text(json.dumps(space.to_dict(), indent=1) + "\n")
+        (tmp / SPACE_FILE).write_text(json.dumps(space.to_dict(), indent=1) + "\n")
         if (src / TOKENIZERS_FILE).is_file():  # what `generate` tokenizes and decodes with
             shutil.copyfile(src / TOKENIZERS_FILE, tmp / TOKENIZERS_FILE)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
