@@ -24,11 +24,14 @@ from ulysses_mm.config.schema import (
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
+    RopeConfig,
     RunConfig,
     SchedulerConfig,
+    StageConfig,
     TrainConfig,
     TrainSource,
 )
+from ulysses_mm.config.stages import Stage, run_stages, stage_of
 
 __all__ = [
     "AttentionKernel",
@@ -41,9 +44,12 @@ __all__ = [
     "PackConfig",
     "ParallelConfig",
     "PipelineConfig",
+    "RopeConfig",
     "RunConfig",
     "SchedulerConfig",
     "ShardConfig",
+    "Stage",
+    "StageConfig",
     "TrainConfig",
     "TrainSource",
     "deep_merge",
@@ -52,5 +58,7 @@ __all__ = [
     "load_config",
     "parse_overrides",
     "read_yaml",
+    "run_stages",
+    "stage_of",
     "to_dict",
 ]

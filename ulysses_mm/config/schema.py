@@ -16,6 +16,79 @@ from ulysses_mm.config.parse import option as _help
 WEIGHT_MAX = 1e6  # a relative weight: far below where a sum of them overflows
 
 
+RopeKind = Literal["default", "linear", "dynamic", "yarn", "llama3"]
+# the parameters each kind needs (transformers' ``rope_parameters`` keys); the others are
+# optional or not used by the kind
+ROPE_NEEDS: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+}
+
+
+@dataclass
+class RopeConfig:
+    """Rotary positions, the kinds transformers defines (its ``rope_parameters``): the
+    base θ, and how the frequencies are rescaled to reach past the length a model was
+    pretrained at. ``config --from-hf`` reads them from a checkpoint; ``export`` writes
+    them back, so transformers computes the same positions."""
+
+    theta: float = _help("RoPE base frequency θ (transformers' rope_theta).", 10000.0, gt=0)
+    kind: RopeKind = _help(
+        "default (plain RoPE), linear (positions divided by factor), dynamic (NTK: θ raised "
+        "with the longest position seen past original_max_position_embeddings), yarn "
+        "(per-frequency interpolation, cos/sin scaled by attention_factor), llama3 "
+        "(Llama 3.1's: low frequencies divided by factor, high ones kept, a smooth ramp "
+        "between) — transformers' rope_type.",
+        "default",
+    )
+    factor: float | None = _help(
+        "Scaling factor (context growth) of linear, dynamic, yarn and llama3.", None, gt=0
+    )
+    original_max_position_embeddings: int | None = _help(
+        "The context the model was pretrained at (yarn, llama3; dynamic: default "
+        "model.max_position_embeddings).",
+        None,
+        ge=1,
+    )
+    attention_factor: float | None = _help(
+        "yarn: scale of cos/sin (None = 0.1·ln(factor) + 1, or from mscale/mscale_all_dim).",
+        None,
+        gt=0,
+    )
+    beta_fast: float | None = _help("yarn: fast boundary of the ramp (None = 32).", None, gt=0)
+    beta_slow: float | None = _help("yarn: slow boundary of the ramp (None = 1).", None, gt=0)
+    mscale: float | None = _help("yarn: DeepSeek-style attention scale numerator.", None, gt=0)
+    mscale_all_dim: float | None = _help(
+        "yarn: DeepSeek-style attention scale denominator.", None, gt=0
+    )
+    truncate: bool = _help("yarn: round the correction range to whole dims.", True)
+    low_freq_factor: float | None = _help(
+        "llama3: low-frequency factor (Llama 3.1: 1).", None, gt=0
+    )
+    high_freq_factor: float | None = _help(
+        "llama3: high-frequency factor (Llama 3.1: 4).", None, gt=0
+    )
+
+    def __post_init__(self) -> None:
+        check_ranges("model.rope", self)
+        for key in ROPE_NEEDS[self.kind]:
+            if getattr(self, key) is None:
+                raise ConfigError(f"model.rope.kind={self.kind} needs model.rope.{key}")
+        if (
+            self.kind == "llama3"
+            and self.low_freq_factor is not None
+            and self.high_freq_factor is not None
+            and self.high_freq_factor <= self.low_freq_factor
+        ):
+            raise ConfigError(
+                f"model.rope.high_freq_factor ({self.high_freq_factor}) must be above "
+                f"model.rope.low_freq_factor ({self.low_freq_factor})"
+            )
+
+
 @dataclass
 class ModelConfig:
     """A Llama-style decoder. The architecture fields map one-to-one onto
@@ -33,7 +106,7 @@ class ModelConfig:
         "Per-head width; defaults to hidden_size / num_attention_heads.", None, ge=1
     )
     rms_norm_eps: float = _help("RMSNorm epsilon.", 1e-5, gt=0)
-    rope_theta: float = _help("RoPE base frequency.", 10000.0, gt=0)
+    rope: RopeConfig = _help("Rotary positions: θ and their scaling.", factory=RopeConfig)
     max_position_embeddings: int = _help(
         "Longest position id the model is meant for (positions restart per document).",
         1 << 20,
@@ -122,7 +195,7 @@ class ModelConfig:
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta,
+            rope_theta=self.rope.theta,
             max_position_embeddings=self.max_position_embeddings,
             initializer_range=self.initializer_range,
             hidden_act="silu",
@@ -337,6 +410,63 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class StageData:
+    """What a stage may change of ``data``."""
+
+    seq_len: int | None = _help(
+        "Tokens per sample in this stage: windows cut from the shards' samples, whose "
+        "length it must divide (None = the stage before's).",
+        None,
+        ge=1,
+    )
+    micro_batch_size: int | None = _help(
+        "Samples per DP rank per micro-step in this stage (None = the stage before's).",
+        None,
+        ge=1,
+    )
+
+
+@dataclass
+class StageParallel:
+    """What a stage may change of ``parallel`` (dp follows: world / sp)."""
+
+    sp: int | None = _help("parallel.sp in this stage (None = the stage before's).", None, ge=1)
+    ring: int | None = _help("parallel.ring in this stage (None = the stage before's).", None, ge=1)
+    head_chunks: int | None = _help(
+        "parallel.head_chunks in this stage (None = the stage before's).", None, ge=1
+    )
+
+
+@dataclass
+class StageModel:
+    """What a stage may change of ``model``."""
+
+    rope: dict[str, Any] = _help(
+        "model.rope keys set from this stage on (kind, theta, factor, …), over the stage before's.",
+        factory=dict,
+    )
+
+
+@dataclass
+class StageConfig:
+    """One stage of a run that grows its context: ``steps`` optimizer steps with the
+    settings it gives, each unset one the stage before's (the first stage's: the run's)."""
+
+    steps: int = _help("Optimizer steps of this stage.", 0)
+    warmup_steps: int = _help(
+        "Linear re-warm-up over the stage's first steps: the run's lr times k/W at its "
+        "step k <= W (0 = none).",
+        0,
+        ge=0,
+    )
+    data: StageData = _help("data.seq_len and data.micro_batch_size.", factory=StageData)
+    model: StageModel = _help("model.rope.", factory=StageModel)
+    parallel: StageParallel = _help(
+        "parallel.sp, parallel.ring and parallel.head_chunks.", factory=StageParallel
+    )
+
+
+@dataclass
 class TrainConfig:
     steps: int = _help("Optimizer steps to run.", 100, ge=1)
     seed: int = _help("Seed of model initialisation.", 0, ge=0, le=SEED_MAX)
@@ -355,8 +485,29 @@ class TrainConfig:
         ge=0,
     )
 
+    stages: list[StageConfig] = _help(
+        "Stages that grow the context within the run (length, RoPE, SP layout, "
+        "micro-batch, re-warm-up), in order; their steps add up to train.steps "
+        "([] = one stage: the run as configured).",
+        factory=list,
+    )
+
     def __post_init__(self) -> None:
         check_ranges("train", self)
+        for i, stage in enumerate(self.stages):
+            where = f"train.stages[{i}]"
+            if stage.steps < 1:
+                raise ConfigError(f"{where}.steps must be >= 1, got {stage.steps}")
+            check_ranges(where, stage)
+            check_ranges(f"{where}.data", stage.data)
+            check_ranges(f"{where}.parallel", stage.parallel)
+        if self.stages and sum(s.steps for s in self.stages) != self.steps:
+            steps = " + ".join(str(s.steps) for s in self.stages)
+            raise ConfigError(
+                f"train.stages: their steps add up to {steps} = "
+                f"{sum(s.steps for s in self.stages)}, but train.steps={self.steps}; "
+                "make them equal"
+            )
 
 
 @dataclass
@@ -390,3 +541,9 @@ class RunConfig:
     deepspeed: DeepSpeedConfig = _help("DeepSpeed engine.", factory=DeepSpeedConfig)
     train: TrainConfig = _help("Loop, checkpoints, evaluation.", factory=TrainConfig)
     logging: LoggingConfig = _help("Metrics sinks.", factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        if self.train.stages:  # each stage is a whole run config: checked here, named
+            from ulysses_mm.config.stages import run_stages
+
+            run_stages(self)

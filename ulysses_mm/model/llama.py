@@ -199,7 +199,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernel) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope.theta)
         self.gradient_checkpointing = cfg.activation_checkpointing
         self.offload_checkpoints = cfg.offload_checkpoints
         self.tile_tokens = cfg.layer_tile_tokens
