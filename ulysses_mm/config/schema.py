@@ -485,6 +485,12 @@ class TrainConfig:
         ge=0,
     )
 
+    gpu_mem_gib: float = _help(
+        "Memory of one GPU in GiB: before any process starts, every stage must fit it as "
+        "`ulysses-mm estimate` computes (0 = no check).",
+        0.0,
+        ge=0,
+    )
     stages: list[StageConfig] = _help(
         "Stages that grow the context within the run (length, RoPE, SP layout, "
         "micro-batch, re-warm-up), in order; their steps add up to train.steps "
