@@ -47,6 +47,11 @@ class Stage:
             return k / self.warmup_steps
         return 1.0
 
+    @property
+    def key(self) -> str:
+        """``train.stages[1] (steps 21-40)``: how a one-line error names the stage."""
+        return f"train.stages[{self.index}] (steps {self.start + 1}-{self.end})"
+
     def describe(self) -> str:
         """``stage 1 (steps 21-40)``, as one-line errors and the report name it."""
         return f"stage {self.index} (steps {self.start + 1}-{self.end})"

@@ -124,6 +124,18 @@ def attention_modules(model: MultimodalLM) -> list[Attention]:
     return [cast(DecoderLayer, layer).self_attn for layer in model.model.layers]
 
 
+def _seen_length(group: Any) -> Any:
+    """The longest position + 1 of the whole sequence from one rank's slice (dynamic NTK
+    RoPE rescales by it, so every rank of the SP group must see the same)."""
+
+    def seen(local: Tensor) -> Tensor:
+        out = local.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+        return out
+
+    return seen
+
+
 def apply_ulysses(
     model: MultimodalLM,
     mesh: Mesh,
@@ -135,9 +147,13 @@ def apply_ulysses(
     sequence-parallel over ``mesh.sp``, in place: Ulysses over the U = sp / ring ranks of
     the Ulysses group and, when ``mesh.ring`` > 1, ring attention across the R groups
     (``ring_stats`` counts its bytes); with ``head_chunks`` = C > 1 in C groups of heads
-    (also at sp = 1); and the loss's targets spread evenly over the SP group
-    (:mod:`~ulysses_mm.parallel.loss_balance`). Raises before any collective if the heads
-    do not split over U (and C)."""
+    (also at sp = 1); the loss's targets spread evenly over the SP group
+    (:mod:`~ulysses_mm.parallel.loss_balance`), and the RoPE's view of the sequence's
+    length made the SP group's. Raises before any collective if the heads do not split
+    over U (and C).
+
+    A model laid out before is laid out again (a run moving to its next stage): every
+    layer goes back to its local kernel first, so the new layout replaces the old."""
     attns = attention_modules(model)
     for attn in attns:
         check_layout(
@@ -147,13 +163,16 @@ def apply_ulysses(
             ring=mesh.ring,
             head_chunks=head_chunks,
         )
+    for attn in attns:  # back to the local kernel of a layout applied before
+        core = attn.core.local if isinstance(attn.core, UlyssesAttention) else attn.core
+        attn.core = LocalAttention(core.kernel) if isinstance(core, RingAttention) else core
+    model.target_exchange = None
+    model.model.rotary_emb.seen_length = _seen_length(mesh.sp_group) if mesh.sp > 1 else None
     if mesh.sp == 1 and head_chunks == 1:
         return model
     workspace = Workspace()  # one send buffer for every layer: exchanges never overlap
     for attn in attns:
-        core = attn.core.local if isinstance(attn.core, UlyssesAttention) else attn.core
-        if isinstance(core, RingAttention):  # applied before: the wrapped kernel is gone
-            raise ValueError("apply_ulysses: this model already runs ring attention")
+        core = attn.core
         if mesh.ring > 1:
             kernel = core.kernel if isinstance(core, LocalAttention) else "auto"
             core = RingAttention(

@@ -3,7 +3,8 @@
 A packed sample is mostly one modality, so the total loss of a step jumps with the mix of
 that step's batch (DNA near 1.4 nats, video near 5): the raw total hides learning. The
 plot shows each modality's curve, and the total smoothed by a debiased exponential moving
-average, with the raw total faint behind it.
+average, with the raw total faint behind it. A run that grows its context in stages has
+each stage's first step marked, with its length.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class LossSeries:
     lr: list[float]
     modalities: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     evals: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # (first step, stage, seq_len) of each stage of a staged run after its first
+    stage_starts: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def loss_series(records: Sequence[dict], beta: float = SMOOTHING) -> LossSeries:
@@ -65,6 +68,11 @@ def loss_series(records: Sequence[dict], beta: float = SMOOTHING) -> LossSeries:
         beta=beta,
         lr=[r.get("lr", 0.0) for r in train],
     )
+    stage = train[0].get("stage") if train else None
+    for r in train:
+        if r.get("stage") is not None and r["stage"] != stage:
+            stage = r["stage"]
+            out.stage_starts.append((int(r["step"]), int(stage), int(r.get("seq_len") or 0)))
     for m in mods:
         pts = [(r["step"], r[f"loss/{m}"]) for r in train if r.get(f"loss/{m}") is not None]
         if pts:
@@ -102,6 +110,19 @@ def plot(run_dir: str | Path, png: str | Path) -> Path:
             ax.plot(*s.modalities[m], color=color, lw=1.2, label=f"{m} (train)")
         if m in s.evals:
             ax.plot(*s.evals[m], "o--", color=color, ms=4, label=f"{m} (eval)")
+    for step, stage, seq_len in s.stage_starts:  # a staged run: where each stage begins
+        for a in (ax, ax_lr):
+            a.axvline(step - 0.5, color="tab:red", lw=1, ls=":")
+        what = f"stage {stage}" + (f": {seq_len:,} tokens" if seq_len else "")
+        ax.annotate(
+            what,
+            (step - 0.5, 1),
+            xycoords=("data", "axes fraction"),
+            xytext=(3, -12),
+            textcoords="offset points",
+            fontsize=8,
+            color="tab:red",
+        )
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title(f"{run_dir.name}: loss per modality")
     ax.grid(alpha=0.3)

@@ -16,6 +16,7 @@ DeepSpeed classes its state holds allow-listed.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -122,8 +123,14 @@ def safe_engine_class():
     return SafeTorchCheckpointEngine
 
 
-def build_engine(model: torch.nn.Module, cfg: RunConfig, mesh: Mesh):
-    """``deepspeed.initialize`` for this run; returns (engine, optimizer, scheduler)."""
+def build_engine(
+    model: torch.nn.Module,
+    cfg: RunConfig,
+    mesh: Mesh,
+    stage_lr: Callable[[int], float] | None = None,
+):
+    """``deepspeed.initialize`` for this run; returns (engine, optimizer, scheduler).
+    ``stage_lr`` multiplies the schedule's lr of each step (a staged run's re-warm-ups)."""
     import deepspeed
 
     engine, optimizer, _, scheduler = deepspeed.initialize(
@@ -131,7 +138,7 @@ def build_engine(model: torch.nn.Module, cfg: RunConfig, mesh: Mesh):
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=ds_config(cfg, mesh),
         mpu=SequenceParallelMPU(mesh) if mesh.sp > 1 else None,
-        lr_scheduler=lr_schedule(cfg.deepspeed.scheduler, cfg.train.steps),
+        lr_scheduler=lr_schedule(cfg.deepspeed.scheduler, cfg.train.steps, stage_lr),
     )
     engine.checkpoint_engine = safe_engine_class()(engine._config)
     return engine, optimizer, scheduler

@@ -12,20 +12,22 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ulysses_mm.config import RunConfig, from_dict, to_dict
+from ulysses_mm.config import RunConfig, Stage, from_dict, run_stages, stage_of, to_dict
 from ulysses_mm.core.errors import UserError
 from ulysses_mm.loader.batch import Batch, samples_batch
 from ulysses_mm.loader.node_cache import NodeCache
 from ulysses_mm.loader.order import Sources
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
-from ulysses_mm.parallel.mesh import in_launched_world, open_world
+from ulysses_mm.loader.window import WindowStream
+from ulysses_mm.parallel import apply_ulysses
+from ulysses_mm.parallel.mesh import Mesh, in_launched_world, open_world
 from ulysses_mm.tokenize.table import TokenizerTable
 from ulysses_mm.train import checkpoint
 from ulysses_mm.train.evaluate import EvalResult, evaluate_batches, units_for
@@ -35,6 +37,8 @@ from ulysses_mm.train.metrics import ModalitySums, peak_memory_mb
 from ulysses_mm.train.plan import plan_run, world_size
 from ulysses_mm.train.samples import wandb_media, write_samples
 from ulysses_mm.train.step import build_setup, train_step
+
+Stream = ShardStream | WindowStream
 
 
 @dataclass
@@ -52,7 +56,11 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, resume: bool = False) -> None:
         self.cfg = cfg
-        self.world = open_world(cfg)
+        self.stages = run_stages(cfg)
+        self.stage = self.stages[0]
+        # the engine is built on the first stage's layout; later stages lay the model out
+        # again on meshes of their own (the engine's gradient average stays the first's)
+        self.world = open_world(self.stage.cfg)
         self.mesh = self.world.mesh
         self.device = self.world.device
         self.rank0 = self.mesh.rank == 0
@@ -64,29 +72,69 @@ class Trainer:
             plan.eval_manifest,
             plan.space,
         )
+        self.sources, self.windows = plan.stream_sources, plan.windows
         d = cfg.data
         self.cache = NodeCache(d.cache_dir, d.cache_bytes) if d.cache_dir else None
         self.tokenizers = TokenizerTable.merged(
             TokenizerTable.from_manifest(m.tokenizers, m.config) for m, _ in plan.sources
         )
         self.units = units_for(self.space, self.tokenizers)
-        self.rt = build_setup(cfg, self.space, self.world)
+        stage_lr = self._stage_lr if len(self.stages) > 1 else None
+        self.rt = build_setup(self.stage.cfg, self.space, self.world, stage_lr=stage_lr)
         self.engine, self.optimizer, self.model = self.rt.engine, self.rt.optimizer, self.rt.model
         self.weights = self.rt.weights
         self.options = StreamOptions.from_config(d)
-        self.stream = self._stream(plan.stream_sources, self.options)
         self.step = 0
+        client: dict[str, Any] = {}
         if resume:
             client = checkpoint.load(self.engine, self.ckpt_dir)
             self.step = int(client["step"])
+        self.stream = self._stream(self.sources, self.options)
+        if resume:
+            self._enter(stage_of(self.stages, self.step))
             self.stream.load_state_dict(client["loader"])
         self.logger = MetricsLogger(cfg, self.run_dir, self.rank0, resume_step=self.step)
         self.tflops = peak_tflops(cfg, self.device)
 
+    # ------------------------------------------------------------------ stages
+    def _stage_lr(self, step: int) -> float:
+        """The re-warm-up factor of run step ``step`` (1-based), from its stage."""
+        return stage_of(self.stages, step - 1).lr_factor(step)
+
+    def _enter(self, stage: Stage) -> None:
+        """Move the run to ``stage``: its mesh and attention layout, its RoPE, a stream of
+        its windows continuing where the global order stands (the rest of a partly used
+        sample skipped when the length changes); the engine and its optimizer state carry
+        over."""
+        if stage.index == self.stage.index:
+            return
+        old, new = self.stage.cfg, stage.cfg
+        layout = (new.parallel.sp, new.parallel.ring, new.parallel.head_chunks)
+        if (old.parallel.sp, old.parallel.ring, old.parallel.head_chunks) != layout:
+            p = new.parallel
+            mesh = Mesh.build(p.sp, p.dp, p.ring)  # collective: every rank enters together
+            self.world = replace(self.world, mesh=mesh)
+            self.mesh = mesh
+            self.rt.world = self.world
+            apply_ulysses(self.model, mesh, head_chunks=p.head_chunks)
+        if old.model.rope != new.model.rope:
+            self.model.model.rotary_emb.set_rope(new.model.rope)
+        state = self.stream.state_dict()
+        self.stream.close()
+        self.stage = stage
+        self.stream = self._stream(self.sources, self.options)
+        self.stream.load_state_dict(state)
+
     # ------------------------------------------------------------------ pieces
-    def _stream(self, sources: Sources, options: StreamOptions) -> ShardStream:
-        m, mb = self.mesh, self.cfg.data.micro_batch_size
-        return ShardStream(sources, m.dp_rank, m.dp, mb, options, self.cache)
+    def _stream(self, sources: Sources, options: StreamOptions, eval: bool = False) -> Stream:
+        """This rank's stream of the stage's samples (windows of its length when the run
+        cuts them)."""
+        m, mb = self.mesh, self.stage.cfg.data.micro_batch_size
+        if not self.windows:
+            return ShardStream(sources, m.dp_rank, m.dp, mb, options, self.cache)
+        full = self.eval_manifest if eval and self.eval_manifest else self.manifest
+        length = self.stage.cfg.data.seq_len or full.seq_len
+        return WindowStream(sources, m.dp_rank, m.dp, mb, length, options, self.cache)
 
     def train_step(self) -> dict[str, Any]:
         t0 = time.perf_counter()
@@ -115,6 +163,8 @@ class Trainer:
         flops = train_flops(self.model, tokens, pairs, dict(sums.counts))
         metrics: dict[str, Any] = {
             "kind": "train",
+            "stage": self.stage.index,
+            "seq_len": int(fulls[0].input_ids.shape[1]),
             "loss": sum(totals) / len(totals),
             "lr": lr,
             "grad_norm": result.grad_norm,
@@ -138,7 +188,7 @@ class Trainer:
         """The held-out figures of :func:`~ulysses_mm.train.evaluate.evaluate_batches`
         (what ``ulysses-mm evaluate`` computes) over ``train.eval_batches`` micro-batches."""
         assert self.eval_manifest is not None
-        stream = self._stream(self.eval_manifest, self.options.in_order())
+        stream = self._stream(self.eval_manifest, self.options.in_order(), eval=True)
         count = min(self.cfg.train.eval_batches, stream.order.batches_per_epoch)
         self.engine.eval()
         try:
@@ -172,12 +222,17 @@ class Trainer:
         return wandb_media(samples, result.bins)
 
     def save(self) -> Path:
+        stage = self.stage
         path = checkpoint.save(
             self.engine,
             self.ckpt_dir,
             self.step,
-            {"loader": self.stream.state_dict()},
-            to_dict(self.cfg),
+            {
+                "loader": self.stream.state_dict(),
+                "stage": stage.index,
+                "stage_step": self.step - stage.start,
+            },
+            to_dict(stage.cfg),  # the model as this stage trains it (its RoPE, its layout)
             self.space,
             self.cfg.train.keep_checkpoints,
             self.tokenizers.to_dict(),
@@ -201,6 +256,7 @@ class Trainer:
             )
         try:
             while self.step < t.steps:
+                self._enter(stage_of(self.stages, self.step))
                 last = self.train_step()
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     self.logger.log(self.step, last)

@@ -12,11 +12,13 @@ resumed run's checkpoint.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ulysses_mm.config import RunConfig
-from ulysses_mm.core.errors import ConfigError, DataError
+from ulysses_mm.config import RunConfig, Stage, run_stages
+from ulysses_mm.core.errors import ConfigError, DataError, UserError
 from ulysses_mm.core.layout import check_layout
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.mixing import modality_pools
@@ -48,6 +50,8 @@ class RunPlan:
     seq_len: int
     sources: list[tuple[Manifest, float]] = field(default_factory=list)
     modalities: list[dict[str, float]] = field(default_factory=list)  # per source ({} = none)
+    stages: list[Stage] = field(default_factory=list)  # the run's, each a whole run config
+    windows: bool = False  # samples cut into windows of each stage's length
 
     @property
     def stream_sources(self) -> list[tuple[Manifest, float, dict[str, float]]]:
@@ -73,15 +77,44 @@ def train_entries(cfg: RunConfig) -> list[tuple[str, float, dict[str, float]]]:
     return entries
 
 
+def stage_seq_len(stage: Stage, source: Manifest) -> int:
+    """The tokens per sample stage ``stage`` trains on from ``source``: its data.seq_len,
+    cut as windows out of the source's samples (0: the samples' own length)."""
+    seq_len = stage.seq_len or source.seq_len
+    if seq_len > source.seq_len or source.seq_len % seq_len:
+        raise DataError(
+            f"data.seq_len={seq_len} but the shards of {source.location} hold samples of "
+            f"{source.seq_len} tokens, and a run trains on whole samples or on windows cut "
+            "out of them; set data.seq_len to a divisor of it or prepare the data at a "
+            "longer pack.seq_len"
+        )
+    return seq_len
+
+
+@contextmanager
+def naming(stage: Stage, staged: bool) -> Iterator[None]:
+    """A user error raised inside names the stage it is about (when the run has stages)."""
+    try:
+        yield
+    except UserError as e:
+        if not staged:
+            raise
+        raise type(e)(f"{stage.key}: {e}") from None
+
+
 def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     """Every check the manifests, the world and the checkpoint decide, in one place: run
     by the parent before it starts processes (one line, exit 2) and by each rank again.
 
-    The layout (sp and dp against the world, the heads and the sequence), the attention
-    kernel against the precision, a pretrained start (``model.init_from``) against the
-    model, the data's token space against the model's and the checkpoint's (every mixed
-    manifest's alike), the sequence length against the shards', the shards against the
-    global micro-batch and the node cache, and that a resumed run has a checkpoint."""
+    For each stage (a run without ``train.stages`` is one): the layout (sp and dp against
+    the world, the heads and the sequence), the sequence length against the shards' (a
+    divisor of it: windows), the shards against the global micro-batch and, with
+    ``train.gpu_mem_gib``, the estimate's memory against it; once: the attention kernel
+    against the precision, a pretrained start (``model.init_from``) against the model, the
+    data's token space against the model's and the checkpoint's (every mixed manifest's
+    alike), the node cache, and that a resumed run has a checkpoint. A stage's error
+    names the stage. (The memory budget, ``train.gpu_mem_gib``, is the estimate's: the
+    CLI checks it.)"""
     entries = train_entries(cfg)
     d = cfg.data
     sources = [
@@ -91,13 +124,7 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     modalities = [mods for *_, mods in entries]
     manifest = sources[0][0]
     space = model_space(cfg, manifest)
-    seq_len = cfg.data.seq_len or manifest.seq_len
     for source, _ in sources:
-        if seq_len != source.seq_len:
-            raise DataError(
-                f"data.seq_len={seq_len} but the shards of {source.location} hold samples "
-                f"of {source.seq_len} tokens; prepare the data again or set data.seq_len=0"
-            )
         source.check_token_space(space)
     for (source, _), mods in zip(sources, modalities):
         if mods:  # names, presence, and that the samples can give the weights
@@ -110,7 +137,50 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
             "not allow; set deepspeed.zero_stage below 3 or logging.samples=false"
         )
     check_kernel_config(cfg.parallel.attention, cfg.deepspeed.precision)
-    m = cfg.model
+    if cfg.model.init_from:
+        check_init_from(cfg.model, space, cfg.model.init_from)
+    eval_manifest = (
+        Manifest.load(d.eval, d.storage_options, d.timeouts, d.max_manifest_bytes)
+        if d.eval
+        else None
+    )
+    if eval_manifest is not None:
+        eval_manifest.check_token_space(space)
+    stages = run_stages(cfg)
+    staged = bool(cfg.train.stages)
+    dps, seq_lens = [], []
+    for stage in stages:
+        with naming(stage, staged):
+            dp, seq_len = _check_stage(stage, world, sources, modalities, eval_manifest)
+        dps.append(dp)
+        seq_lens.append(seq_len)
+    if resume:
+        check_resume(cfg, space, ranks=dps[0] * stages[0].cfg.parallel.sp)
+    windows = staged or any(seq_lens[0] != m.seq_len for m, _ in sources)
+    plan = RunPlan(manifest, eval_manifest, space, seq_lens[0], sources, modalities)
+    plan.stages, plan.windows = stages, windows
+    return plan
+
+
+def _check_stage(
+    stage: Stage,
+    world: int,
+    sources: list[tuple[Manifest, float]],
+    modalities: list[dict[str, float]],
+    eval_manifest: Manifest | None,
+) -> tuple[int, int]:
+    """One stage's checks against the data and the world: (its dp, its seq_len)."""
+    cfg = stage.cfg
+    m, mb = cfg.model, cfg.data.micro_batch_size
+    seq_len = stage_seq_len(stage, sources[0][0])
+    for source, _ in sources[1:]:
+        if stage_seq_len(stage, source) != seq_len:
+            first = sources[0][0]
+            raise DataError(
+                f"the shards of {source.location} hold samples of {source.seq_len} tokens, "
+                f"those of {first.location} of {first.seq_len}; set data.seq_len to a length "
+                "that divides both"
+            )
     dp = check_layout(
         cfg.parallel.sp,
         dp=cfg.parallel.dp,
@@ -121,21 +191,28 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
         ring=cfg.parallel.ring,
         head_chunks=cfg.parallel.head_chunks,
     )
+    manifest = sources[0][0]
     if len(sources) == 1 and not modalities[0]:  # one source drops a short epoch tail
-        check_enough_samples(manifest, dp, d.micro_batch_size)
-    if cfg.model.init_from:
-        check_init_from(cfg.model, space, cfg.model.init_from)
-    eval_manifest = (
-        Manifest.load(d.eval, d.storage_options, d.timeouts, d.max_manifest_bytes)
-        if d.eval
-        else None
-    )
+        if seq_len == manifest.seq_len:
+            check_enough_samples(manifest, dp, mb)
+        else:
+            check_enough_windows(manifest, seq_len, dp, mb)
     if eval_manifest is not None:
-        eval_manifest.check_token_space(space)
-        check_enough_samples(eval_manifest, dp, d.micro_batch_size)
-    if resume:
-        check_resume(cfg, space, ranks=dp * cfg.parallel.sp)
-    return RunPlan(manifest, eval_manifest, space, seq_len, sources, modalities)
+        eval_len = stage_seq_len(stage, eval_manifest) if stage.seq_len else eval_manifest.seq_len
+        check_enough_windows(eval_manifest, eval_len, dp, mb)
+    return dp, seq_len
+
+
+def check_enough_windows(manifest: Manifest, seq_len: int, dp: int, micro_batch: int) -> None:
+    """One global micro-batch of windows of ``seq_len`` tokens out of the manifest's
+    samples."""
+    windows = manifest.num_samples * (manifest.seq_len // seq_len)
+    if windows < dp * micro_batch:
+        what = "samples" if seq_len == manifest.seq_len else f"windows of {seq_len} tokens"
+        raise DataError(
+            f"{manifest.location} holds {windows} {what}, fewer than one global micro-batch "
+            f"(dp {dp} × micro_batch {micro_batch})"
+        )
 
 
 def check_resume(cfg: RunConfig, space: TokenSpace, ranks: int | None = None) -> None:

@@ -11,6 +11,7 @@ warm-up reaches its peak, which is never applied. Here optimizer step k (1-based
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from ulysses_mm.config import SchedulerConfig
@@ -34,15 +35,27 @@ class WarmupSchedule:
     :func:`lr_factor` of the next step. Its state is the number of steps taken, so a
     resumed run with more ``train.steps`` follows the new cosine."""
 
-    def __init__(self, optimizer: Any, warmup: int, total: int, min_ratio: float, cosine: bool):
+    def __init__(
+        self,
+        optimizer: Any,
+        warmup: int,
+        total: int,
+        min_ratio: float,
+        cosine: bool,
+        stage_lr: Callable[[int], float] | None = None,
+    ):
         self.optimizer = optimizer
         self.warmup, self.total, self.min_ratio, self.cosine = warmup, total, min_ratio, cosine
+        self.stage_lr = stage_lr
         self.peaks = [float(g["lr"]) for g in optimizer.param_groups]
         self.steps = 0  # optimizer steps taken
         self._apply()
 
     def _apply(self) -> None:
-        f = lr_factor(self.steps + 1, self.warmup, self.total, self.min_ratio, self.cosine)
+        step = self.steps + 1
+        f = lr_factor(step, self.warmup, self.total, self.min_ratio, self.cosine)
+        if self.stage_lr is not None:
+            f *= self.stage_lr(step)
         for group, peak in zip(self.optimizer.param_groups, self.peaks, strict=True):
             group["lr"] = peak * f
 
@@ -65,14 +78,18 @@ class WarmupSchedule:
         self._apply()
 
 
-def lr_schedule(s: SchedulerConfig, total_steps: int) -> Any:
+def lr_schedule(
+    s: SchedulerConfig, total_steps: int, stage_lr: Callable[[int], float] | None = None
+) -> Any:
     """``deepspeed.initialize``'s ``lr_scheduler``: a factory of the run's schedule on
-    DeepSpeed's optimizer, or None for ``type: none``."""
-    if s.type == "none":
+    DeepSpeed's optimizer, or None for ``type: none`` (with ``stage_lr``, a staged run's
+    re-warm-up factor of each step, a flat schedule that applies it)."""
+    if s.type == "none" and stage_lr is None:
         return None
     cosine = s.type == "WarmupCosineLR"
+    warmup = s.warmup_steps if s.type != "none" else 0
 
     def build(optimizer: Any) -> WarmupSchedule:
-        return WarmupSchedule(optimizer, s.warmup_steps, total_steps, s.min_lr_ratio, cosine)
+        return WarmupSchedule(optimizer, warmup, total_steps, s.min_lr_ratio, cosine, stage_lr)
 
     return build

@@ -66,6 +66,9 @@ class Setup:
     optimizer: Any
     scheduler: Any
     weights: Tensor
+    # the layout the engine was built on: its gradient average (and so the loss scale)
+    # stays that layout's when a staged run lays the model out again
+    engine_mesh: Mesh | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -81,20 +84,27 @@ class Setup:
 
 
 def build_setup(
-    cfg: RunConfig, space: TokenSpace, world: World, stats: CommStats | None = None
+    cfg: RunConfig,
+    space: TokenSpace,
+    world: World,
+    stats: CommStats | None = None,
+    stage_lr: Callable[[int], float] | None = None,
 ) -> Setup:
-    """Model → :func:`apply_ulysses` → DeepSpeed engine for this rank of ``world``."""
+    """Model → :func:`apply_ulysses` → DeepSpeed engine for this rank of ``world``
+    (``stage_lr``: a staged run's re-warm-up factor of each step, on the schedule's lr)."""
     from ulysses_mm.train.engine import build_engine
 
     kernel = resolve_kernel(cfg.parallel.attention, world.device.type, cfg.deepspeed.precision)
     model = build_parallel_model(cfg, space, world.mesh, kernel, stats)
-    engine, optimizer, scheduler = build_engine(model, cfg, world.mesh)
+    engine, optimizer, scheduler = build_engine(model, cfg, world.mesh, stage_lr)
     if world.device.type == "cuda":
         # logged and measured peaks are those of training, not of setting up
         torch.cuda.synchronize(world.device)
         torch.cuda.reset_peak_memory_stats(world.device)
     weights = loss_weights(space.modalities, cfg.model.loss_weights, world.device)
-    return Setup(cfg, world, space, kernel, model, engine, optimizer, scheduler, weights)
+    return Setup(
+        cfg, world, space, kernel, model, engine, optimizer, scheduler, weights, world.mesh
+    )
 
 
 def build_inference_setup(
@@ -146,20 +156,27 @@ def forward_loss(
 
 
 def forward_backward(
-    module: nn.Module, local: Batch, weights: Tensor, mesh: Mesh, scale: float = 1.0
+    module: nn.Module,
+    local: Batch,
+    weights: Tensor,
+    mesh: Mesh,
+    scale: float = 1.0,
+    engine_mesh: Mesh | None = None,
 ) -> tuple[Tensor, LossReport]:
     """Forward, global loss, backward of this rank's share (times ``scale``); returns
     (the share, detached; the global report).
 
     Through a DeepSpeed engine the share is multiplied by the engine's loss scale
-    (:func:`~ulysses_mm.train.engine.loss_scale`), so its dp-average of the gradients is
-    the single-process gradient of the global batch; through a plain model the gradients
+    (:func:`~ulysses_mm.train.engine.loss_scale` of ``engine_mesh``, the layout the
+    engine was built on; default ``mesh``), so its dp-average of the gradients is the
+    single-process gradient of the global batch; through a plain model the gradients
     summed over every rank are."""
     share, report = forward_loss(module, local, weights, mesh)
     if _is_engine(module):
         from ulysses_mm.train.engine import loss_scale
 
-        module.backward(share * (loss_scale(mesh) * scale))  # type: ignore[operator]
+        factor = loss_scale(engine_mesh or mesh) * scale
+        module.backward(share * factor)  # type: ignore[operator]
     else:
         (share * scale).backward()
     return share.detach(), report
@@ -183,7 +200,10 @@ def train_step(rt: Setup, batches: Iterable[Batch], grad_norm: bool = True) -> S
     nxt = next(it, None)
     while nxt is not None:
         batch, nxt = nxt, next(it, None)
-        _, report = forward_backward(rt.engine, rt.slice_of(batch), rt.weights, rt.mesh)
+        local = rt.slice_of(batch)
+        _, report = forward_backward(
+            rt.engine, local, rt.weights, rt.mesh, engine_mesh=rt.engine_mesh
+        )
         out.reports.append(report)
         if grad_norm and nxt is None and rt.engine.zero_optimization_stage() == 0:
             pending = _grad_norm(rt.model)  # reduced already; ZeRO-0 keeps no norm
