@@ -79,7 +79,10 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
             "activations per layer at N/sp tokens with and without activation checkpointing "
             "(and with checkpoints offloaded), the attention working set after the all-to-all, "
             "MLP and loss tiles, communication buffers, allocator headroom. With --max, the "
-            "longest sequence that fits --gpu-mem."
+            "longest sequence that fits --gpu-mem. A config with train.stages is estimated "
+            "stage by stage on one world (each stage's length, micro-batch, sp, ring and head "
+            "chunks; dp = gpus / its sp): one line per stage, then the breakdown of the peak "
+            "stage; with --gpu-mem, a stage that does not fit is refused (exit 2)."
         ),
     )
     p.add_argument("config", help="run config YAML (see configs/)")
@@ -88,13 +91,15 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
         "--gpus",
         type=int,
         default=None,
-        help="GPUs in all (world size; default parallel.sp × parallel.dp)",
+        help="GPUs in all (world size; default parallel.sp × parallel.dp; with train.stages "
+        "and parallel.dp 0, the largest stage sp)",
     )
     p.add_argument(
         "--sp",
         type=int,
         default=None,
-        help="sequence-parallel size (default: --gpus when given, else parallel.sp); dp = gpus/sp",
+        help="sequence-parallel size (default: --gpus when given, else parallel.sp); dp = "
+        "gpus/sp. Refused with train.stages: each stage sets its own",
     )
     p.add_argument(
         "--gpu-mem",
@@ -105,9 +110,18 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
     )
     n = p.add_mutually_exclusive_group()
     n.add_argument(
-        "--seq-len", type=int, default=None, help="tokens per sample N (default data.seq_len)"
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sample N (default data.seq_len); with train.stages, the length of "
+        "the stages whose data.seq_len is 0 (default: --manifest's seq_len)",
     )
-    n.add_argument("--max", action="store_true", help="find the longest N that fits --gpu-mem")
+    n.add_argument(
+        "--max",
+        action="store_true",
+        help="find the longest N that fits --gpu-mem (refused with train.stages: one length "
+        "per stage)",
+    )
     p.add_argument(
         "--manifest",
         default=None,
@@ -148,7 +162,8 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="C|auto",
         help="attention in C groups of heads (default parallel.head_chunks); auto: every C the "
-        "layout allows, keeping the longest sequence (--max) or the lowest total",
+        "layout allows, keeping the longest sequence (--max) or the lowest total (with "
+        "train.stages: for every stage, each its own under auto)",
     )
     p.add_argument(
         "--host-mem",

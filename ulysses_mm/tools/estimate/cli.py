@@ -1,5 +1,7 @@
 """``ulysses-mm estimate``: one estimate (or the longest sequence that fits) printed as the
-breakdown or as JSON; the arguments are :func:`ulysses_mm.cli.setup.add_estimate`'s."""
+breakdown or as JSON; a config with train.stages goes to :mod:`.stages` (one line per
+stage, then the peak stage's breakdown). The arguments are
+:func:`ulysses_mm.cli.setup.add_estimate`'s."""
 
 from __future__ import annotations
 
@@ -72,6 +74,10 @@ def run_cli(args: Any) -> int:
         gpus_per_node=getattr(args, "gpus_per_node", GPUS_PER_NODE),
     )
     chunks = head_chunks_arg(getattr(args, "head_chunks", None))
+    if cfg.train.stages:  # a length and layout per stage: the per-stage table
+        from ulysses_mm.tools.estimate.stages import run_staged_cli
+
+        return run_staged_cli(args, cfg, kw)
     if isinstance(chunks, int):
         kw["head_chunks"] = chunks
     longest, per_chunks = None, None
