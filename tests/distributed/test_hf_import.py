@@ -17,7 +17,7 @@ from gloo import run_distributed
 from hf_models import tiny_hf_model
 from torch.testing import assert_close
 
-from ulysses_mm.config import ModelConfig, RunConfig, to_dict
+from ulysses_mm.config import ModelConfig, RopeConfig, RunConfig, to_dict
 from ulysses_mm.core.format import IGNORE
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
@@ -44,13 +44,14 @@ SHAPE = dict(
     num_key_value_heads=2,
     head_dim=8,
     rms_norm_eps=1e-6,
-    rope_theta=10000.0,
 )
+HF_SHAPE = SHAPE | {"rope_theta": 10000.0}  # as a transformers config
+OUR_SHAPE = SHAPE | {"rope": RopeConfig(theta=10000.0)}  # as a ModelConfig
 
 
 def _save_hf(kind: str, path, seed: int = 0):
     """A tiny randomly initialised transformers model of ``kind``, saved as safetensors."""
-    hf = tiny_hf_model(kind, seed, vocab_size=TEXT_VOCAB, tie_word_embeddings=False, **SHAPE)
+    hf = tiny_hf_model(kind, seed, vocab_size=TEXT_VOCAB, tie_word_embeddings=False, **HF_SHAPE)
     hf.eval().save_pretrained(path)
     return hf
 
@@ -147,7 +148,7 @@ def test_export_then_init_from_gives_the_same_logits_on_every_modality(arch, kw,
 
     vocab = {"dna": 10, "audio": 32, "video": 24, "text": 40}
     cfg = RunConfig()
-    cfg.model = ModelConfig(**SHAPE, **kw, modalities=vocab)
+    cfg.model = ModelConfig(**OUR_SHAPE, **kw, modalities=vocab)
     space = TokenSpace.from_vocab(vocab)
     src = build_model(cfg.model, space, seed=1)
     with torch.no_grad():
@@ -239,6 +240,7 @@ def test_config_from_hf_prints_the_matching_run_config(tmp_path):
     assert model["modalities"] == {"dna": 10, "audio": 256, "text": TEXT_VOCAB}
     assert model["qk_norm"] is True and model["attention_bias"] is False
     assert {k: model[k] for k in SHAPE} == SHAPE
+    assert ModelConfig(**model).rope == OUR_SHAPE["rope"]
     assert cfg["train"]["steps"] == 7
     # and the run's model, built from it, starts from the checkpoint
     from safetensors.torch import load_file
@@ -258,7 +260,7 @@ def test_tied_embeddings_load_into_the_text_head_too(tmp_path):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=TEXT_VOCAB, tie_word_embeddings=True, **SHAPE))
+    hf = Qwen3ForCausalLM(Qwen3Config(vocab_size=TEXT_VOCAB, tie_word_embeddings=True, **HF_SHAPE))
     hf.eval().save_pretrained(tmp_path / "hf")
     model = _imported("qwen3", tmp_path / "hf")
     batch, raw = _text_batch(model.space, 32)
@@ -272,7 +274,7 @@ def test_tied_embeddings_load_into_the_text_head_too(tmp_path):
 def test_estimate_counts_the_qk_norms_and_biases(kw):
     from ulysses_mm.tools.estimate import model_shape
 
-    cfg = RunConfig(model=ModelConfig(**SHAPE, **kw, modalities={"dna": 10, "text": 40}))
+    cfg = RunConfig(model=ModelConfig(**OUR_SHAPE, **kw, modalities={"dna": 10, "text": 40}))
     space = TokenSpace.from_vocab(cfg.model.modalities)
     model = build_model(cfg.model, space)
     assert model_shape(cfg, space).params == sum(p.numel() for p in model.parameters())
@@ -301,6 +303,7 @@ def test_the_shipped_finetune_config_is_what_from_hf_prints_for_qwen3_4b(tmp_pat
     fields = hf_model_fields(tmp_path / "Qwen3-4B")
     shipped = load_config(RunConfig, REPO / "configs" / "qwen3-4b-finetune.yaml").model
     assert shipped.modalities[shipped.text_modality] == fields.pop("vocab_size")
+    assert shipped.rope == RopeConfig(**fields.pop("rope"))
     assert {k: getattr(shipped, k) for k in fields} == fields
 
 

@@ -152,7 +152,7 @@ def _hf_checkpoint(tmp: Path, manifest: Path) -> Path:
         "num_key_value_heads": 2,
         "head_dim": 8,
         "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         "vocab_size": space.range("dna").size,
     }
     (hf / "config.json").write_text(json.dumps(config))

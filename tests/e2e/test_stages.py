@@ -54,7 +54,7 @@ def test_the_run_moves_through_its_stages(staged):
     assert [length[s] for s in (1, 5, 9)] == [1024, 4096, LONGEST]
     # the re-warm-up: each later stage's first step runs at half the schedule's lr
     assert rows[5]["lr"] < rows[4]["lr"] and rows[9]["lr"] < rows[8]["lr"]
-    saved = yaml.safe_load((run / "checkpoints" / "step_00000012" / "config.yaml").read_text())
+    saved = yaml.safe_load((run / "checkpoints" / "step_00000012" / "run_config.yaml").read_text())
     assert saved["model"]["rope"]["kind"] == "yarn" and saved["model"]["rope"]["factor"] == 16.0
     assert saved["parallel"]["sp"] == 4 and saved["data"]["seq_len"] == LONGEST
 
@@ -89,7 +89,9 @@ def test_resume_in_the_middle_of_a_later_stage_repeats_the_losses(data, staged):
         if int(ckpt.name.removeprefix("step_")) > 6:
             shutil.rmtree(ckpt)
     (resumed / "checkpoints" / "latest").write_text("step_00000006")
-    saved = yaml.safe_load((resumed / "checkpoints" / "step_00000006" / "config.yaml").read_text())
+    saved = yaml.safe_load(
+        (resumed / "checkpoints" / "step_00000006" / "run_config.yaml").read_text()
+    )
     assert saved["parallel"]["sp"] == 2  # the checkpoint holds the stage it was taken in
     got = train_rows(CONFIG, resumed, f"data.train={manifest}", "--resume", nproc=4)
     assert sorted(got) == list(range(1, 13))

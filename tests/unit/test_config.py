@@ -88,7 +88,7 @@ def test_cross_field_checks():
         ("model.max_position_embeddings=0", r"model.max_position_embeddings must be >= 1"),
         ("model.head_dim=0", r"model.head_dim must be >= 1, got 0"),
         ("model.rms_norm_eps=0", r"model.rms_norm_eps must be > 0, got 0.0"),
-        ("model.rope_theta=-1", r"model.rope_theta must be > 0, got -1.0"),
+        ("model.rope.theta=-1", r"model.rope.theta must be > 0, got -1.0"),
         ("model.initializer_range=-0.1", r"model.initializer_range must be >= 0"),
         (
             "model.loss_weights={dna: -1}",
@@ -297,10 +297,7 @@ def test_llama_mapping_is_one_to_one():
     cfg = ModelConfig(num_key_value_heads=2)
     hf = LlamaConfig(vocab_size=100, **cfg.to_llama_config_kwargs())
     for key, value in cfg.to_llama_config_kwargs().items():
-        if key == "rope_theta" and not hasattr(hf, key):  # transformers 5 keeps it here
-            assert hf.rope_parameters["rope_theta"] == value
-        else:
-            assert getattr(hf, key) == value, key
+        assert getattr(hf, key) == value, key
 
 
 def test_cli_drops_the_deepspeed_launchers_local_rank(capsys):

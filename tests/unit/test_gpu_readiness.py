@@ -331,7 +331,7 @@ def test_rope_is_what_transformers_computes_where_fp32_is_exact():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    cfg = ModelConfig(modalities={"dna": 8}, rope_theta=500000.0)
+    cfg = ModelConfig(modalities={"dna": 8}, rope={"theta": 500000.0})
     ours = build_model(cfg, seed=0).model.rotary_emb
     hf = LlamaRotaryEmbedding(LlamaConfig(vocab_size=16, **cfg.to_llama_config_kwargs()))
     assert torch.equal(ours.inv_freq, hf.inv_freq)
@@ -437,7 +437,7 @@ def test_deepspeed_is_handed_the_host_model_and_peaks_start_after_set_up(monkeyp
 
     seen: dict[str, object] = {}
 
-    def fake_engine(model, cfg, mesh):
+    def fake_engine(model, cfg, mesh, stage_lr=None):
         seen["devices"] = {p.device.type for p in model.parameters()}
         seen["dtypes"] = {p.dtype for p in model.parameters()}
         seen["reset_after_engine"] = False

@@ -30,7 +30,7 @@ def _set_kernel(model, kernel: str) -> None:
 def test_backbone_matches_transformers_llama(kv_heads):
     from transformers import LlamaConfig, LlamaModel
 
-    cfg = ModelConfig(modalities=VOCAB, num_key_value_heads=kv_heads, rope_theta=500000.0)
+    cfg = ModelConfig(modalities=VOCAB, num_key_value_heads=kv_heads, rope={"theta": 500000.0})
     ours = build_model(cfg, seed=0).model.eval()
     hf_cfg = LlamaConfig(vocab_size=SPACE.vocab_size, **cfg.to_llama_config_kwargs())
     hf_cfg._attn_implementation = "eager"

@@ -7,10 +7,11 @@ manifests or the world is checked by ``train.plan`` before any process starts.""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ulysses_mm.config.parse import SEED_MAX, ConfigError, check_ranges, range_of
+from ulysses_mm.config.parse import SEED_MAX, ConfigError, check_ranges, from_dict, range_of
 from ulysses_mm.config.parse import option as _help
 
 WEIGHT_MAX = 1e6  # a relative weight: far below where a sum of them overflows
@@ -25,6 +26,24 @@ ROPE_NEEDS: dict[str, tuple[str, ...]] = {
     "dynamic": ("factor",),
     "yarn": ("factor", "original_max_position_embeddings"),
     "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+}
+# every parameter each kind uses (its needs and its optional ones): one set for a kind that
+# uses no more is refused, so no key does nothing
+ROPE_USES: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor", "original_max_position_embeddings"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "attention_factor",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "truncate",
+    ),
+    "llama3": ROPE_NEEDS["llama3"],
 }
 
 
@@ -48,8 +67,9 @@ class RopeConfig:
         "Scaling factor (context growth) of linear, dynamic, yarn and llama3.", None, gt=0
     )
     original_max_position_embeddings: int | None = _help(
-        "The context the model was pretrained at (yarn, llama3; dynamic: default "
-        "model.max_position_embeddings).",
+        "The context the model was pretrained at (yarn, llama3). dynamic: the length past "
+        "which θ grows (None = model.max_position_embeddings, which is what transformers "
+        "reads it from: export writes it there).",
         None,
         ge=1,
     )
@@ -77,6 +97,12 @@ class RopeConfig:
         for key in ROPE_NEEDS[self.kind]:
             if getattr(self, key) is None:
                 raise ConfigError(f"model.rope.kind={self.kind} needs model.rope.{key}")
+        for key in _ROPE_PARAMETERS:
+            if key not in ROPE_USES[self.kind] and getattr(self, key) != _ROPE_UNSET[key]:
+                raise ConfigError(
+                    f"model.rope.{key} is not used by model.rope.kind={self.kind} (it uses "
+                    f"{', '.join(('theta', *ROPE_USES[self.kind]))})"
+                )
         if (
             self.kind == "llama3"
             and self.low_freq_factor is not None
@@ -87,6 +113,30 @@ class RopeConfig:
                 f"model.rope.high_freq_factor ({self.high_freq_factor}) must be above "
                 f"model.rope.low_freq_factor ({self.low_freq_factor})"
             )
+
+    def original_length(self, max_position_embeddings: int) -> int | None:
+        """The length the scaling reaches past: ``original_max_position_embeddings``, for
+        dynamic defaulting to the model's ``max_position_embeddings`` (None for default and
+        linear, which have none)."""
+        if self.kind == "dynamic":
+            return self.original_max_position_embeddings or max_position_embeddings
+        return self.original_max_position_embeddings
+
+    def rope_parameters(self) -> dict[str, Any]:
+        """transformers' ``rope_parameters`` (5.x): ``rope_type``, ``rope_theta`` and the
+        kind's set keys. dynamic's original length is not among them: transformers reads it
+        from ``max_position_embeddings`` (:meth:`ModelConfig.to_llama_config_kwargs`)."""
+        keys = [k for k in ROPE_USES[self.kind] if getattr(self, k) != _ROPE_UNSET[k]]
+        if self.kind == "dynamic":
+            keys = [k for k in keys if k != "original_max_position_embeddings"]
+        return {"rope_type": self.kind, "rope_theta": self.theta} | {
+            k: getattr(self, k) for k in keys
+        }
+
+
+# the scaling parameters (every RopeConfig field but theta and kind), and their unset value
+_ROPE_PARAMETERS = tuple(k for k in RopeConfig.__dataclass_fields__ if k not in ("theta", "kind"))
+_ROPE_UNSET: dict[str, Any] = {k: None for k in _ROPE_PARAMETERS} | {"truncate": True}
 
 
 @dataclass
@@ -164,6 +214,8 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope, Mapping):  # ModelConfig(rope={...}), as hf_import gives it
+            self.rope = from_dict(RopeConfig, self.rope, "model.rope")
         check_ranges("model", self)
         if self.head_dim is None:
             if self.hidden_size % self.num_attention_heads:
@@ -186,7 +238,12 @@ class ModelConfig:
             )
 
     def to_llama_config_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the equivalent ``transformers.LlamaConfig`` (backbone only)."""
+        """Keyword arguments of the equivalent ``transformers.LlamaConfig`` (backbone only).
+        Its ``max_position_embeddings`` is, for the dynamic RoPE, that kind's original length
+        (transformers scales θ past ``max_position_embeddings``)."""
+        max_positions = self.max_position_embeddings
+        if self.rope.kind == "dynamic":
+            max_positions = self.rope.original_length(max_positions) or max_positions
         return dict(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -195,8 +252,8 @@ class ModelConfig:
             num_key_value_heads=self.num_key_value_heads,
             head_dim=self.head_dim,
             rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope.theta,
-            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=self.rope.rope_parameters(),
+            max_position_embeddings=max_positions,
             initializer_range=self.initializer_range,
             hidden_act="silu",
             attention_bias=False,

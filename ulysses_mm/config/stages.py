@@ -2,7 +2,8 @@
 
 Each stage is the run config with the stage's settings over the stage before's (the first
 stage's over the run's own): ``data.seq_len``, ``data.micro_batch_size``, ``model.rope.*``
-and ``parallel.sp`` / ``ring`` / ``head_chunks``. A stage is therefore checked by the
+(a stage that names another RoPE kind starts from that kind's defaults, θ kept) and
+``parallel.sp`` / ``ring`` / ``head_chunks``. A stage is therefore checked by the
 same schema as any run, and everything downstream (the pre-flight, the loop, the
 estimate) takes a stage's :class:`~ulysses_mm.config.RunConfig` as it takes a run's. A run
 without stages is one stage: the run as configured.
@@ -82,6 +83,11 @@ def run_stages(cfg: RunConfig) -> list[Stage]:
     base["train"]["stages"] = []
     stages, start = [], 0
     for i, stage in enumerate(cfg.train.stages):
+        kind = stage.model.rope.get("kind")
+        if kind is not None and kind != base["model"]["rope"]["kind"]:
+            # another kind starts from its own defaults: the keys of the kind before go
+            # (a kind refuses keys it does not use), θ stays unless the stage sets it
+            base["model"]["rope"] = {"theta": base["model"]["rope"]["theta"]}
         base = deep_merge(base, _overrides(stage))
         try:
             run = from_dict(RunConfig, base)

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from ulysses_mm.config import ModelConfig
+from ulysses_mm.config import ConfigError, ModelConfig, RopeConfig, from_dict, to_dict
+from ulysses_mm.config.schema import ROPE_NEEDS, ROPE_USES
 from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 
@@ -38,7 +39,6 @@ ARCH_FIELDS = (
     "qk_norm",
     "attention_bias",
     "rms_norm_eps",
-    "rope_theta",
 )
 
 
@@ -60,13 +60,54 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def _rope_theta(hf: dict[str, Any], where: str) -> float:
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else None
-    if kind not in (None, "default"):
-        raise InitFromError(f"{where}: RoPE scaling {kind!r} is not supported (only plain RoPE)")
-    theta = hf.get("rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None)
-    return float(theta if theta is not None else 10000.0)
+def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
+    """The RopeConfig fields (the set ones) of the positions transformers computes for
+    config ``hf``: ``rope_scaling`` (older config.json: ``type`` or ``rope_type``) over
+    ``rope_parameters``, θ from them or from the top-level ``rope_theta``, and the
+    original length where transformers takes it (llama3 and yarn: a top-level
+    ``original_max_position_embeddings`` first; dynamic: ``max_position_embeddings``)."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise InitFromError(f"{where}: rope_parameters {params!r} is not a mapping")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_NEEDS:
+        raise InitFromError(
+            f"{where}: RoPE kind {kind!r} is not supported (supported: {', '.join(ROPE_NEEDS)})"
+        )
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise InitFromError(f"{where}: partial_rotary_factor {partial} is not supported (only 1)")
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    out: dict[str, Any] = {"theta": float(theta if theta is not None else 10000.0), "kind": kind}
+    # transformers reads only the keys a kind uses (and warns of the others)
+    out |= {k: params[k] for k in ROPE_USES[kind] if params.get(k) is not None}
+    max_positions = hf.get("max_position_embeddings")
+    if kind in ("llama3", "yarn"):
+        original = hf.get("original_max_position_embeddings") or out.get(
+            "original_max_position_embeddings", max_positions
+        )
+        if original is not None:
+            out["original_max_position_embeddings"] = original
+    if kind == "dynamic":
+        out.pop("original_max_position_embeddings", None)
+        if max_positions is not None:
+            out["original_max_position_embeddings"] = max_positions
+    missing = [k for k in ROPE_NEEDS[kind] if k not in out]
+    if missing:
+        raise InitFromError(f"{where}: its {kind} RoPE has no {missing[0]} (rope_parameters)")
+    try:
+        rope = from_dict(RopeConfig, out, "model.rope")
+    except ConfigError as e:
+        raise InitFromError(f"{where}: its {kind} RoPE: {e}") from None
+    return rope_fields(rope)
+
+
+def rope_fields(rope: RopeConfig) -> dict[str, Any]:
+    """``rope`` as a mapping of its set fields (those not at their unset default)."""
+    unset = RopeConfig()
+    return {
+        k: v for k, v in to_dict(rope).items() if k in ("theta", "kind") or v != getattr(unset, k)
+    }
 
 
 def hf_model_fields(path: str | Path, hf: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -106,7 +147,7 @@ def _fields(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
         qk_norm=kind == "qwen3",
         attention_bias=kind == "qwen2",
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(hf, where),
+        rope=_rope(hf, where),
         max_position_embeddings=int(hf.get("max_position_embeddings", 1 << 20)),
         vocab_size=int(hf["vocab_size"]),
     )
@@ -130,7 +171,10 @@ def model_section(path: str | Path, base: Mapping[str, Any] | None = None) -> di
 
 
 def check_matches(cfg: ModelConfig, path: str | Path, fields: dict[str, Any]) -> None:
-    """Refuse a checkpoint whose architecture differs from ``cfg``: the first difference."""
+    """Refuse a checkpoint whose architecture differs from ``cfg``: the first difference.
+    The RoPE is not compared: positions are no weights, and a run that extends a model's
+    context trains with another RoPE than the checkpoint's (``config --from-hf`` prints
+    the checkpoint's as the starting point)."""
     for name in ARCH_FIELDS:
         mine, theirs = getattr(cfg, name), fields[name]
         if mine != theirs:

@@ -12,7 +12,6 @@ D hidden, hq/hk query/key-value heads, d head dim.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +26,7 @@ from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.heads import ModalityHeads
 from ulysses_mm.model.offload import offloaded_layers, prefetch_after
+from ulysses_mm.model.rope import RotaryEmbedding, apply_rope
 from ulysses_mm.model.tiling import tile_map
 
 # (hidden, labels, label_modality, bins or None) -> the same, rearranged over ranks
@@ -48,51 +48,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-
-def rope_inv_freq(head_dim: int, theta: float, device: torch.device | str | None = None) -> Tensor:
-    """Llama's RoPE frequencies, fp32 (as ``transformers`` computes them)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
-    return 1.0 / (theta**exponents)
-
-
-class RotaryEmbedding(nn.Module):
-    """RoPE as in Llama (rotate-half layout); positions come from the packed sample, so
-    they restart at every document — but a document may be millions of tokens long.
-
-    The angles are computed in fp64 and reduced mod 2π before the fp32 cos/sin, so their
-    precision does not depend on the absolute position (in fp32 the angle of position 2^20
-    is off by up to 0.03 rad, and past 2^24 neighbouring positions get the same angle). The
-    frequencies are Llama's fp32 ones, so an exported model computes the same logits at
-    every position where fp32 angles are exact. ``inv_freq`` stays fp32 even where an
-    engine casts buffers to bf16: it is restored from (head_dim, theta) at use."""
-
-    inv_freq: Tensor
-
-    def __init__(self, head_dim: int, theta: float) -> None:
-        super().__init__()
-        self.head_dim, self.theta = head_dim, theta
-        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta), persistent=False)
-
-    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        if self.inv_freq.dtype != torch.float32:  # cast by an engine (bf16/fp16 buffers)
-            self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.inv_freq.device)
-        # [b, n] x [d/2] -> [b, n, d/2], exact in fp64, then reduced to [0, 2π)
-        angles = position_ids.to(torch.float64)[..., None] * self.inv_freq.to(torch.float64)
-        freqs = torch.remainder(angles, 2 * math.pi).float()
-        emb = torch.cat((freqs, freqs), dim=-1)  # [b, n, d]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x [b, n, h, d]; cos/sin [b, n, d] -> [b, n, 1, d]
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    return x * cos + _rotate_half(x) * sin
 
 
 class Attention(nn.Module):
@@ -199,7 +154,7 @@ class Backbone(nn.Module):
         self.embed_tokens = nn.Embedding(vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernel) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope.theta)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
         self.gradient_checkpointing = cfg.activation_checkpointing
         self.offload_checkpoints = cfg.offload_checkpoints
         self.tile_tokens = cfg.layer_tile_tokens

@@ -42,7 +42,9 @@ def hf_state_dict(weights: dict[str, torch.Tensor], space: TokenSpace) -> dict[s
 
 def hf_config_for(model: ModelConfig, vocab_size: int, dtype: torch.dtype) -> Any:
     """The transformers config of the backbone: Llama, or Qwen3 (q/k norm) or Qwen2 (q/k/v
-    biases), whose parameter names are the backbone's."""
+    biases), whose parameter names are the backbone's; its ``rope_parameters`` (and, for
+    the dynamic kind, ``max_position_embeddings``) make transformers compute the same
+    positions (:meth:`ModelConfig.to_llama_config_kwargs`)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     kwargs = model.to_llama_config_kwargs()

@@ -119,6 +119,7 @@ class Trainer:
             apply_ulysses(self.model, mesh, head_chunks=p.head_chunks)
         if old.model.rope != new.model.rope:
             self.model.model.rotary_emb.set_rope(new.model.rope)
+            self.model.config.rope = new.model.rope  # what samples and generation read
         state = self.stream.state_dict()
         self.stream.close()
         self.stage = stage
