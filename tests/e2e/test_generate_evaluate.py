@@ -4,11 +4,14 @@ steps and shorter samples: every modality, the clip's audio interleaved with its
 Each file ``generate`` writes is read back by an independent reader (biopython, soundfile,
 PyAV, Python's UTF-8 decoding); the same seed writes the same bytes; an export generates
 what its checkpoint does; ``evaluate`` gives the figures the training run's own eval
-logged on the same batches; what a user can get wrong is one line."""
+logged on the same batches, and on windows of any length (``--seq-len``) under any SP
+layout (``--sp``) the figures of the same tokens; what a user can get wrong is one line."""
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
+from collections import Counter
 from pathlib import Path
 
 import av
@@ -20,7 +23,12 @@ from conftest import REPO, require_fixture
 from torch.testing import assert_close
 
 from ulysses_mm.cli import main
+from ulysses_mm.core.format import IGNORE
+from ulysses_mm.loader.batch import samples_batch
+from ulysses_mm.loader.stream import ShardStream, StreamOptions
+from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.tools.demo import run_demo
+from ulysses_mm.train.evaluate import log_edges
 
 DATA = REPO / "tests" / "data"
 FRAME = 257  # video-vq-av: 256 ids and <eof>
@@ -164,6 +172,53 @@ def test_evaluate_matches_the_training_eval_and_plots_by_position(demo):
         assert sum(b["targets"] for b in e["by_position"]) == e["targets"]
     png = (run / "loss_by_position.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def _bin_targets(result: dict) -> Counter:
+    return Counter(
+        {
+            (m, b["lo"], b["hi"]): b["targets"]
+            for m, e in result["modalities"].items()
+            for b in e["by_position"]
+        }
+    )
+
+
+def test_evaluate_on_windows_of_any_length_under_any_layout(demo, capsys):
+    """At the samples' length (1,024) ``--seq-len`` gives the default figures; at 512 the
+    same two samples are four windows (the run's SP=2): every target of the whole samples
+    but the one at each window's end, each in the bin of its position in its document,
+    which a window keeps (so the bins reach past 512 where the documents do)."""
+    ckpt, manifest = demo["ckpt"], demo["manifest"]
+
+    def evaluate(*args: str) -> dict:
+        assert main(["evaluate", ckpt, manifest, "--json", "--micro-batch", "1", *args]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    one = ("--sp", "1", "--nproc", "1")  # another layout than the run's, in this process
+    whole = evaluate("--batches", "2", *one)
+    assert evaluate("--batches", "2", "--seq-len", "1024", *one) == whole
+    half = evaluate("--batches", "4", "--seq-len", "512")
+    assert (half["samples"], half["batches"], whole["samples"]) == (4, 4, 2)
+    m = Manifest.load(manifest)
+    samples = ShardStream(m, 0, 1, 1, StreamOptions().in_order())
+    edges, cut = log_edges(), Counter()
+    for _ in range(2):
+        b = samples_batch(samples.next_batch(), m.token_space)
+        if b.labels[0, 511] != IGNORE:  # the target the window's end takes away
+            j = bisect_right(edges, int(b.position_ids[0, 511]) + 1) - 1
+            mod = m.token_space.modalities[int(b.label_modality[0, 511])]
+            cut[(mod, edges[j], edges[j + 1])] += 1
+    assert cut and _bin_targets(half) == _bin_targets(whole) - cut
+    assert max(hi for _, _, hi in _bin_targets(half)) > 512  # documents longer than a window
+    for m_, e in half["modalities"].items():
+        assert e["targets"] == whole["modalities"][m_]["targets"] - sum(
+            n for (mod, *_), n in cut.items() if mod == m_
+        )
+    err = _refused(capsys, "evaluate", ckpt, manifest, "--seq-len", "2048")
+    assert f"{manifest}: windows of 2048 tokens are longer than its samples of 1024" in err
+    err = _refused(capsys, "evaluate", ckpt, manifest, "--sp", "3")
+    assert "the 4 query heads" in err
 
 
 def test_the_training_eval_logs_generated_samples(demo):

@@ -49,6 +49,30 @@ def no_processes(monkeypatch):
         (["model.init_from=/nonexistent/ckpt"], "/nonexistent/ckpt"),
         (["data.micro_batch_size=100000"], "fewer than one global micro-batch"),
         (["train.steps=0"], "train.steps must be >= 1"),
+        # a run in stages: every stage checked, the error naming it
+        (
+            ["train.steps=4", "train.stages=[{steps: 2}, {steps: 2, data: {seq_len: 512}}]"],
+            "train.stages[1] (steps 3-4): data.seq_len=512 but the shards of",
+        ),
+        (
+            ["train.steps=4", "train.stages=[{steps: 4, data: {seq_len: 100}}]"],
+            f"hold samples of {SEQ} tokens, and a run trains on whole samples or on windows",
+        ),
+        (
+            [
+                "--nproc",
+                "2",
+                "train.steps=4",
+                "train.stages=[{steps: 2}, {steps: 2, parallel: {sp: 3}}]",
+            ],
+            "train.stages[1] (steps 3-4): parallel.sp=3 does not divide the 4 query heads",
+        ),
+        (["train.steps=4", "train.stages=[{steps: 2}, {steps: 3}]"], "add up to 2 + 3 = 5"),
+        (
+            ["train.stages=[{steps: 100, model: {rope: {kind: yarn}}}]"],
+            "train.stages[0]: model.rope.kind=yarn needs model.rope.factor",
+        ),
+        (["train.gpu_mem_gib=0.001"], "more than train.gpu_mem_gib=0.001"),
     ],
 )
 def test_config_errors_fail_in_the_parent(tmp_path, manifest, no_processes, capsys, args, expect):

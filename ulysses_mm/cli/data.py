@@ -219,23 +219,40 @@ def add_tokenizer(sub: argparse._SubParsersAction) -> None:
 
 def add_probe(sub: argparse._SubParsersAction) -> None:
     def run_write(args: argparse.Namespace) -> int:
+        from ulysses_mm.core.errors import ConfigError
         from ulysses_mm.tools.probe import halves, write_probe
 
-        d = write_probe(args.out, args.length, args.documents, args.eval_documents, args.seed)
+        try:
+            lengths = [int(x) for x in args.eval_lengths.split(",")] if args.eval_lengths else []
+        except ValueError:
+            raise ConfigError(
+                f"--eval-lengths must be lengths like 64,128, got {args.eval_lengths!r}"
+            ) from None
+        d = write_probe(
+            args.out,
+            args.length,
+            args.documents,
+            args.eval_documents,
+            args.seed,
+            eval_lengths=lengths,
+            pack=args.pack,
+        )
         edges = ",".join(str(e) for e in halves(d.length))
+        each = "one document" if d.pack == 1 else f"{d.pack} documents"
+        held = "".join(f"\n  held out, L={n:,}: {p}" for n, p in d.evals.items() if n != d.length)
         print(
-            f"wrote the probe of L={d.length:,} ({d.seq_len:,}-token samples, one document "
-            f"each):\n  train: {d.train}\n  held out: {d.eval}\n"
+            f"wrote the probe of L={d.length:,} ({d.seq_len:,}-token samples, {each} "
+            f"each):\n  train: {d.train}\n  held out: {d.eval}{held}\n"
             f"train on it: ulysses-mm train CONFIG data.train={d.train} parallel.sp=P\n"
             f"then: ulysses-mm probe score RUN_DIR {d.eval}   (or ulysses-mm evaluate "
-            f"RUN_DIR {d.eval} --edges {edges})"
+            f"RUN_DIR {d.eval} --seq-len {2 * d.length + 4} --edges {edges})"
         )
         return 0
 
     def run_score(args: argparse.Namespace) -> int:
         from ulysses_mm.tools.probe import score
 
-        first, second = score(args.checkpoint, args.manifest, args.nproc)
+        first, second = score(args.checkpoint, args.manifest, args.nproc, args.length, args.sp)
         print(
             f"first half: {first:.4f} bits/base (unpredictable: 2 at best)\n"
             f"second half: {second:.4f} bits/base (a copy from L bases back: 0 once the "
@@ -248,8 +265,9 @@ def add_probe(sub: argparse._SubParsersAction) -> None:
         help="a long-context probe: L random bases, then the same L again; its score",
         description=(
             "write: DNA documents of L random bases followed by the same L bases (and one "
-            "N), one per packed sample of 2L+4 tokens, prepared into a training and a "
-            "held-out dataset. score: bits per base of each half on the held-out one (the "
+            "N), 2L+4 tokens, one (or --pack K) per packed sample, prepared into a training "
+            "and a held-out dataset (and one held-out dataset per --eval-lengths). score: "
+            "bits per base of each half on a held-out one, on windows of one document (the "
             "first stays at 2, the second falls to 0 once the model copies from L back)."
         ),
     )
@@ -260,11 +278,39 @@ def add_probe(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--documents", type=int, default=2048, help="training documents (2048)")
     w.add_argument("--eval-documents", type=int, default=64, help="held-out documents (64)")
     w.add_argument("--seed", type=int, default=0, help="seed of the bases (held out: seed+1)")
+    w.add_argument(
+        "--eval-lengths",
+        default=None,
+        metavar="L1,L2,...",
+        help="also write held-out documents of these lengths, one dataset each (eval-L<n>/)",
+    )
+    w.add_argument(
+        "--pack",
+        type=int,
+        default=1,
+        metavar="K",
+        help="documents per packed sample, K·(2L+4) tokens, in every dataset (default 1)",
+    )
     w.set_defaults(func=run_write)
     s = psub.add_parser("score", help="bits per base of each half on a probe dataset")
     s.add_argument("checkpoint", help="a run dir, its checkpoints/ dir or a step_* dir")
     s.add_argument("manifest", help="the probe's held-out manifest.json")
-    s.add_argument("--nproc", type=int, default=None, help="processes (default: the run's sp)")
+    s.add_argument("--nproc", type=int, default=None, help="processes (default: the sp)")
+    s.add_argument(
+        "--length",
+        type=int,
+        default=0,
+        metavar="L",
+        help="the L of the documents to score, on windows of 2L+4 tokens, one document each "
+        "(default 0: the manifest's; refused if its documents have another)",
+    )
+    s.add_argument(
+        "--sp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N Ulysses ranks instead of the run's layout (default 0: the run's parallel.sp)",
+    )
     s.set_defaults(func=run_score)
 
 

@@ -34,6 +34,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from ulysses_mm.train.loop import run_train
 
     cfg = load_config(RunConfig, args.config, args.overrides)
+    if cfg.train.gpu_mem_gib:  # every stage against the budget, before any process starts
+        from ulysses_mm.tools.estimate.stages import check_stages_fit
+        from ulysses_mm.train.plan import plan_run, world_size
+
+        world = world_size(args.nproc)
+        plan = plan_run(cfg, world, args.resume)
+        check_stages_fit(cfg, world, plan.manifest.seq_len, space=plan.space)
     result = run_train(cfg, args.nproc, args.resume)
     print(
         f"trained {result['steps']} steps; final loss {result['final_loss']:.4f}\n"
@@ -201,7 +208,9 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from ulysses_mm.tools.evaluate import EvaluateOptions, cli
 
     edges = [int(x) for x in args.edges.split(",")] if args.edges else None
-    opts = EvaluateOptions(args.nproc, args.batches, args.micro_batch, edges)
+    opts = EvaluateOptions(
+        args.nproc, args.batches, args.micro_batch, edges, seq_len=args.seq_len, sp=args.sp
+    )
     return cli(args.checkpoint, args.manifest, opts, args.json, args.png)
 
 
@@ -210,8 +219,9 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
         "evaluate",
         help="held-out loss per modality (bits per base / sample / byte) and by position",
         description=(
-            "Run MANIFEST's samples, in order and at full length, through the training "
-            "step's forward under the run's sequence-parallel layout: cross-entropy per "
+            "Run MANIFEST's samples, in order, at full length or as windows of --seq-len "
+            "tokens cut out of them, through the training step's forward under the run's "
+            "sequence-parallel layout (or --sp): cross-entropy per "
             "modality in nats per token and in the units people quote (DNA bits per base, "
             "audio bits per sample, text bits per byte, video bits per frame), and against "
             "the target's position inside its document in log-spaced bins. The figures "
@@ -234,6 +244,22 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--micro-batch", type=int, default=0, help="samples per DP rank (default: the run's)"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=0,
+        metavar="L",
+        help="evaluate on windows of L tokens cut out of the samples, each keeping its "
+        "documents' positions (default 0: the samples' length)",
+    )
+    p.add_argument(
+        "--sp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N Ulysses ranks instead of the run's layout (default 0: the run's parallel.sp; "
+        "--nproc defaults to it)",
     )
     p.add_argument(
         "--edges",

@@ -1,12 +1,15 @@
 """``ulysses-mm evaluate CHECKPOINT MANIFEST``: held-out loss of a trained model, per
 modality in the units people quote, and against position inside documents.
 
-The samples of MANIFEST are read in their stored order at their full length and go
-through the training step's forward under the run's sequence-parallel layout (``--nproc``
-processes, the run's ``parallel.sp`` by default, dp = nproc / sp): the same code as the
-periodic eval of ``ulysses-mm train`` (:mod:`ulysses_mm.train.evaluate`), so on the same
-batches both give the same figures. ``--png`` draws loss against position per modality;
-``--json`` prints every figure.
+The samples of MANIFEST are read in their stored order, at their full length or, with
+``--seq-len L``, as windows of L tokens cut out of them (:mod:`ulysses_mm.loader.window`:
+documents keep their positions, so loss by position reaches as far as the documents do),
+and go through the training step's forward under a sequence-parallel layout (``--nproc``
+processes; sp = ``--sp`` or the run's ``parallel.sp``, dp = nproc / sp): the same code as
+the periodic eval of ``ulysses-mm train`` (:mod:`ulysses_mm.train.evaluate`), so on the
+same batches both give the same figures. At L = the samples' length the windows are the
+samples, and the figures are the whole samples'. ``--png`` draws loss against position
+per modality; ``--json`` prints every figure.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ class EvaluateOptions:
     batches: int = 0  # micro-batches per DP rank (0: the whole manifest, one pass)
     micro_batch: int = 0  # samples per DP rank (0: the run's data.micro_batch_size)
     edges: list[int] | None = None  # position bins (default: log-spaced)
+    seq_len: int = 0  # tokens per window (0: the samples' length)
+    sp: int = 0  # Ulysses ranks (0: the run's parallel.sp, its ring and head chunks)
 
     def check(self) -> None:
         if self.nproc is not None and self.nproc < 1:
@@ -41,6 +46,10 @@ class EvaluateOptions:
             raise ConfigError(f"--batches must be >= 0, got {self.batches}")
         if self.micro_batch < 0:
             raise ConfigError(f"--micro-batch must be >= 0, got {self.micro_batch}")
+        if self.seq_len < 0:
+            raise ConfigError(f"--seq-len must be >= 0, got {self.seq_len}")
+        if self.sp < 0:
+            raise ConfigError(f"--sp must be >= 0, got {self.sp}")
         e = self.edges
         if e is not None and (
             len(e) < 2 or any(b <= a for a, b in itertools.pairwise(e)) or e[0] < 0
@@ -51,7 +60,7 @@ class EvaluateOptions:
 def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> Any:
     """What the parent checks before any process starts (one line each)."""
     from ulysses_mm.core.layout import check_layout
-    from ulysses_mm.loader.order import check_enough_samples
+    from ulysses_mm.loader.window import check_enough_windows, check_window_length
     from ulysses_mm.shards.manifest import Manifest
     from ulysses_mm.train.inference import open_trained
 
@@ -62,17 +71,23 @@ def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> 
     d = cfg.data
     m = Manifest.load(manifest, d.storage_options, d.timeouts, d.max_manifest_bytes)
     m.check_token_space(trained.space)
+    length = opts.seq_len or m.seq_len
+    check_window_length(m, length)
+    p = cfg.parallel
+    if opts.sp:  # a plain Ulysses layout of its own (ring and head chunks change no figure)
+        p = replace(p, sp=opts.sp, ring=1, head_chunks=1)
     mc = cfg.model
     dp = check_layout(
-        cfg.parallel.sp,
+        p.sp,
         world=world,
         num_heads=mc.num_attention_heads,
         num_kv_heads=mc.num_key_value_heads,
-        seq_len=m.seq_len,
-        ring=cfg.parallel.ring,
+        seq_len=length,
+        ring=p.ring,
+        head_chunks=p.head_chunks,
     )
-    check_enough_samples(m, dp, d.micro_batch_size)
-    cfg = replace(cfg, parallel=replace(cfg.parallel, dp=dp), data=replace(d, seq_len=m.seq_len))
+    check_enough_windows(m, length, dp, d.micro_batch_size)
+    cfg = replace(cfg, parallel=replace(p, dp=dp), data=replace(d, seq_len=length))
     return trained, cfg, m
 
 
@@ -80,7 +95,8 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> dict[str, Any]:
     """One rank's evaluation; ``plan``: what the parent's :func:`_plan` gave, when it
     runs in the parent's process."""
     from ulysses_mm.loader.batch import samples_batch
-    from ulysses_mm.loader.stream import ShardStream, StreamOptions
+    from ulysses_mm.loader.stream import StreamOptions
+    from ulysses_mm.loader.window import WindowStream
     from ulysses_mm.parallel.mesh import open_world
     from ulysses_mm.train.evaluate import evaluate_batches, units_for
     from ulysses_mm.train.step import build_inference_setup
@@ -93,7 +109,8 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> dict[str, Any]:
     rt = build_inference_setup(cfg, trained.space, world, trained.load_into)
     mesh = world.mesh
     options = StreamOptions.from_config(cfg.data).in_order()
-    stream = ShardStream(manifest, mesh.dp_rank, mesh.dp, cfg.data.micro_batch_size, options)
+    d = cfg.data
+    stream = WindowStream(manifest, mesh.dp_rank, mesh.dp, d.micro_batch_size, d.seq_len, options)
     try:
         per_epoch = stream.order.batches_per_epoch
         count = min(opts.batches, per_epoch) if opts.batches else per_epoch
@@ -120,7 +137,7 @@ def run_evaluate(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalR
     if not in_launched_world() and opts.nproc is None:
         from ulysses_mm.train.inference import open_trained
 
-        opts = replace(opts, nproc=open_trained(checkpoint).cfg.parallel.sp)
+        opts = replace(opts, nproc=opts.sp or open_trained(checkpoint).cfg.parallel.sp)
     world = world_size(opts.nproc)
     plan = _plan(checkpoint, manifest, opts, world)  # what the user can fix: here, one line
     payload = {
@@ -138,8 +155,10 @@ def run_evaluate(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalR
     return EvalResult(**out)
 
 
-def summary_text(r: EvalResult) -> str:
-    lines = [f"evaluated {r.samples:,} samples ({r.batches} micro-batches per DP rank)"]
+def summary_text(r: EvalResult, seq_len: int = 0) -> str:
+    """The figures as lines; ``seq_len`` > 0: they are of windows of that many tokens."""
+    what = f"windows of {seq_len:,} tokens" if seq_len else "samples"
+    lines = [f"evaluated {r.samples:,} {what} ({r.batches} micro-batches per DP rank)"]
     lines.append(f"  loss (weighted mean of the modalities): {r.loss:.4f} nats/token")
     bpu = r.bits_per_unit()
     for m in r.modalities:
@@ -201,7 +220,7 @@ def cli(
     if as_json:
         print(json.dumps(r.to_json(), indent=1))
     else:
-        print(summary_text(r))
+        print(summary_text(r, opts.seq_len))
         if png:
             print(f"wrote {png}")
     return 0

@@ -10,22 +10,36 @@ other rank from its source: the loss falling there shows the model learning acro
 L is a parameter: a cluster run probes 1M tokens of context with ``--length 524286``.
 
 ``probe write`` writes the FASTA inputs (biopython) and prepares them with
-``pipelines/dna.yaml`` (``tokenizers/dna-base.json``, ``pack.seq_len`` = 2L + 4) into a
-training and a held-out dataset (other random bases). ``probe score`` evaluates a
-checkpoint on the held-out one (:mod:`ulysses_mm.tools.evaluate`, bins that are the two
-halves) and prints bits per base of each.
+``pipelines/dna.yaml`` (``tokenizers/dna-base.json``) into a training and a held-out
+dataset (other random bases), ``--pack K`` documents to a sample (``pack.seq_len`` =
+K·(2L + 4); 1 by default), so a staged run can cut windows of any multiple of 2L + 4 out
+of them. ``--eval-lengths L1,L2,…`` writes one more held-out dataset per other length,
+``eval-L<Li>/``, packed the same way: copies from further back (or nearer) than the model
+was trained on.
+
+``probe score RUN MANIFEST`` evaluates a checkpoint on a held-out dataset
+(:mod:`ulysses_mm.tools.evaluate`, bins that are the two halves) and prints bits per base
+of each. A held-out dataset is scored at the length of its documents, read from its
+manifest (every document 2L + 4 tokens, the samples a multiple of that); ``--length L``
+says which length is meant and is refused in one line on documents of another. It is
+evaluated on windows of 2L + 4 tokens, one document each (``evaluate --seq-len``), so the
+layout (the run's, or ``--sp N``) only has to divide 2L + 4, however long the samples: to
+see a model trained at L score at 2L, write ``--eval-lengths 2L`` and score
+``eval-L<2L>/``. Attention never crosses documents, so a document scores the same alone in
+a sample as packed with others.
 """
 
 from __future__ import annotations
 
 import io
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ulysses_mm.core import REPO
 from ulysses_mm.core.errors import ConfigError, DataError
+from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.train.metrics import LN2
 
 PIPELINE = REPO / "pipelines" / "dna.yaml"
@@ -35,12 +49,19 @@ HEADER = 2  # <doc> <|dna|>: the first base is at position 2
 @dataclass
 class ProbeData:
     train: Path  # manifest.json
-    eval: Path
+    eval: Path  # held out, at ``length``
     length: int
+    evals: dict[int, Path] = field(default_factory=dict)  # held out, by length (``length``'s too)
+    pack: int = 1  # documents per sample
 
     @property
     def seq_len(self) -> int:
-        return 2 * self.length + 4
+        return self.pack * document_tokens(self.length)
+
+
+def document_tokens(length: int) -> int:
+    """Tokens of a copy document of halves of ``length`` bases: 2L + 4."""
+    return 2 * length + 4
 
 
 def halves(length: int) -> list[int]:
@@ -68,50 +89,83 @@ def write_fasta(path: Path, length: int, documents: int, seed: int) -> Path:
 
 
 def write_probe(
-    out: str | Path, length: int, documents: int, eval_documents: int, seed: int = 0
+    out: str | Path,
+    length: int,
+    documents: int,
+    eval_documents: int,
+    seed: int = 0,
+    eval_lengths: list[int] | None = None,
+    pack: int = 1,
 ) -> ProbeData:
-    from ulysses_mm.shards.manifest import Manifest
+    """The training set at ``length`` and a held-out set at ``length`` and at each of
+    ``eval_lengths``, ``pack`` documents to a sample."""
     from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
-    if length < 1:
-        raise ConfigError(f"--length must be >= 1, got {length}")
+    lengths = sorted({length, *(eval_lengths or [])})
+    if lengths[0] < 1:
+        raise ConfigError(f"--length and --eval-lengths must be >= 1, got {lengths[0]}")
     if documents < 1 or eval_documents < 1:
         raise ConfigError("--documents and --eval-documents must be >= 1")
+    if pack < 1:
+        raise ConfigError(f"--pack must be >= 1, got {pack}")
     out = Path(out)
-    manifests = []
-    for name, count, s in (("train", documents, seed), ("eval", eval_documents, seed + 1)):
-        fasta = write_fasta(out / "src" / f"{name}.fa", length, count, s)
+    sets = [("train", length, documents, seed)]
+    sets += [
+        ("eval" if n == length else f"eval-L{n}", n, eval_documents, seed + 1) for n in lengths
+    ]
+    manifests: dict[str, Path] = {}
+    for name, n, count, s in sets:
+        fasta = write_fasta(out / "src" / f"{name}.fa", n, count, s)
         cfg = load_pipeline_config(
             PIPELINE,
             [
-                f"name=probe-{name}-L{length}",
+                f"name=probe-{name}-L{n}",
                 f"sources=[{fasta}]",
                 f"output={out / name}",
-                f"pack.seq_len={2 * length + 4}",
+                f"pack.seq_len={pack * document_tokens(n)}",
                 "progress=false",
             ],
         )
         prepare(cfg, out=io.StringIO())
         m = Manifest.load(str(out / name / "manifest.json"))
-        if m.num_samples != count or m.num_documents != count:
-            raise DataError(f"{m.location}: expected one document per sample")
-        manifests.append(out / name / "manifest.json")
-    return ProbeData(manifests[0], manifests[1], length)
+        if m.num_samples != -(-count // pack) or m.num_documents != count:
+            raise DataError(f"{m.location}: expected {pack} documents per sample")
+        manifests[name] = out / name / "manifest.json"
+    evals = {n: manifests["eval" if n == length else f"eval-L{n}"] for n in lengths}
+    return ProbeData(manifests["train"], manifests["eval"], length, evals, pack)
 
 
-def probe_length(seq_len: int) -> int:
-    if seq_len < 6 or seq_len % 2:
-        raise DataError(f"samples of {seq_len} tokens are not a probe's (2L + 4 tokens)")
-    return (seq_len - 4) // 2
+def copy_length(manifest: Manifest) -> int:
+    """L of a probe dataset's documents (each 2L + 4 tokens, a whole number of them to a
+    sample), from its manifest."""
+    docs, tokens = manifest.num_documents, sum(manifest.tokens.values())
+    per = tokens // docs if docs else 0
+    if per < 6 or per % 2 or per * docs != tokens or manifest.seq_len % per:
+        raise DataError(
+            f"{manifest.location}: not a probe dataset ({docs} documents of {tokens} tokens "
+            f"in samples of {manifest.seq_len}; a probe's are 2L + 4 tokens each, a whole "
+            "number of them to a sample)"
+        )
+    return (per - 4) // 2
 
 
-def score(checkpoint: str, manifest: str, nproc: int | None = None) -> tuple[float, float]:
-    """(bits per base of the first half, of the second) on a probe dataset."""
-    from ulysses_mm.shards.manifest import Manifest
+def score(
+    checkpoint: str, manifest: str, nproc: int | None = None, length: int = 0, sp: int = 0
+) -> tuple[float, float]:
+    """(bits per base of the first half, of the second) on a probe dataset, scored on
+    windows of one document each; ``length`` > 0: the documents' L it expects; ``sp`` > 0:
+    that many Ulysses ranks instead of the run's layout."""
     from ulysses_mm.tools.evaluate import EvaluateOptions, run_evaluate
 
-    length = probe_length(Manifest.load(manifest).seq_len)
-    r = run_evaluate(checkpoint, manifest, EvaluateOptions(nproc=nproc, edges=halves(length)))
+    held = copy_length(Manifest.load(manifest))
+    if length and length != held:
+        raise DataError(
+            f"{manifest} holds copy documents of L={held}, not L={length}: write held-out "
+            f"documents of that length with `ulysses-mm probe write OUT --length L "
+            f"--eval-lengths {length}`"
+        )
+    opts = EvaluateOptions(nproc=nproc, edges=halves(held), seq_len=document_tokens(held), sp=sp)
+    r = run_evaluate(checkpoint, manifest, opts)
     rows = r.bins.get("dna", [])
     if len(rows) != 2:
         raise DataError(f"{manifest}: no targets in one of the halves")

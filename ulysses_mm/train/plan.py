@@ -23,6 +23,7 @@ from ulysses_mm.core.layout import check_layout
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.mixing import modality_pools
 from ulysses_mm.loader.order import check_enough_samples
+from ulysses_mm.loader.window import check_enough_windows
 from ulysses_mm.model.attention import check_kernel_config
 from ulysses_mm.model.hf_import import check_init_from
 from ulysses_mm.parallel.mesh import in_launched_world
@@ -201,18 +202,6 @@ def _check_stage(
         eval_len = stage_seq_len(stage, eval_manifest) if stage.seq_len else eval_manifest.seq_len
         check_enough_windows(eval_manifest, eval_len, dp, mb)
     return dp, seq_len
-
-
-def check_enough_windows(manifest: Manifest, seq_len: int, dp: int, micro_batch: int) -> None:
-    """One global micro-batch of windows of ``seq_len`` tokens out of the manifest's
-    samples."""
-    windows = manifest.num_samples * (manifest.seq_len // seq_len)
-    if windows < dp * micro_batch:
-        what = "samples" if seq_len == manifest.seq_len else f"windows of {seq_len} tokens"
-        raise DataError(
-            f"{manifest.location} holds {windows} {what}, fewer than one global micro-batch "
-            f"(dp {dp} × micro_batch {micro_batch})"
-        )
 
 
 def check_resume(cfg: RunConfig, space: TokenSpace, ranks: int | None = None) -> None:
