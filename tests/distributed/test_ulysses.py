@@ -40,8 +40,10 @@ def _loss_and_grads(model, batch: Batch, mesh: Mesh):
     return share, report, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _model_parity(rank, world, sp, model_kw, seq_len, micro_batch, kernel):
+def _model_parity(rank, world, sp, model_kw, seq_len, micro_batch, kernel, before=None):
+    """``before``: (sp, ring) of a layout applied first and replaced (a staged run)."""
     dp = world // sp
+    first = Mesh.build(before[0], world // before[0], before[1]) if before else None
     mesh = Mesh.build(sp, dp)
     cfg = ModelConfig(modalities=VOCAB, **model_kw)
     space = TokenSpace.from_vocab(VOCAB)
@@ -52,6 +54,8 @@ def _model_parity(rank, world, sp, model_kw, seq_len, micro_batch, kernel):
     _, ref_report, ref_grads = _loss_and_grads(ref, batch, Mesh.single())
 
     model = build_model(cfg, space, kernel, seed=11)
+    if first is not None:
+        apply_ulysses(model, first, head_chunks=2)
     apply_ulysses(model, mesh)
     local = sp_slice(
         batch.rows(mesh.dp_rank * micro_batch, (mesh.dp_rank + 1) * micro_batch), mesh.sp_rank, sp
@@ -95,11 +99,36 @@ def _model_parity(rank, world, sp, model_kw, seq_len, micro_batch, kernel):
             ),
             id="sp2-kv3-ckpt-tiled",
         ),
+        pytest.param(
+            4,
+            4,
+            dict(
+                num_key_value_heads=2,
+                rope=dict(kind="yarn", factor=8.0, original_max_position_embeddings=8),
+            ),
+            id="sp4-rope-yarn",
+        ),
     ],
 )
 def test_model_matches_single_process(world, sp, model_kw):
     totals = run_distributed(_model_parity, world, sp, model_kw, 192, 1, "sdpa_varlen")
     assert len(set(totals)) == 1  # every rank reports the same global loss
+
+
+def test_dynamic_rope_sees_the_whole_sequences_length():
+    """Dynamic NTK rescales by the longest position + 1 of the sequence: at 160 tokens
+    rank 0's slice reaches position 27 and rank 1's 32, and both must rescale by 33."""
+    kw = dict(rope=dict(kind="dynamic", factor=4.0), max_position_embeddings=8)
+    totals = run_distributed(_model_parity, 2, 2, kw, 160, 1, "sdpa_varlen")
+    assert len(set(totals)) == 1
+
+
+def test_a_model_laid_out_again_matches_single_process():
+    """Laid out as sp 4 = 2 Ulysses × 2 ring in head chunks, then as dp 2 × sp 2 (a run
+    moving to its next stage): the second layout replaces the first entirely."""
+    kw = dict(num_attention_heads=4, num_key_value_heads=2)
+    totals = run_distributed(_model_parity, 4, 2, kw, 192, 1, "sdpa_varlen", (4, 2))
+    assert len(set(totals)) == 1
 
 
 def test_model_matches_single_process_dense_kernel_batch2():

@@ -114,3 +114,11 @@ def test_the_export_loads_in_transformers_with_the_last_stage_rope(data, staged,
     rope = AutoConfig.from_pretrained(out).rope_parameters
     assert rope["rope_type"] == "yarn"
     assert rope["factor"] == 16.0 and rope["original_max_position_embeddings"] == 1024
+
+
+def test_report_marks_where_each_stage_begins(staged, tmp_path):
+    from ulysses_mm.tools.report import loss_series, plot, read_metrics
+
+    run, _ = staged
+    assert loss_series(read_metrics(run)).stage_starts == [(5, 1, 4096), (9, 2, LONGEST)]
+    assert plot(run, tmp_path / "loss.png").stat().st_size > 0
