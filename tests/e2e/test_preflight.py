@@ -65,7 +65,7 @@ def no_processes(monkeypatch):
                 "train.steps=4",
                 "train.stages=[{steps: 2}, {steps: 2, parallel: {sp: 3}}]",
             ],
-            "train.stages[1] (steps 3-4): parallel.sp=3 does not divide the 4 query heads",
+            "train.stages[1] (steps 3-4): sp=3 does not divide the 4 query heads",
         ),
         (["train.steps=4", "train.stages=[{steps: 2}, {steps: 3}]"], "add up to 2 + 3 = 5"),
         (
