@@ -204,8 +204,23 @@ def _cmd_config(args: argparse.Namespace) -> int:
         cfg = from_dict(RunConfig, deep_merge(data, parse_overrides(args.overrides)))
     else:
         cfg = load_config(RunConfig, args.config, args.overrides)
-    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    out = to_dict(cfg)
+    # the RoPE keys its kind leaves unset and the settings a stage keeps are left out
+    out["model"]["rope"] = _set_only(out["model"]["rope"])
+    out["train"]["stages"] = [_set_only(stage) for stage in out["train"]["stages"]]
+    print(yaml.safe_dump(out, sort_keys=False), end="")
     return 0
+
+
+def _set_only(section: dict) -> dict:
+    """``section`` without its None values (nested sections too; an emptied one goes)."""
+    out = {}
+    for key, value in section.items():
+        if isinstance(value, dict):
+            value = _set_only(value)
+        if value is not None and value != {}:
+            out[key] = value
+    return out
 
 
 def add_config(sub: argparse._SubParsersAction) -> None:
