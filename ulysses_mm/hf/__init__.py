@@ -9,6 +9,8 @@ attention implementation.
 - ``dataset.py``: :class:`ShardDataset` (torch) and :func:`hf_dataset` (``datasets``).
 - ``tokenizer.py``: ``ulysses-mm hf-tokenizer``.
 - ``trainer.py``: the data state in Trainer checkpoints (imports transformers' Trainer).
+- ``trl.py``: TRL's ``SFTTrainer`` on our shards (:func:`trl_dataset`, the guard rails and
+  the data state in its checkpoints).
 """
 
 from ulysses_mm.hf.attention import NAME, isolate_documents, register

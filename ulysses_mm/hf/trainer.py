@@ -46,8 +46,22 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def sp_size(args: Any) -> int:
+def parallelism_config(args: Any) -> Any:
+    """The Accelerator's parallelism config: ``args.parallelism_config``, or, where that
+    is None (``accelerate launch --config_file`` with ``parallelism_config_sp_size``), the
+    one Accelerate built from its environment (``AcceleratorState``)."""
     pc = getattr(args, "parallelism_config", None)
+    if pc is None:
+        from accelerate.state import AcceleratorState
+
+        pc = AcceleratorState._shared_state.get("parallelism_config")
+    return pc
+
+
+def sp_size(args: Any) -> int:
+    """The sequence-parallel size the Accelerator trains with (see
+    :func:`parallelism_config`)."""
+    pc = parallelism_config(args)
     return int(pc.sp_size) if pc is not None and pc.sp_size else 1
 
 
