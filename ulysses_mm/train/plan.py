@@ -158,9 +158,9 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     if resume:
         check_resume(cfg, space, ranks=dps[0] * stages[0].cfg.parallel.sp)
     windows = staged or any(seq_lens[0] != m.seq_len for m, _ in sources)
-    plan = RunPlan(manifest, eval_manifest, space, seq_lens[0], sources, modalities)
-    plan.stages, plan.windows = stages, windows
-    return plan
+    return RunPlan(
+        manifest, eval_manifest, space, seq_lens[0], sources, modalities, stages, windows
+    )
 
 
 def _check_stage(
