@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     dataset.close()
     if accelerator.is_main_process:
         losses_path.write_text(json.dumps(losses, indent=1) + "\n")
+    accelerator.end_training()  # leave the process group before the interpreter ends
 
 
 if __name__ == "__main__":

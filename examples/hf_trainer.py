@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     with weights_only_checkpoints():
         trainer.train(resume_from_checkpoint=True if args.resume else None)
     dataset.close()
+    trainer.accelerator.end_training()  # leave the process group before the interpreter ends
     if trainer.is_world_process_zero():
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         Path(args.out, "losses.json").write_text(json.dumps(losses, indent=1) + "\n")

@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     with weights_only_checkpoints():
         trainer.train(resume_from_checkpoint=True if args.resume else None)
     shard_dataset(dataset).close()
+    trainer.accelerator.end_training()  # leave the process group before the interpreter ends
     if trainer.is_world_process_zero():
         history = trainer.state.log_history
         losses = {h["step"]: h["loss"] for h in history if "loss" in h}

@@ -83,8 +83,22 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
+    joined = _in_world()  # a group the caller made is the caller's to end
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
     except UserError as e:  # what the user can fix: one line; anything else keeps its traceback
         print(f"ulysses-mm {args.command}: {e.prefix}{e}", file=sys.stderr)
         return e.exit_code
+    if not joined and _in_world():  # this command joined a world (a launched rank, a lone
+        from ulysses_mm.parallel.mesh import close_world  # engine): leave it before exiting
+
+        close_world()
+    return code
+
+
+def _in_world() -> bool:
+    if "torch.distributed" not in sys.modules:  # not imported: no group (and no import cost)
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ulysses_mm.core.errors import WorkerError
-from ulysses_mm.parallel.mesh import in_launched_world
+from ulysses_mm.parallel.mesh import close_world, in_launched_world
 
 
 def _one_line(e: BaseException) -> str:
@@ -58,12 +58,14 @@ def _local_rank(fn: Callable[..., Any], log_dir: str, *args: Any) -> Any:
     at once (exit 1), its line in ``rank-N.error`` for the parent to print, not waiting
     for threads (a prefetch, a storage client's event loop) that may never return."""
     try:
-        return _guarded(fn, log_dir, *args)
+        result = _guarded(fn, log_dir, *args)
     except WorkerError:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
         os._exit(1)
+    close_world()
+    return result
 
 
 def launch_local(fn: Callable[..., Any], nproc: int, *args: Any) -> dict[int, Any]:

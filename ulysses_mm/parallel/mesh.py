@@ -203,6 +203,15 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
     return dist.get_rank(), dist.get_world_size()
 
 
+def close_world() -> None:
+    """End this process's part in the world once its work is done (``destroy_process_group``,
+    as torch asks of every trainer before it exits): a gloo group left to the interpreter's
+    shutdown may abort the process (``terminate called without an active exception``) after
+    a run that succeeded. Only on success: a failed rank leaves without waiting on peers."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def in_launched_world() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
