@@ -37,7 +37,7 @@ def worker(args: argparse.Namespace, P: int, heads: int, kv: int) -> dict:
     from ulysses_mm.config import ModelConfig
     from ulysses_mm.loader.synthetic import random_batch
     from ulysses_mm.model import build_model
-    from ulysses_mm.parallel import CommStats, Mesh, apply_ulysses, loss_weights
+    from ulysses_mm.parallel import CommStats, Mesh, apply_loss_balance, apply_ulysses, loss_weights
     from ulysses_mm.parallel.mesh import init_distributed
     from ulysses_mm.parallel.slice import sp_slice
     from ulysses_mm.train.step import forward_loss
@@ -57,6 +57,7 @@ def worker(args: argparse.Namespace, P: int, heads: int, kv: int) -> dict:
     assert next(model.parameters()).dtype == torch.float32
     stats = CommStats()
     apply_ulysses(model, mesh, stats)
+    apply_loss_balance(model, mesh)
     batch = sp_slice(random_batch(model.space, 1, args.seq_len, seed=0), mesh.sp_rank, P)
 
     def sent(prof) -> int:

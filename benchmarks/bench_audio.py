@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.audio import load_waveform, mulaw_encode
+from ulysses_mm.tokenize.audio.mulaw import mulaw_encode
+from ulysses_mm.tokenize.audio.waveform import load_waveform
 from ulysses_mm.tokenize.registry import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]

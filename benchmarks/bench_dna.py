@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.dna import open_text
+from ulysses_mm.tokenize.dna.tokenizer import open_text
 from ulysses_mm.tokenize.registry import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -94,6 +94,7 @@ def throughput(path: Path, fmt: str, repeats: int, goal: float) -> None:
     from Bio.SeqIO.FastaIO import SimpleFastaParser
     from Bio.SeqIO.QualityIO import FastqGeneralIterator
 
+    from ulysses_mm.core.storage import Location
     from ulysses_mm.shards.prepare.pool import tokenize_input
     from ulysses_mm.shards.prepare.route import Task
 
@@ -123,7 +124,7 @@ def throughput(path: Path, fmt: str, repeats: int, goal: float) -> None:
 
     def prepare_step() -> None:
         task = Task(0, str(path), "dna", f"{tmp.name}/entry", f"{tmp.name}/fetch")
-        assert tokenize_input(task, tok, space, {}).ok
+        assert tokenize_input(task, tok, space, Location(str(path))).ok
 
     rows = [
         ("parse only (gzip + Biopython)", best(parse_only, repeats)),

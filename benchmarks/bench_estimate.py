@@ -38,12 +38,12 @@ def measured_and_estimated(cfg, sp: int, seq_len: int, doc_len: int):
     step start: the peak less what lives between steps)."""
     from ulysses_mm.config import to_dict
     from ulysses_mm.parallel.launch import launch_local
-    from ulysses_mm.tools.estimate import estimate
+    from ulysses_mm.tools.estimate import EstimateOptions, estimate
     from ulysses_mm.tools.measure import measure_launched
 
     res = launch_local(measure_launched, sp, to_dict(cfg), seq_len, doc_len)
     m = max(res.values(), key=lambda r: r["peak"])
-    est = estimate(cfg, seq_len, device="cpu")
+    est = estimate(cfg, seq_len, EstimateOptions(device="cpu"))
     between = [
         t.bytes
         for t in est.phase("optimizer step").terms
@@ -94,11 +94,12 @@ def modes(args) -> None:
     path = args.config or "configs/small.yaml"
     seq_len = args.seq_len or 8192
     ckpt = "model.activation_checkpointing=true"
+    tiles = [f"model.layer_tile_tokens={args.tile}", "model.mlp_tile_tokens=0"]  # MLP in them
     variants = {
         "none": [ckpt, "model.offload_checkpoints=false", "model.layer_tile_tokens=0"],
         "offload": [ckpt, "model.offload_checkpoints=true", "model.layer_tile_tokens=0"],
-        "tiles": [ckpt, "model.offload_checkpoints=false", f"model.layer_tile_tokens={args.tile}"],
-        "both": [ckpt, "model.offload_checkpoints=true", f"model.layer_tile_tokens={args.tile}"],
+        "tiles": [ckpt, "model.offload_checkpoints=false", *tiles],
+        "both": [ckpt, "model.offload_checkpoints=true", *tiles],
     }
     print(f"{path}, {seq_len:,} tokens, SP=1: peak above the step's start, bytes per token")
     print(

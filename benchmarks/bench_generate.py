@@ -26,7 +26,7 @@ import torch
 
 from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES, DOC_START, TokenSpace
-from ulysses_mm.model import build_model
+from ulysses_mm.model import apply_memory_policy, build_model
 from ulysses_mm.model.attention import PRECISION_DTYPES
 from ulysses_mm.model.generate import Sampling, generate
 from ulysses_mm.model.kv_cache import CachedDecoder, RecomputeDecoder
@@ -44,7 +44,9 @@ def _sync(device: torch.device) -> None:
 def measure(config: str, context: int, new: int, recompute_new: int, device, dtype) -> dict:
     cfg = load_config(RunConfig, REPO / "configs" / f"{config}.yaml", [])
     space = TokenSpace.from_vocab(cfg.model.modalities or DEFAULT_MODALITIES)
-    model = build_model(cfg.model, space, seed=0).to(device=device, dtype=dtype).eval()
+    model = build_model(cfg.model, space, seed=0)
+    apply_memory_policy(model, cfg.model)  # as generation lays it out: layer tiles in prefill
+    model.to(device=device, dtype=dtype).eval()
     dna = load_tokenizer(REPO / "tokenizers" / "dna-base.json")
     r = space.range("dna")
     g = torch.Generator().manual_seed(0)

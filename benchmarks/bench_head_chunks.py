@@ -84,9 +84,9 @@ def worker(args: argparse.Namespace) -> dict:
 
 def _estimated(args: argparse.Namespace, chunks: int) -> tuple[int, int]:
     """(estimated peak, estimated bytes live at the step's start) on CPU."""
-    from ulysses_mm.tools.estimate import estimate
+    from ulysses_mm.tools.estimate import EstimateOptions, estimate
 
-    est = estimate(_cfg(args, chunks), args.seq_len, device="cpu")
+    est = estimate(_cfg(args, chunks), args.seq_len, EstimateOptions(device="cpu"))
     before = est.phase("optimizer step")
     base = sum(
         t.bytes for t in before.terms if t.name not in ("gradients", "optimizer step temporaries")

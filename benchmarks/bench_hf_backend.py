@@ -237,7 +237,7 @@ def probe(sp: int) -> dict:
         out["deepspeed"] = "ran"
     except Exception as e:  # what DeepSpeed says about this layout
         out["deepspeed"] = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-    mesh = Mesh.build(sp, ring=sp // 4)
+    mesh = Mesh.build(sp, ring_size=sp // 4)
     register(mesh)
     model = _model(**shape)
     model.set_attn_implementation("ulysses_mm")

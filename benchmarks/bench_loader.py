@@ -49,6 +49,7 @@ from typing import ClassVar
 
 import numpy as np
 
+from ulysses_mm.core.storage import Location
 from ulysses_mm.loader.mixing import mix_error
 from ulysses_mm.loader.node_cache import NodeCache
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
@@ -192,7 +193,7 @@ def bench_http(sources, args, root: Path) -> dict[str, float]:
         remote = [
             (
                 dataclasses.replace(
-                    m, location=f"{base}/{Path(m.location).parent.name}/manifest.json"
+                    m, where=m.where.at(f"{base}/{Path(m.location).parent.name}/manifest.json")
                 ),
                 *rest,
             )
@@ -230,7 +231,8 @@ def bench_s3(sources, args, root: Path) -> dict[str, float] | None:
         for m, *rest in sources:
             name = Path(m.location).parent.name
             fs.put(str(Path(m.location).parent), f"bench/{name}", recursive=True)
-            remote.append((Manifest.load(f"s3://bench/{name}/manifest.json", opts), *rest))
+            where = Location(f"s3://bench/{name}/manifest.json", opts)
+            remote.append((Manifest.load(where), *rest))
         proxy.reset()  # from here on: what the training node reads
         out = run_node(remote, args.ranks, args.steps, args.step_ms / 1000, root / "cache-s3")
         out["sent"] = proxy.sent

@@ -45,7 +45,7 @@ def worker(args: argparse.Namespace, P: int, ring: int) -> dict:
     from ulysses_mm.config import ModelConfig
     from ulysses_mm.loader.synthetic import random_batch
     from ulysses_mm.model import build_model
-    from ulysses_mm.parallel import CommStats, Mesh, apply_ulysses, loss_weights
+    from ulysses_mm.parallel import CommStats, Mesh, apply_loss_balance, apply_ulysses, loss_weights
     from ulysses_mm.parallel.mesh import init_distributed
     from ulysses_mm.parallel.ring import new_ring_stats
     from ulysses_mm.parallel.slice import sp_slice
@@ -65,6 +65,7 @@ def worker(args: argparse.Namespace, P: int, ring: int) -> dict:
     model = build_model(cfg, seed=0)
     stats, rstats = CommStats(), new_ring_stats()
     apply_ulysses(model, mesh, stats, rstats)
+    apply_loss_balance(model, mesh)
     batch = random_batch(model.space, 1, args.seq_len, seed=0)
     local = sp_slice(batch, mesh.sp_rank, P, ring)
     weights = loss_weights(model.space.modalities, {})

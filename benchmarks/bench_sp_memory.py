@@ -23,8 +23,8 @@ def worker(args: argparse.Namespace) -> dict:
 
     from ulysses_mm.config import ModelConfig
     from ulysses_mm.loader.synthetic import random_batch
-    from ulysses_mm.model import build_model
-    from ulysses_mm.parallel import Mesh, apply_ulysses, loss_weights
+    from ulysses_mm.model import apply_memory_policy, build_model
+    from ulysses_mm.parallel import Mesh, apply_loss_balance, apply_ulysses, loss_weights
     from ulysses_mm.parallel.mesh import in_launched_world, init_distributed
     from ulysses_mm.parallel.slice import sp_slice
     from ulysses_mm.tools.memory import TensorMemoryTracker
@@ -44,7 +44,9 @@ def worker(args: argparse.Namespace) -> dict:
         loss_tile_tokens=1024,
     )
     model = build_model(cfg, seed=0)
+    apply_memory_policy(model, cfg)
     apply_ulysses(model, mesh)
+    apply_loss_balance(model, mesh)
     batch = sp_slice(
         random_batch(
             model.space, 1, args.seq_len, seed=0, min_doc=args.doc_len, max_doc=args.doc_len

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.evaluate import psnr
-from ulysses_mm.tokenize.kmeans import Codebook
 from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.video.fidelity import psnr
 from ulysses_mm.tokenize.video.frames import probe_video
+from ulysses_mm.tokenize.video.kmeans import Codebook
 from ulysses_mm.tokenize.video.vq import VqVideoTokenizer, patchify
 
 REPO = Path(__file__).resolve().parents[1]

@@ -40,8 +40,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 
 from ulysses_mm.tokenize.base import TokenizerSpec
-from ulysses_mm.tokenize.evaluate import eval_video, psnr
 from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.video.fidelity import eval_video, psnr
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"

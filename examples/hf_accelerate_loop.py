@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     from ulysses_mm.parallel import Mesh
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())  # DDP over gloo on CPU
-    mesh = Mesh.build(args.sp, ring=args.ring)
+    mesh = Mesh.build(args.sp, ring_size=args.ring)
     register(mesh)  # attn_implementation="ulysses_mm" now runs over this mesh
     dataset = ShardDataset(
         args.data, args.micro_batch, mesh.dp, mesh.dp_rank, DataConfig(seed=args.seed)

@@ -190,7 +190,7 @@ def _pow2_lengths(lo: int, hi: int, granule: int) -> list[int]:
 
 def make_plan(args: argparse.Namespace, n_gpus: int, gpu_mem_gib: float | None) -> dict:
     from ulysses_mm.config import RunConfig, load_config
-    from ulysses_mm.tools.estimate import max_seq_len
+    from ulysses_mm.tools.estimate import EstimateOptions, max_seq_len
 
     base = load_config(RunConfig, args.config, args.overrides)
     heads = base.model.num_attention_heads
@@ -215,7 +215,10 @@ def make_plan(args: argparse.Namespace, n_gpus: int, gpu_mem_gib: float | None) 
         est_max = None
         if gpu_mem_gib:
             est_max, _ = max_seq_len(
-                cfg, gpu_mem_gib, gpus=sp, sp=sp, device="cuda" if cuda else "cpu"
+                cfg,
+                EstimateOptions(
+                    gpu_mem_gib=gpu_mem_gib, gpus=sp, sp=sp, device="cuda" if cuda else "cpu"
+                ),
             )
         if args.seq_lens:
             lengths = [n for n in args.seq_lens if n % sp == 0]
@@ -232,9 +235,9 @@ def make_plan(args: argparse.Namespace, n_gpus: int, gpu_mem_gib: float | None) 
 
 
 def _estimates(cfg: Any, n: int, sp: int, device: str, gpu_mem_gib: float | None) -> dict:
-    from ulysses_mm.tools.estimate import estimate
+    from ulysses_mm.tools.estimate import EstimateOptions, estimate
 
-    e = estimate(cfg, n, gpus=sp, sp=sp, device=device, gpu_mem_gib=gpu_mem_gib)
+    e = estimate(cfg, n, EstimateOptions(gpus=sp, sp=sp, device=device, gpu_mem_gib=gpu_mem_gib))
     return {"est_peak": e.peak, "est_total": e.total, "est_fits": e.fits}
 
 
@@ -472,11 +475,16 @@ MEMORY_MODES: dict[str, list[str]] = {
         "model.offload_checkpoints=true",
         "model.layer_tile_tokens=0",
     ],
-    "tiles": ["model.offload_checkpoints=false", "model.layer_tile_tokens={tile}"],
+    "tiles": [
+        "model.offload_checkpoints=false",
+        "model.layer_tile_tokens={tile}",
+        "model.mlp_tile_tokens=0",  # the layer tiles hold the MLP
+    ],
     "both": [
         "model.activation_checkpointing=true",
         "model.offload_checkpoints=true",
         "model.layer_tile_tokens={tile}",
+        "model.mlp_tile_tokens=0",
     ],
 }
 

@@ -20,7 +20,7 @@ from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model import build_model
 from ulysses_mm.model.generate import Sampling, generate
 from ulysses_mm.model.kv_cache import CachedDecoder
-from ulysses_mm.parallel import Mesh, apply_ulysses
+from ulysses_mm.parallel import Mesh, apply_loss_balance, apply_ulysses
 from ulysses_mm.parallel.decode import SequenceParallelDecoder
 from ulysses_mm.parallel.mesh import World
 from ulysses_mm.tokenize.grammar import Grammar
@@ -41,12 +41,12 @@ def _model():
 
 
 def _decode(ring: int) -> dict:
-    mesh = Mesh.build(2, ring=ring)
+    mesh = Mesh.build(2, ring_size=ring)
     torch.manual_seed(0)
     prompt = torch.randint(SPACE.num_specials, SPACE.vocab_size, (1, 37))
     steps = torch.randint(SPACE.num_specials, SPACE.vocab_size, (1, 9))
     ref = CachedDecoder(_model(), 60)
-    model = apply_ulysses(_model(), mesh)
+    model = apply_loss_balance(apply_ulysses(_model(), mesh), mesh)
     sp = SequenceParallelDecoder(model, mesh, prompt.shape[1], 20)
     assert_close(sp.start(prompt), ref.start(prompt), **TOL)
     for i in range(steps.shape[1]):

@@ -16,7 +16,7 @@ from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.loader.synthetic import random_batch
-from ulysses_mm.model import build_model
+from ulysses_mm.model import apply_memory_policy, build_model
 from ulysses_mm.parallel import Mesh, loss_weights
 from ulysses_mm.parallel.mesh import open_world
 from ulysses_mm.parallel.slice import sp_slice
@@ -51,6 +51,7 @@ def _reference_grads(
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, no DeepSpeed: mean over micro-batches of the global-batch loss."""
     model = build_model(cfg.model, seed=cfg.train.seed)
+    apply_memory_policy(model, cfg.model)
     w = loss_weights(model.space.modalities, {})
     totals = []
     for b in batches:
@@ -164,6 +165,7 @@ def _offload_params(rank, world, steps, stages):
         if stage == 3:
             cfg.deepspeed.offload_param = "cpu"
         ref = build_model(cfg.model, seed=cfg.train.seed)
+        apply_memory_policy(ref, cfg.model)
         o = cfg.deepspeed.optimizer
         ref_opt = torch.optim.AdamW(
             ref.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay

@@ -36,6 +36,7 @@ from ulysses_mm.loader.synthetic import largest_head, single_modality_batch
 from ulysses_mm.tools.estimate import (
     DS_ZERO_DEFAULTS,
     MAX_GRANULARITY,
+    EstimateOptions,
     GiB,
     best_head_chunks,
     estimate,
@@ -181,7 +182,7 @@ def measured() -> Callable[[str], dict]:
 def test_estimate_matches_measured_peak(measured, case):
     case_id, name, overrides, seq_len, sp = case
     cfg = _cfg(name, overrides, sp)
-    est = estimate(cfg, seq_len, device="cpu")
+    est = estimate(cfg, seq_len, EstimateOptions(device="cpu"))
     m = measured(case_id)
     assert m["sp"] == sp and m["seq_len"] == seq_len
     before = est.phase("optimizer step")  # what is live between steps, as estimated
@@ -264,16 +265,19 @@ def test_step_shape_defaults_and_refusals():
 def test_more_gpus_and_checkpointing_and_zero_lower_the_per_gpu_figure():
     cfg = load_config(RunConfig, CONFIGS / "llama3-8b.yaml")
     n = 262144
-    by_sp = [estimate(cfg, n, gpus=g).peak for g in (2, 4, 8)]
+    by_sp = [estimate(cfg, n, EstimateOptions(gpus=g)).peak for g in (2, 4, 8)]
     assert by_sp[0] > by_sp[1] > by_sp[2]
     no_ckpt = load_config(
         RunConfig,
         CONFIGS / "llama3-8b.yaml",
         ["model.activation_checkpointing=false", "model.offload_checkpoints=false"],
     )
-    assert estimate(no_ckpt, n, gpus=8).peak > 2 * estimate(cfg, n, gpus=8).peak
+    assert (
+        estimate(no_ckpt, n, EstimateOptions(gpus=8)).peak
+        > 2 * estimate(cfg, n, EstimateOptions(gpus=8)).peak
+    )
     zero1 = load_config(RunConfig, CONFIGS / "llama3-8b.yaml", ["deepspeed.zero_stage=1"])
-    e1, e3 = estimate(zero1, n, gpus=8), estimate(cfg, n, gpus=8)
+    e1, e3 = estimate(zero1, n, EstimateOptions(gpus=8)), estimate(cfg, n, EstimateOptions(gpus=8))
     assert e1.states["params"] == 2 * e1.params  # bf16, whole on every rank
     assert e3.states["params"] < e1.states["params"] / 7
     assert e1.states["optimizer"] == e3.states["optimizer"] == 12 * math.ceil(e1.params / 8)
@@ -282,7 +286,7 @@ def test_more_gpus_and_checkpointing_and_zero_lower_the_per_gpu_figure():
         CONFIGS / "llama3-8b.yaml",
         ["deepspeed.offload_optimizer=cpu", "deepspeed.offload_param=cpu"],
     )
-    eo = estimate(off, n, gpus=8)
+    eo = estimate(off, n, EstimateOptions(gpus=8))
     assert eo.states["optimizer"] == 0 and eo.host >= 16 * e3.params // 8
     assert eo.peak < e3.peak
     # the what-if: with the checkpointed layer inputs on the host the peak drops by ~L - 1 of them
@@ -291,7 +295,7 @@ def test_more_gpus_and_checkpointing_and_zero_lower_the_per_gpu_figure():
         CONFIGS / "llama3-8b.yaml",
         ["model.offload_checkpoints=false", "model.layer_tile_tokens=0"],
     )
-    e3 = estimate(kept, n, gpus=8)
+    e3 = estimate(kept, n, EstimateOptions(gpus=8))
     assert e3.offloaded_total is not None
     saved = e3.total - e3.offloaded_total
     assert saved >= 0.9 * (cfg.model.num_hidden_layers - 1) * e3.act.residual
@@ -299,8 +303,8 @@ def test_more_gpus_and_checkpointing_and_zero_lower_the_per_gpu_figure():
 
 def test_gpu_terms_only_on_gpu():
     cfg = load_config(RunConfig, CONFIGS / "small.yaml")
-    gpu = estimate(cfg, 4096, headroom=0.2, reserve_gib=1.5)
-    cpu = estimate(cfg, 4096, device="cpu")
+    gpu = estimate(cfg, 4096, EstimateOptions(headroom=0.2, reserve_gib=1.5))
+    cpu = estimate(cfg, 4096, EstimateOptions(device="cpu"))
     assert gpu.reserve == int(1.5 * GiB) and gpu.headroom == int(0.2 * gpu.peak)
     assert gpu.total == gpu.peak + gpu.headroom + gpu.reserve
     assert cpu.total == cpu.peak and cpu.reserve == 0 and cpu.headroom == 0
@@ -308,15 +312,15 @@ def test_gpu_terms_only_on_gpu():
 
 def test_max_seq_len_is_the_longest_that_fits():
     cfg = load_config(RunConfig, CONFIGS / "llama3-8b.yaml")
-    n24, e24 = max_seq_len(cfg, 24, gpus=8)
-    n80, e80 = max_seq_len(cfg, 80, gpus=8)
+    n24, e24 = max_seq_len(cfg, EstimateOptions(gpu_mem_gib=24, gpus=8))
+    n80, e80 = max_seq_len(cfg, EstimateOptions(gpu_mem_gib=80, gpus=8))
     g = 8 * MAX_GRANULARITY
     assert 0 < n24 < n80 and n24 % g == 0 and n80 % g == 0
     for n, e, mem in ((n24, e24, 24), (n80, e80, 80)):
         assert e.fits and e.step.seq_len == n and e.total <= mem * GiB
-        assert not estimate(cfg, n + g, gpus=8, gpu_mem_gib=mem).fits
+        assert not estimate(cfg, n + g, EstimateOptions(gpus=8, gpu_mem_gib=mem)).fits
     # nothing fits when the states alone exceed the GPU
-    n, e = max_seq_len(cfg, 4, gpus=8)
+    n, e = max_seq_len(cfg, EstimateOptions(gpu_mem_gib=4, gpus=8))
     assert n == 0 and not e.fits
 
 
@@ -330,7 +334,7 @@ def test_cli_answers_how_long_a_context_fits(capsys):
     cfg = str(CONFIGS / "llama3-8b.yaml")
     rc, out, _ = _cli(capsys, cfg, "--gpus", "8", "--gpu-mem", "24", "--max")
     assert rc == 0
-    n, _ = max_seq_len(load_config(RunConfig, cfg), 24, gpus=8)
+    n, _ = max_seq_len(load_config(RunConfig, cfg), EstimateOptions(gpu_mem_gib=24, gpus=8))
     assert (
         f"longest sequence that fits: {n:,} tokens ({n // 8:,} per GPU) on 8 GPUs of 24 GiB" in out
     )
@@ -376,7 +380,10 @@ def test_gradient_accumulation_keeps_gradients_through_the_next_micro_step():
     gas = load_config(
         RunConfig, CONFIGS / "debug-tiny.yaml", ["deepspeed.gradient_accumulation_steps=4"]
     )
-    one, four = estimate(cfg, 8192, device="cpu"), estimate(gas, 8192, device="cpu")
+    one, four = (
+        estimate(cfg, 8192, EstimateOptions(device="cpu")),
+        estimate(gas, 8192, EstimateOptions(device="cpu")),
+    )
     grads = 4 * one.params  # fp32, ZeRO-0: every gradient, held between micro-steps
     fwd = "forward: the last layer's attention"
     assert four.phase(fwd).bytes - one.phase(fwd).bytes == grads
@@ -393,7 +400,7 @@ def test_ring_is_estimated_with_its_bytes(capsys):
     n = 262144
     for ring in (2, 4, 8):
         cfg = load_config(RunConfig, CONFIGS / "llama3-8b.yaml", [f"parallel.ring={ring}"])
-        est = estimate(cfg, n, gpus=16)
+        est = estimate(cfg, n, EstimateOptions(gpus=16))
         lay, sent = est.step, est.sent_per_layer
         # a GPU in bf16 runs the ring's blocks as flash-attn varlen calls
         assert (lay.sp, lay.ring, lay.ulysses) == (16, ring, 16 // ring)
@@ -415,14 +422,14 @@ def test_ring_is_estimated_with_its_bytes(capsys):
                 [f"parallel.ring={ring}", "deepspeed.precision=fp32"],
             ),
             n,
-            gpus=16,
+            EstimateOptions(gpus=16),
         )
         assert fp32.kernel == "ring"
         assert fp32.act.ring_scores == 4 * (32 // (16 // ring)) * (n // ring) ** 2
         assert fp32.act.attention_backward >= 5 * fp32.act.ring_scores
     # the pure ring (U = 1) moves no all-to-all bytes and needs no heads to divide sp
     cfg = load_config(RunConfig, CONFIGS / "debug-tiny.yaml", ["parallel.sp=8", "parallel.ring=8"])
-    est = estimate(cfg, 4096, gpus=8)
+    est = estimate(cfg, 4096, EstimateOptions(gpus=8))
     assert est.step.ulysses == 1 and est.sent_per_layer["all_to_all_forward"] == 0
     assert est.sent_per_layer["ring_forward"] > 0
 
@@ -464,19 +471,21 @@ def test_head_chunks_reach_1m_tokens_on_one_gpu_and_8m_on_eight():
     cfg = load_config(RunConfig, CONFIGS / "llama3-8b.yaml", GOAL)
     for gpus, n, chunks in ((1, 1_000_000, 16), (8, 8_000_000, 4)):
         kw = dict(gpus=gpus, gpu_mem_gib=80, host_mem_gib=2048)
-        grouped = estimate(cfg, n, head_chunks=chunks, **kw)
+        grouped = estimate(cfg, n, EstimateOptions(head_chunks=chunks, **kw))
         assert grouped.fits and grouped.host_fits, (gpus, grouped.total / GiB)
-        assert not estimate(cfg, n, head_chunks=1, **kw).fits
+        assert not estimate(cfg, n, EstimateOptions(head_chunks=1, **kw)).fits
         # the groups shrink what attention keeps and works with
-        one = estimate(cfg, n, head_chunks=1, **kw)
+        one = estimate(cfg, n, EstimateOptions(head_chunks=1, **kw))
         assert grouped.act.kernel_saved < one.act.kernel_saved
         assert grouped.act.attention_backward < one.act.attention_backward
-        longest, est, tried = best_head_chunks(cfg, 80, gpus=gpus, host_mem_gib=2048)
+        longest, est, tried = best_head_chunks(
+            cfg, EstimateOptions(gpu_mem_gib=80, gpus=gpus, host_mem_gib=2048)
+        )
         assert longest >= n and est.step.head_chunks == max(tried, key=tried.get)
     # the exchange carries q, k, v again in backward (the recomputation)
-    from ulysses_mm.parallel.head_chunks import exchange_heads
+    from ulysses_mm.parallel.head_groups import exchange_heads
 
-    est = estimate(cfg, 8_000_000, gpus=8, head_chunks=4)
+    est = estimate(cfg, 8_000_000, EstimateOptions(gpus=8, head_chunks=4))
     fwd, bwd = exchange_heads(32, 8, 8, 4)
     per_head = 8_000_000 * 128 // 8 * 7 // 8 * 2
     assert est.sent_per_layer["all_to_all_forward"] == fwd * per_head

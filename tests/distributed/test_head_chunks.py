@@ -22,11 +22,17 @@ from ulysses_mm.config import ModelConfig, RunConfig, load_config
 from ulysses_mm.core.layout import LayoutError, check_layout, valid_head_chunks
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
-from ulysses_mm.model import build_model
+from ulysses_mm.model import Offload, apply_memory_policy, build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
-from ulysses_mm.model.offload import HOST
-from ulysses_mm.parallel import CommStats, Mesh, UlyssesAttention, apply_ulysses, loss_weights
-from ulysses_mm.parallel.head_chunks import HeadGroups, exchange_heads
+from ulysses_mm.parallel import (
+    CommStats,
+    Mesh,
+    UlyssesAttention,
+    apply_loss_balance,
+    apply_ulysses,
+    loss_weights,
+)
+from ulysses_mm.parallel.head_groups import HeadGroups, exchange_heads
 from ulysses_mm.parallel.slice import sp_slice
 from ulysses_mm.train.step import forward_backward
 
@@ -49,7 +55,7 @@ def _attention(q, k, v, doc, kernel, group, chunks, rank, world, stats=None):
     sl = slice(rank * n, (rank + 1) * n)
     ins = [t[:, sl].clone().requires_grad_(torch.is_grad_enabled()) for t in (q, k, v)]
     hq, hk = q.shape[2], k.shape[2]
-    attn = UlyssesAttention(LocalAttention(kernel), group, hq, hk, stats, head_chunks=chunks)
+    attn = UlyssesAttention(LocalAttention(kernel), group, hq, hk, stats, head_groups=chunks)
     out = attn(*ins, DocumentMask(doc))
     if not out.requires_grad:
         return out, []
@@ -98,9 +104,13 @@ def _attention_cases(rank, world, group, flex: bool = False):
         assert_close(out, ref[:, slice(rank * (s // world), (rank + 1) * (s // world))], **TOL)
 
 
-def _model(cfg: ModelConfig, mesh: Mesh, chunks: int):
+def _model(cfg: ModelConfig, mesh: Mesh, chunks: int, offloads: list[Offload]):
     model = build_model(cfg, SPACE, "sdpa_varlen", seed=11)
-    return apply_ulysses(model, mesh, head_chunks=chunks)
+    offload = apply_memory_policy(model, cfg)
+    if offload is not None:
+        offloads.append(offload)
+    apply_ulysses(model, mesh, head_groups=chunks)
+    return apply_loss_balance(model, mesh)
 
 
 def _loss_and_grads(model, batch, mesh):
@@ -119,22 +129,23 @@ MODEL_CASES = [
 def _model_cases(mesh: Mesh, seq_len: int = 96) -> list[str]:
     """Every MODEL_CASES case at C in its values against C = 1 on ``mesh``."""
     done = []
+    offloads: list[Offload] = []
     for i, (extra, chunk_values) in enumerate(MODEL_CASES):
         cfg = ModelConfig(modalities=VOCAB, **TINY, **extra)
         batch = random_batch(SPACE, mesh.dp, seq_len, seed=5 + i, min_doc=3)
         local = sp_slice(
-            batch.rows(mesh.dp_rank, mesh.dp_rank + 1), mesh.sp_rank, mesh.sp, mesh.ring
+            batch.rows(mesh.dp_rank, mesh.dp_rank + 1), mesh.sp_rank, mesh.sp, mesh.ring_size
         )
-        share0, report0, grads0 = _loss_and_grads(_model(cfg, mesh, 1), local, mesh)
+        share0, report0, grads0 = _loss_and_grads(_model(cfg, mesh, 1, offloads), local, mesh)
         for chunks in chunk_values:
-            share, report, grads = _loss_and_grads(_model(cfg, mesh, chunks), local, mesh)
+            share, report, grads = _loss_and_grads(_model(cfg, mesh, chunks, offloads), local, mesh)
             assert_close(share, share0, rtol=1e-6, atol=1e-7)
             assert report.total == pytest.approx(report0.total, rel=1e-6)
             for name, g in grads.items():
                 what = f"C={chunks} {name}"
                 assert_close(g, grads0[name], **TOL, msg=lambda m, w=what: f"{w}: {m}")
             done.append(f"{i}:C={chunks}")
-        assert HOST.live == 0
+        assert all(o.host.live == 0 for o in offloads)
     return done
 
 

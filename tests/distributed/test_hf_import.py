@@ -29,7 +29,7 @@ from ulysses_mm.model.hf_import import (
     load_pretrained,
     model_section,
 )
-from ulysses_mm.parallel import Mesh, apply_ulysses
+from ulysses_mm.parallel import Mesh, apply_loss_balance, apply_ulysses
 from ulysses_mm.parallel.loss import loss_weights
 from ulysses_mm.parallel.slice import sp_slice
 from ulysses_mm.train.step import forward_backward
@@ -98,7 +98,7 @@ def test_import_gives_the_transformers_logits_and_loss(kind, tmp_path):
     assert model.config.attention_bias == (kind == "qwen2")
     batch, raw = _text_batch(model.space, 48)
     with torch.no_grad():
-        hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
+        hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.doc_ids)
         want = hf(input_ids=raw).logits
     # the text head's own range is exactly the transformers LM head
     assert_close(model.heads.heads["text"](hidden), want, rtol=1e-5, atol=1e-5)
@@ -114,7 +114,9 @@ def test_import_gives_the_transformers_logits_and_loss(kind, tmp_path):
 
 def _sp2_loss(rank, world, path, want):
     model = _imported("qwen3", path)
-    apply_ulysses(model, Mesh.build(world))
+    mesh = Mesh.build(world)
+    apply_ulysses(model, mesh)
+    apply_loss_balance(model, mesh)
     batch, _ = _text_batch(model.space, 48)
     weights = loss_weights(model.space.modalities, {})
     _, report = forward_backward(model, sp_slice(batch, rank, world), weights, Mesh.build(world))
@@ -173,8 +175,8 @@ def test_export_then_init_from_gives_the_same_logits_on_every_modality(arch, kw,
     load_pretrained(dst, out)
     batch = random_batch(space, 2, 96, seed=4, min_doc=3)
     with torch.no_grad():
-        got = dst(batch.input_ids, batch.position_ids, batch.doc_ids)
-        want = src(batch.input_ids, batch.position_ids, batch.doc_ids)
+        got = dst.hidden_states(batch.input_ids, batch.position_ids, batch.doc_ids)
+        want = src.hidden_states(batch.input_ids, batch.position_ids, batch.doc_ids)
         assert_close(got, want, rtol=0, atol=0)
         for name in space.modalities:
             assert_close(dst.heads.logits(got, name), src.heads.logits(want, name), rtol=0, atol=0)
@@ -183,7 +185,8 @@ def test_export_then_init_from_gives_the_same_logits_on_every_modality(arch, kw,
         ids = batch.input_ids[:1]
         assert_close(
             hf(input_ids=ids).logits,
-            src(ids, torch.arange(96)[None], torch.zeros_like(ids)) @ src.heads.lm_head_weight().T,
+            src.hidden_states(ids, torch.arange(96)[None], torch.zeros_like(ids))
+            @ src.heads.lm_head_weight().T,
             rtol=1e-4,
             atol=1e-4,
         )
@@ -265,7 +268,7 @@ def test_tied_embeddings_load_into_the_text_head_too(tmp_path):
     model = _imported("qwen3", tmp_path / "hf")
     batch, raw = _text_batch(model.space, 32)
     with torch.no_grad():
-        hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
+        hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.doc_ids)
         assert_close(model.heads.heads["text"](hidden), hf(input_ids=raw).logits)
     assert_close(model.heads.heads["text"].weight, hf.model.embed_tokens.weight)
 

@@ -18,8 +18,8 @@ from torch.testing import assert_close
 from ulysses_mm.config import ModelConfig
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
-from ulysses_mm.model import build_model
-from ulysses_mm.parallel import Mesh, apply_ulysses, loss_weights
+from ulysses_mm.model import apply_memory_policy, build_model
+from ulysses_mm.parallel import Mesh, apply_loss_balance, apply_ulysses, loss_weights
 from ulysses_mm.parallel.loss_balance import TargetBalance, received_targets, share_bounds
 from ulysses_mm.parallel.slice import sp_slice
 from ulysses_mm.tools.memory import TensorMemoryTracker
@@ -40,7 +40,10 @@ CFG = ModelConfig(
 
 def _step(mesh: Mesh, balance: bool, seq_len: int = 2048):
     """(peak bytes above the start, loss share, gradients) of one forward+backward."""
-    model = apply_ulysses(build_model(CFG, SPACE, "sdpa_varlen", seed=3), mesh)
+    model = build_model(CFG, SPACE, "sdpa_varlen", seed=3)
+    apply_memory_policy(model, CFG)
+    apply_ulysses(model, mesh)
+    apply_loss_balance(model, mesh)
     assert isinstance(model.target_exchange, TargetBalance)
     if not balance:
         model.target_exchange = None

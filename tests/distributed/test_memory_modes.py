@@ -14,8 +14,7 @@ from torch.testing import assert_close
 from ulysses_mm.config import ConfigError, ModelConfig, RunConfig, load_config
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
-from ulysses_mm.model import build_model
-from ulysses_mm.model.offload import HOST
+from ulysses_mm.model import Offload, apply_memory_policy, build_model
 from ulysses_mm.model.tiling import tile_map, tiles
 from ulysses_mm.parallel import Mesh, loss_weights
 from ulysses_mm.parallel.mesh import open_world
@@ -39,7 +38,9 @@ MODES = {
 
 def _grads(cfg: ModelConfig, batch):
     model = build_model(cfg, SPACE, seed=4)
+    offload = apply_memory_policy(model, cfg, Offload())
     loss, _ = forward_backward(model, batch, loss_weights(SPACE.modalities, {}), Mesh.single())
+    assert offload is None or offload.host.live == 0  # every host copy released by the end
     return loss, {n: p.grad for n, p in model.named_parameters()}
 
 
@@ -54,21 +55,23 @@ def test_modes_change_nothing_in_one_process(mode):
     assert_close(loss1, loss0, rtol=1e-6, atol=1e-7)
     for name in grads0:
         assert_close(grads1[name], grads0[name], rtol=1e-5, atol=1e-7, msg=name)
-    assert HOST.live == 0  # every host copy released by the end of backward
 
 
 def test_offload_holds_every_layer_input_on_the_host_until_its_recompute():
     cfg = ModelConfig(modalities=VOCAB, num_hidden_layers=3, **MODES["offload"])
     model = build_model(cfg, SPACE, seed=0)
+    offload = apply_memory_policy(model, cfg)
+    assert offload is not None
+    host = offload.host
     batch = random_batch(SPACE, 2, 40, seed=1)
-    HOST.reset_peak()
-    start = HOST.live
-    hidden = model(batch.input_ids, batch.position_ids, batch.doc_ids)
+    host.reset_peak()
+    start = host.live
+    hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.doc_ids)
     x_bytes = 2 * 40 * cfg.hidden_size * 4
     # one [b, n, D] fp32 input per layer but the last, whose backward comes first
-    assert HOST.live - start == 2 * x_bytes
+    assert host.live - start == 2 * x_bytes
     hidden.sum().backward()
-    assert HOST.live == start and HOST.peak - start == 2 * x_bytes
+    assert host.live == start and host.peak - start == 2 * x_bytes
 
 
 class _Mark(torch.autograd.Function):
@@ -116,18 +119,19 @@ def test_offload_fetches_the_previous_input_after_the_attention_backward(monkeyp
         modalities=VOCAB, num_hidden_layers=3, layer_tile_tokens=tiles, **MODES["offload"]
     )
     model = build_model(cfg, SPACE, seed=0)
+    apply_memory_policy(model, cfg)
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.core = _LoggedCore(layer.self_attn.core, log, i)
     init = HostCopy.__init__
 
-    def numbered(self, x, stream, keep=False):
-        init(self, x, stream, keep)
+    def numbered(self, x, stream, keep=False, host=None):
+        init(self, x, stream, keep, host)
         self.layer = sum(1 for e in log if e[0] == "copy")
         log.append(("copy", self.layer))
 
     monkeypatch.setattr(HostCopy, "__init__", numbered)
     batch = random_batch(SPACE, 2, 40, seed=1)
-    model(batch.input_ids, batch.position_ids, batch.doc_ids).sum().backward()
+    model.hidden_states(batch.input_ids, batch.position_ids, batch.doc_ids).sum().backward()
     order = [e for e in log if e[0] != "copy"]
     for j in (2, 1):  # layer j's backward fetches layer j - 1's input after its attention's
         assert order.index(("fetch", j - 1)) > order.index(("attention backward", j)), order

@@ -21,7 +21,14 @@ from ulysses_mm.loader.batch import make_labels
 from ulysses_mm.loader.synthetic import packed_doc_ids, random_batch
 from ulysses_mm.model import build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
-from ulysses_mm.parallel import Mesh, apply_ulysses, loss_weights, unmasked_pairs, zigzag_order
+from ulysses_mm.parallel import (
+    Mesh,
+    apply_loss_balance,
+    apply_ulysses,
+    loss_weights,
+    unmasked_pairs,
+    zigzag_order,
+)
 from ulysses_mm.parallel.ring import new_ring_stats
 from ulysses_mm.parallel.slice import ring_order, sp_slice
 from ulysses_mm.train.step import forward_backward
@@ -63,6 +70,7 @@ def _parity(rank, world, sp, ring, cases):
         model = build_model(cfg, space, "sdpa_dense", seed=11)
         stats = new_ring_stats()
         apply_ulysses(model, mesh, ring_stats=stats)
+        apply_loss_balance(model, mesh)
         local = sp_slice(batch.rows(mesh.dp_rank, mesh.dp_rank + 1), mesh.sp_rank, sp, ring)
         share, report, grads = _loss_and_grads(model, local, mesh)
         total = share.detach().clone()
@@ -112,7 +120,7 @@ def _attention_skip(rank, world, doc):
     stats = new_ring_stats()
     from ulysses_mm.parallel.ring import RingAttention
 
-    attn = RingAttention(mesh.ring_group, mesh.ring_ranks, mesh.ring_rank, stats)
+    attn = RingAttention(mesh.ring_group, mesh.ring_members, mesh.ring_rank, stats)
     n, h, d = doc.shape[1], 2, 8
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, n, h, d, generator=g) for _ in range(3))
@@ -179,7 +187,7 @@ def test_ring_order_is_a_permutation_of_equal_parts():
 def test_sp_slice_ring_layout_keeps_every_label():
     space = TokenSpace.from_vocab(VOCAB)
     batch = random_batch(space, 2, 64, seed=5, pad_tail=False, min_doc=9)
-    parts = [sp_slice(batch, r, 4, ring=2) for r in range(4)]
+    parts = [sp_slice(batch, r, 4, ring_size=2) for r in range(4)]
     order = ring_order(DocumentMask(batch.doc_ids).run_ids, 2)
     got = torch.cat([p.input_ids for p in parts], 1)
     assert torch.equal(got, batch.input_ids.gather(1, order))
@@ -190,7 +198,7 @@ def test_sp_slice_ring_layout_keeps_every_label():
     one = random_batch(space, 1, 64, seed=5, pad_tail=False, min_doc=64)
     assert int(one.doc_ids.max()) == int(one.doc_ids.min())
     zig = zigzag_order(64, 2)
-    assert torch.equal(sp_slice(one, 0, 4, ring=2).input_ids[0], one.input_ids[0, zig[:16]])
+    assert torch.equal(sp_slice(one, 0, 4, ring_size=2).input_ids[0], one.input_ids[0, zig[:16]])
     assert zig[:16].tolist() == list(range(16))
     assert zig[16:32].tolist() == list(range(48, 64))
 
@@ -237,7 +245,7 @@ def _engine_ring(rank, world):
     cfg = _cfg(2)
     cfg.parallel.ring = world
     rt = _runtime(cfg, world)
-    assert rt.mesh.ring == world
+    assert rt.mesh.ring_size == world
     b = random_batch(SPACE, 1, 128, seed=10)
     want_losses, want = _reference_grads(cfg, [b])
     report = _engine_backward(rt.engine, rt.slice_of(b), rt.mesh)

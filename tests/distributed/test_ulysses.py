@@ -18,12 +18,13 @@ from ulysses_mm.core.layout import check_layout, valid_sp_sizes
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.loader.synthetic import random_batch
-from ulysses_mm.model import build_model
+from ulysses_mm.model import apply_memory_policy, build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel import (
     CommStats,
     Mesh,
     UlyssesAttention,
+    apply_loss_balance,
     apply_ulysses,
     loss_weights,
 )
@@ -51,12 +52,16 @@ def _model_parity(rank, world, sp, model_kw, seq_len, micro_batch, kernel, befor
     assert len(torch.unique(batch.doc_ids[0])) > 4, "want several packed documents"
 
     ref = build_model(cfg, space, kernel, seed=11)
+    apply_memory_policy(ref, cfg)
     _, ref_report, ref_grads = _loss_and_grads(ref, batch, Mesh.single())
 
     model = build_model(cfg, space, kernel, seed=11)
+    apply_memory_policy(model, cfg)
     if first is not None:
-        apply_ulysses(model, first, head_chunks=2)
+        apply_ulysses(model, first, head_groups=2)
+        apply_loss_balance(model, first)
     apply_ulysses(model, mesh)
+    apply_loss_balance(model, mesh)
     local = sp_slice(
         batch.rows(mesh.dp_rank * micro_batch, (mesh.dp_rank + 1) * micro_batch), mesh.sp_rank, sp
     )

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ulysses_mm.config import RunConfig, load_config
-from ulysses_mm.tools.estimate import max_seq_len
+from ulysses_mm.tools.estimate import EstimateOptions, max_seq_len
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "benchmarks" / "gpu" / "bench_gpu.py"
@@ -60,7 +60,7 @@ def test_plan_for_one_and_eight_gpus():
     assert list(plan["sp"]) == [1]
     spec = plan["sp"][1]
     cfg = load_config(RunConfig, REPO / "configs" / "llama-1b.yaml")
-    longest, _ = max_seq_len(cfg, 139.8, gpus=1, sp=1)
+    longest, _ = max_seq_len(cfg, EstimateOptions(gpu_mem_gib=139.8, gpus=1, sp=1))
     assert spec["estimated_max"] == longest > 0
     lengths = spec["lengths"]
     assert lengths[0] == 8192 and lengths[-1] <= longest < 2 * lengths[-1]

@@ -17,6 +17,7 @@ from conftest import REPO, serve_dir
 from train_data import prepare_dna
 
 from ulysses_mm.core.format import ShardFormatError
+from ulysses_mm.core.storage import Location
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.shards.manifest import Manifest, ManifestError, ShardEntry, ShardIntegrityError
 
@@ -42,7 +43,7 @@ def stalled_server():
 
 def _moved(m: Manifest, base: str, **opts) -> Manifest:
     """The same manifest as if loaded from ``base``: shards resolve there."""
-    return dataclasses.replace(m, location=f"{base}/manifest.json", storage_options=opts)
+    return dataclasses.replace(m, where=Location(f"{base}/manifest.json", opts))
 
 
 CONNECT_S, READ_S, RETRIES, BACKOFF_S = 0.3, 0.5, 2, 0.05
@@ -83,7 +84,7 @@ def test_a_stalled_server_holding_the_manifest_is_one_line_not_a_hang(tmp_path, 
     url = f"http://127.0.0.1:{stalled_server}/ds/manifest.json"
     t0 = time.monotonic()
     with pytest.raises(ManifestError, match=f"cannot read manifest {url}: .*Timeout"):
-        Manifest.load(url, timeouts=(CONNECT_S, READ_S))
+        Manifest.load(Location(url, timeouts=(CONNECT_S, READ_S)))
     assert time.monotonic() - t0 < CONNECT_S + READ_S + 1.0
     args = ["train", str(REPO / "configs/debug-tiny.yaml"), "parallel.sp=1", f"data.train={url}"]
     args += [f"data.connect_timeout_s={CONNECT_S}", f"data.read_timeout_s={READ_S}"]

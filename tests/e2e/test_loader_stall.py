@@ -290,10 +290,11 @@ def test_inspect_reading_a_stalled_shard_is_one_error_in_bounded_time(serve):
     """``inspect`` and the demo read shards through read_verified_shard, which has the
     manifest's timeouts: a server that accepts and never answers is one error naming the
     shard, not a hang."""
+    from ulysses_mm.core.storage import Location
     from ulysses_mm.shards.manifest import Manifest, ShardIntegrityError, read_verified_shard
 
     base = serve("stall")
-    m = Manifest.load(f"{base}/manifest.json", timeouts=(CONNECT_S, READ_S))
+    m = Manifest.load(Location(f"{base}/manifest.json", timeouts=(CONNECT_S, READ_S)))
     t0 = time.monotonic()
     with pytest.raises(ShardIntegrityError, match=f"cannot read shard {base}/shard-") as e:
         read_verified_shard(m, 0, timeouts=(CONNECT_S, 1.0))

@@ -29,6 +29,7 @@ from pipeline_fakes import (
 
 from ulysses_mm.config import PipelineConfig
 from ulysses_mm.core import storage
+from ulysses_mm.core.storage import Location
 from ulysses_mm.shards.manifest import Manifest, read_verified_shard
 from ulysses_mm.shards.prepare.route import route
 from ulysses_mm.shards.prepare.run import PrepareError, load_pipeline_config, prepare
@@ -298,7 +299,7 @@ def test_s3_sources_and_output_on_a_local_moto_server(reference, tmp_path, s3_se
         f"storage_options={json.dumps(opts)}",
     ]
     result = prepare(config(root, "unused", overrides, workers=2))
-    m = Manifest.load("s3://ulysses-test/ds/manifest.json", opts)
+    m = Manifest.load(Location("s3://ulysses-test/ds/manifest.json", opts))
     assert [e.source.rsplit("/", 1)[-1] for e in m.inputs] == [
         e.source.rsplit("/", 1)[-1] for e in Manifest.load(str(out)).inputs
     ]

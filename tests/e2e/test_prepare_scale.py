@@ -20,6 +20,7 @@ from pipeline_fakes import VIDEO, expected_documents, files_of, make_inputs, wri
 
 from ulysses_mm.core import storage
 from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY
+from ulysses_mm.core.storage import Location
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.shards.manifest import Manifest, read_verified_shard
 from ulysses_mm.shards.prepare.run import PrepareError, load_pipeline_config, prepare
@@ -192,11 +193,23 @@ def test_an_input_a_ray_task_died_on_twice_is_skipped_even_as_its_first(tmp_path
     specs, space = load_specs(cfg)
     inputs, _ = storage.list_inputs(cfg.sources)
     worker = WorkerConfig(
-        [s.path for s in specs], dict(cfg.tokenizer_kinds), space.to_dict(), {}, os.getpid()
+        [s.path for s in specs],
+        dict(cfg.tokenizer_kinds),
+        space.to_dict(),
+        cfg.output_location,
+        os.getpid(),
     )
-    suffixes = {m: list(v) for m, v in cfg.suffixes.items()}
     job = Job(
-        worker, suffixes, cfg.output, str(staging_dir(cfg)), 512, 1 << 20, 0, False, False, ""
+        worker=worker,
+        suffixes={m: list(v) for m, v in cfg.suffixes.items()},
+        output=cfg.output_location,
+        staging=str(staging_dir(cfg)),
+        seq_len=512,
+        max_bytes=1 << 20,
+        max_samples=0,
+        multi=False,
+        keep_staging=False,
+        run_key="",
     )
     task = PartitionTask(0, 0, inputs)
     first = plan_partition(job, task, loaded(worker)).tasks[0]
@@ -349,7 +362,7 @@ def test_s3_sources_by_glob_stream_into_the_same_bytes(ray_local, tmp_path, s3_s
                 ],
             )
         )
-        m = Manifest.load(f"{url}/manifest.json", opts)
+        m = Manifest.load(Location(f"{url}/manifest.json", opts))
         assert [e.source.split("genomes/")[1] for e in m.inputs] == [
             e.source.split("genomes/")[1] for e in local.inputs
         ]
@@ -385,7 +398,7 @@ def test_a_streaming_tokenizer_reads_a_bucket_object_without_a_local_copy(
     tok = load_tokenizer(REPO / "tokenizers" / "dna-base.json")
     space = TokenSpace.from_vocab({"dna": tok.spec.vocab_size})
     task = Task(0, "s3://one/g.fa", "dna", str(tmp_path / "entry"), str(tmp_path / "fetch"))
-    outcome = pool.tokenize_input(task, tok, space, opts)
+    outcome = pool.tokenize_input(task, tok, space, Location("s3://one", opts))
     assert outcome.ok and outcome.documents == 2 and outcome.tokens == 2 * 303
 
 

@@ -180,7 +180,7 @@ def test_export_loads_in_transformers_and_gives_the_backbone_hidden_states(refer
     ids = torch.randint(0, space.vocab_size, (1, 64))
     pos = torch.arange(64)[None]
     with torch.no_grad():
-        want = ours(ids, pos, torch.zeros_like(ids))
+        want = ours.hidden_states(ids, pos, torch.zeros_like(ids))
         got = hf.model(input_ids=ids, position_ids=pos).last_hidden_state
         assert_close(got, want, rtol=1e-4, atol=1e-4)
         logits = hf(input_ids=ids, position_ids=pos).logits

@@ -16,8 +16,8 @@ from ulysses_mm.core.tokenspace import EOF
 from ulysses_mm.shards.inspect import decode_sample, load_sample, open_target, run_inspect
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
-from ulysses_mm.tokenize.evaluate import psnr
 from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.video.fidelity import psnr
 
 KEYINT = 8
 PARAMS = {"size": 64, "tokens_per_frame": 48, "keyint": KEYINT, "slice_bytes": 64}

@@ -27,13 +27,8 @@ from media_factory import (
 )
 
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
-from ulysses_mm.tokenize.audio import (
-    MulawTokenizer,
-    _RateStream,
-    load_waveform,
-    mulaw_decode,
-    mulaw_encode,
-)
+from ulysses_mm.tokenize.audio.mulaw import MulawTokenizer, mulaw_decode, mulaw_encode
+from ulysses_mm.tokenize.audio.waveform import _RateStream, load_waveform
 from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec
 from ulysses_mm.tokenize.registry import load_tokenizer
 

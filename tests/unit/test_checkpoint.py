@@ -36,11 +36,11 @@ def _save(root: Path, step: int, engine=None, keep: int = 2) -> Path:
     return checkpoint.save(
         engine or FakeEngine(),
         root,
-        step,
-        {"loader": {"position": step}},
-        {"train": {}},
-        SPACE,
-        keep,
+        step=step,
+        client_state={"loader": {"position": step}},
+        config={"train": {}},
+        space=SPACE,
+        keep=keep,
     )
 
 

@@ -77,7 +77,7 @@ def test_relative_model_dir_file_packing_and_a_training_step(
 ) -> None:
     from ulysses_mm.config import RunConfig, load_config
     from ulysses_mm.loader.batch import make_batch
-    from ulysses_mm.model import build_model
+    from ulysses_mm.model import apply_memory_policy, build_model
     from ulysses_mm.parallel import Mesh, loss_weights
     from ulysses_mm.shards.pack import DocumentBlock, pack
     from ulysses_mm.train.step import forward_backward
@@ -108,6 +108,7 @@ def test_relative_model_dir_file_packing_and_a_training_step(
         ],
     )
     model = build_model(cfg.model, space, seed=0)
+    apply_memory_policy(model, cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     w = loss_weights(space.modalities, {})
     losses = []

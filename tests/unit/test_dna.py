@@ -20,7 +20,7 @@ from media_factory import (
 
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
 from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec
-from ulysses_mm.tokenize.dna import DnaTokenizer, alphabet
+from ulysses_mm.tokenize.dna.tokenizer import DnaTokenizer, alphabet
 from ulysses_mm.tokenize.registry import load_tokenizer
 
 AMBIG = "RYSWKMBDHV"

@@ -13,9 +13,9 @@ import pytest
 
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.prepare.staged import StagedWriter
-from ulysses_mm.tokenize import dna_stream
 from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec
-from ulysses_mm.tokenize.dna import DnaTokenizer, alphabet
+from ulysses_mm.tokenize.dna import stream as dna_stream
+from ulysses_mm.tokenize.dna.tokenizer import DnaTokenizer, alphabet
 
 
 def make(case="keep", iupac="to_n", invalid="error", **extra) -> DnaTokenizer:

@@ -12,7 +12,7 @@ import pytest
 
 from ulysses_mm import cli
 from ulysses_mm.config import ConfigError, RunConfig, load_config, run_stages
-from ulysses_mm.tools.estimate import GiB, estimate
+from ulysses_mm.tools.estimate import EstimateOptions, GiB, estimate
 from ulysses_mm.tools.estimate.stages import (
     check_stages_fit,
     estimate_stages,
@@ -67,7 +67,7 @@ def _cli(capsys, *argv: str) -> tuple[int, str, str]:
 def test_every_stage_is_its_own_estimate_and_the_longest_is_the_peak(staged: Path):
     cfg = load_config(RunConfig, staged)
     assert stage_world(cfg) == 4  # parallel.dp 0: the largest stage sp
-    rows = estimate_stages(cfg, 4, device="cpu")
+    rows = estimate_stages(cfg, 4, opts=EstimateOptions(device="cpu"))
     layouts = [
         (r.est.step.seq_len, r.est.step.micro_batch, r.est.step.sp, r.est.step.dp) for r in rows
     ]
@@ -76,7 +76,12 @@ def test_every_stage_is_its_own_estimate_and_the_longest_is_the_peak(staged: Pat
     # each stage's figure is the plain estimate of that stage's run config
     for r, stage in zip(rows, run_stages(cfg), strict=True):
         sp = stage.cfg.parallel.sp
-        assert r.est.total == estimate(stage.cfg, stage.seq_len, gpus=4, sp=sp, device="cpu").total
+        assert (
+            r.est.total
+            == estimate(
+                stage.cfg, stage.seq_len, EstimateOptions(gpus=4, sp=sp, device="cpu")
+            ).total
+        )
     assert peak_stage(rows).stage.index == 2
 
 
@@ -181,6 +186,6 @@ def test_the_1m_recipe_fits_8_gpus_of_80_gib():
     cfg = load_config(RunConfig, REPO / "configs" / "llama3.1-8b-1m.yaml")
     assert cfg.train.gpu_mem_gib == 80
     check_stages_fit(cfg, 8, 1 << 20, "cuda")
-    rows = estimate_stages(cfg, 8, gpu_mem_gib=80)
+    rows = estimate_stages(cfg, 8, opts=EstimateOptions(gpu_mem_gib=80))
     assert [r.est.step.seq_len for r in rows] == [1 << 17, 1 << 18, 1 << 19, 1 << 20]
     assert all(r.est.fits for r in rows)

@@ -16,12 +16,13 @@ from torch.testing import assert_close
 from ulysses_mm.config import ModelConfig
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
-from ulysses_mm.model import build_model
+from ulysses_mm.model import apply_memory_policy, build_model
 from ulysses_mm.model.generate import Sampling, allowed_mask, generate, pick
 from ulysses_mm.model.kv_cache import CachedDecoder, RecomputeDecoder, attend
+from ulysses_mm.tokenize.audio.output import WavMedia
 from ulysses_mm.tokenize.grammar import Grammar, Next
 from ulysses_mm.tokenize.registry import load_tokenizer
-from ulysses_mm.tokenize.write import decode_media
+from ulysses_mm.tokenize.video.output import Mp4Media
 from ulysses_mm.train.evaluate import log_edges, position_bins
 
 SPECS = REPO / "tokenizers"
@@ -37,7 +38,9 @@ def _model(**kw):
         num_key_value_heads=kw.pop("kv", 2),
         **kw,
     )
-    return build_model(cfg, SPACE, seed=3).eval()
+    model = build_model(cfg, SPACE, seed=3)
+    apply_memory_policy(model, cfg)
+    return model.eval()
 
 
 @pytest.mark.parametrize("kw", [{}, {"kv": 1, "qk_norm": True}, {"kv": 4, "layer_tile_tokens": 16}])
@@ -168,13 +171,13 @@ def test_generated_ids_decode_in_every_kind(tmp_path):
         tok = load_tokenizer(spec)
         ids = _generated(m, tok, space, new)
         assert _generated(m, tok, space, new) == ids
-        media = decode_media(tok, space, [DOC_START, space.boundary_token(tok.modality)], ids)
-        if media.kind == "mp4":
-            assert media.frames is not None and media.frames.shape == (frames, 256, 256, 3), spec
-        elif media.kind == "wav":
-            assert media.wave is not None and len(media.wave) == new
+        media = tok.media(space, [DOC_START, space.boundary_token(tok.modality)], ids)
+        if isinstance(media, Mp4Media):
+            assert media.frames.shape == (frames, 256, 256, 3), spec
+        elif isinstance(media, WavMedia):
+            assert len(media.wave) == new
         else:
-            assert len(media.text) > 0
+            assert len(media.to_bytes()) > 0 and media.describe()
 
 
 def test_allowed_mask_is_the_heads_slice():
@@ -192,7 +195,7 @@ def test_loss_by_bin_adds_up_to_the_training_loss_terms():
     edges = torch.tensor(log_edges())
     bins = position_bins(batch, edges)
     with torch.no_grad():
-        sums, counts = model(
+        sums, counts, _ = model(
             batch.input_ids, batch.position_ids, batch.doc_ids, batch.labels, batch.label_modality
         )
         sums_b, counts_b, by_bin = model(

@@ -46,7 +46,7 @@ def test_gpu_kernels_match_sdpa_varlen(kernel):
 def test_model_trains_a_step_on_gpu():
     model = build_model(ModelConfig(modalities={"dna": 10, "audio": 256}), seed=0).cuda()
     batch = random_batch(model.space, 2, 1024, seed=0).to("cuda")
-    sums, counts = model(
+    sums, counts, _ = model(
         batch.input_ids, batch.position_ids, batch.doc_ids, batch.labels, batch.label_modality
     )
     (sums.sum() / counts.sum()).backward()
@@ -105,7 +105,7 @@ def test_head_chunks_on_the_gpu_match_all_heads(chunks):
     ref_in = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     kernel = "auto"
     want = LocalAttention(kernel)(*ref_in, mask)
-    got = UlyssesAttention(LocalAttention(kernel), None, 8, 2, head_chunks=chunks)(q, k, v, mask)
+    got = UlyssesAttention(LocalAttention(kernel), None, 8, 2, head_groups=chunks)(q, k, v, mask)
     assert_close(got, want, rtol=2e-2, atol=2e-2)
     grad = torch.randn_like(want)
     want.backward(grad)

@@ -28,6 +28,7 @@ from ulysses_mm.parallel.mesh import choose_backend
 from ulysses_mm.tools.estimate import (
     CONTEXT_RESERVE_GIB,
     NCCL_GIB_PER_COMMUNICATOR,
+    EstimateOptions,
     GiB,
     estimate,
     flex_block_mask_bytes,
@@ -81,7 +82,7 @@ def test_estimate_counts_the_kernel_the_precision_runs():
     assert estimate(cfg, 4096).kernel == "sdpa_varlen"
     bf16 = load_config(RunConfig, CONFIGS / "small.yaml", ["deepspeed.precision=bf16"])
     assert estimate(bf16, 4096).kernel == "flash_varlen"
-    assert estimate(bf16, 4096, device="cpu").kernel == "sdpa_varlen"
+    assert estimate(bf16, 4096, EstimateOptions(device="cpu")).kernel == "sdpa_varlen"
 
 
 # --------------------------------------------------------------------------- backend choice
@@ -277,8 +278,8 @@ def test_estimate_counts_the_expanded_kv_of_fp32_sdpa_on_gpu():
         RunConfig, CONFIGS / "small.yaml", ["model.num_key_value_heads=2", "parallel.sp=1"]
     )
     assert gqa.deepspeed.precision == "fp32" and gqa.model.num_attention_heads == 8
-    e = estimate(gqa, 4096, gpus=1)
-    cpu = estimate(gqa, 4096, gpus=1, device="cpu")
+    e = estimate(gqa, 4096, EstimateOptions(gpus=1))
+    cpu = estimate(gqa, 4096, EstimateOptions(gpus=1, device="cpu"))
     T, d = e.act.tokens, e.shape.head_dim
     Q, K = 8 * d, 2 * d
     # on the GPU k, v are saved at the 8 query heads instead of the 2 kv heads
@@ -287,7 +288,7 @@ def test_estimate_counts_the_expanded_kv_of_fp32_sdpa_on_gpu():
     sp2 = load_config(
         RunConfig, CONFIGS / "small.yaml", ["model.num_key_value_heads=2", "parallel.sp=2"]
     )
-    e2, c2 = estimate(sp2, 4096), estimate(sp2, 4096, device="cpu")
+    e2, c2 = estimate(sp2, 4096), estimate(sp2, 4096, EstimateOptions(device="cpu"))
     assert e2.act.kernel_saved - c2.act.kernel_saved == 2 * e2.act.tokens * Q * 4
     # bf16 on a GPU runs flash-attn: GQA native, nothing expanded is saved
     bf = load_config(
@@ -295,7 +296,10 @@ def test_estimate_counts_the_expanded_kv_of_fp32_sdpa_on_gpu():
         CONFIGS / "small.yaml",
         ["model.num_key_value_heads=2", "parallel.sp=1", "deepspeed.precision=bf16"],
     )
-    eb, cb = estimate(bf, 4096, gpus=1), estimate(bf, 4096, gpus=1, device="cpu")
+    eb, cb = (
+        estimate(bf, 4096, EstimateOptions(gpus=1)),
+        estimate(bf, 4096, EstimateOptions(gpus=1, device="cpu")),
+    )
     assert eb.act.kernel_saved == cb.act.kernel_saved
 
 
@@ -400,15 +404,15 @@ def test_runtime_reserve_counts_nccl_per_communicator():
     per = NCCL_GIB_PER_COMMUNICATOR
     assert 0.5 <= per <= 1.6
     for gpus, sp, comms in ((1, 1, 0), (8, 8, 2), (8, 2, 3), (8, 1, 2), (16, 8, 3)):
-        e = estimate(cfg, 8 * 8192, gpus=gpus, sp=sp)
+        e = estimate(cfg, 8 * 8192, EstimateOptions(gpus=gpus, sp=sp))
         assert e.step.communicators == comms
         assert e.reserve == int((CONTEXT_RESERVE_GIB + per * comms) * GiB)
         assert e.total == e.peak + e.headroom + e.reserve
     # per-communicator figure as an option; a flat reserve replaces the computed one
-    e = estimate(cfg, 65536, gpus=8, sp=2, nccl_gib=1.6)
+    e = estimate(cfg, 65536, EstimateOptions(gpus=8, sp=2, nccl_gib=1.6))
     assert e.reserve == int((CONTEXT_RESERVE_GIB + 3 * 1.6) * GiB)
-    assert estimate(cfg, 65536, gpus=8, reserve_gib=1.0).reserve == GiB
-    assert estimate(cfg, 65536, gpus=8, device="cpu").reserve == 0
+    assert estimate(cfg, 65536, EstimateOptions(gpus=8, reserve_gib=1.0)).reserve == GiB
+    assert estimate(cfg, 65536, EstimateOptions(gpus=8, device="cpu")).reserve == 0
 
 
 def test_cli_takes_the_nccl_figure(capsys):

@@ -17,6 +17,7 @@ import pytest
 from conftest import serve_dir
 from train_data import prepare_dna
 
+from ulysses_mm.core.storage import Location
 from ulysses_mm.loader.node_cache import NodeCache
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.shards.manifest import Manifest
@@ -49,7 +50,7 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
 def server(dataset):
     try:
         with serve_dir(Path(dataset.location).parent, _Handler) as url:
-            yield dataclasses.replace(dataset, location=f"{url}/manifest.json")
+            yield dataclasses.replace(dataset, where=dataset.where.at(f"{url}/manifest.json"))
     finally:
         _Handler.sent.clear()
         _Handler.delay_s = 0.0
@@ -95,7 +96,7 @@ def test_on_s3_the_server_sends_each_shard_once_per_node(dataset, s3_counted, tm
     fs = s3fs.S3FileSystem(**opts)
     fs.mkdir("node")
     fs.put(str(Path(dataset.location).parent), "node/ds", recursive=True)
-    remote = Manifest.load("s3://node/ds/manifest.json", opts)
+    remote = Manifest.load(Location("s3://node/ds/manifest.json", opts))
     s3_counted.reset()
     ranks, errors = 4, []
 

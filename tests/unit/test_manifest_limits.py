@@ -12,8 +12,8 @@ import pytest
 from conftest import serve_dir
 
 from ulysses_mm.config.schema import DataConfig
-from ulysses_mm.core import storage
 from ulysses_mm.core.errors import ConfigError, DataError
+from ulysses_mm.core.storage import Location
 from ulysses_mm.shards.manifest import MAX_MANIFEST_BYTES, Manifest, ManifestError
 
 MiB = 1 << 20
@@ -70,7 +70,7 @@ def test_a_local_manifest_over_the_cap_is_one_line(big_dir):
 def test_an_http_manifest_over_the_cap_is_refused_by_its_length(big_dir):
     _Quiet.sent = 0
     with serve_dir(big_dir, _Quiet) as url, pytest.raises(ManifestError) as e:
-        Manifest.load(url, max_bytes=CAP, timeouts=(5.0, 10.0))
+        Manifest.load(Location(url, timeouts=(5.0, 10.0)), max_bytes=CAP)
     msg = str(e.value)
     assert f"{url}/manifest.json" in msg and f"{BIG} bytes" in msg and str(CAP) in msg
     assert "\n" not in msg and _Quiet.sent < BIG // 4  # the body was not fetched
@@ -80,11 +80,11 @@ def test_a_body_of_unknown_size_is_read_no_further_than_the_cap(big_dir):
     _NoLength.sent = 0
     with serve_dir(big_dir, _NoLength) as url:
         with pytest.raises(ManifestError) as e:
-            Manifest.load(url, max_bytes=CAP, timeouts=(5.0, 10.0))
+            Manifest.load(Location(url, timeouts=(5.0, 10.0)), max_bytes=CAP)
         msg = str(e.value)
         assert f"{url}/manifest.json" in msg and f"more than {CAP} bytes" in msg
         assert "\n" not in msg and _NoLength.sent < BIG // 2
-        data = storage.read_bytes_capped(f"{url}/small.json", CAP, timeouts=(5.0, 10.0))
+        data = Location(f"{url}/small.json", timeouts=(5.0, 10.0)).read_bytes_capped(CAP)
         assert data == b"x" * 100
 
 

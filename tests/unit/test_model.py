@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from ulysses_mm.config import ModelConfig
+from ulysses_mm.config import ConfigError, ModelConfig
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
-from ulysses_mm.model import IGNORE, available_kernels, build_model
+from ulysses_mm.model import IGNORE, Offload, apply_memory_policy, available_kernels, build_model
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
+from ulysses_mm.model.memory import plain_model
 from ulysses_mm.parallel import Mesh, global_loss, loss_weights
 from ulysses_mm.train.step import forward_backward
 
@@ -41,13 +42,13 @@ def test_backbone_matches_transformers_llama(kv_heads):
     pos = torch.arange(50).expand(2, 50)
     with torch.no_grad():
         want = hf(input_ids=ids, position_ids=pos).last_hidden_state
-        got = ours(ids, pos, torch.zeros(2, 50, dtype=torch.long))
+        got = ours(ids, pos, torch.zeros(2, 50, dtype=torch.long))  # the Backbone
     assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def _hidden(model, batch, input_ids=None):
     ids = batch.input_ids if input_ids is None else input_ids
-    return model(ids, batch.position_ids, batch.doc_ids)
+    return model.hidden_states(ids, batch.position_ids, batch.doc_ids)
 
 
 @pytest.mark.parametrize("kernel", available_kernels(training=False))
@@ -94,6 +95,7 @@ def test_unknown_and_unavailable_kernels_are_refused():
 
 def _loss_grads(cfg: ModelConfig, batch, weights=None):
     model = build_model(cfg, SPACE, seed=4)
+    apply_memory_policy(model, cfg)
     w = loss_weights(SPACE.modalities, weights or {})
     loss, report = forward_backward(model, batch, w, Mesh.single())
     return loss, {n: p.grad for n, p in model.named_parameters()}, model, report
@@ -148,7 +150,7 @@ def test_absent_modality_does_not_dilute_the_loss():
     batch = random_batch(TokenSpace.from_vocab({"dna": 16}), 1, 64, seed=1)
     cfg = ModelConfig(modalities={"dna": 16, "audio": 32})
     model = build_model(cfg, seed=0)
-    sums, counts = model.loss_terms(_hidden(model, batch), batch.labels, batch.label_modality)
+    sums, counts, _ = model.loss_terms(_hidden(model, batch), batch.labels, batch.label_modality)
     loss, report = global_loss(
         sums,
         counts,
@@ -169,3 +171,45 @@ def test_target_outside_its_modality_range_is_an_error():
     mods[0, i] = SPACE.index("dna")  # an audio or video token routed to the dna head
     with pytest.raises(ValueError, match="neither a special nor in the range of modality 'dna'"):
         model.loss_terms(_hidden(model, batch), labels, mods)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (
+            dict(layer_tile_tokens=64, mlp_tile_tokens=32),
+            r"^model.mlp_tile_tokens does nothing under model.layer_tile_tokens .*"
+            r"set model.mlp_tile_tokens=0$",
+        ),
+        (
+            dict(activation_checkpointing=True, offload_checkpoints=True, num_hidden_layers=1),
+            r"^model.offload_checkpoints does nothing with model.num_hidden_layers=1 ",
+        ),
+        (dict(offload_checkpoints=True), r"^model.offload_checkpoints needs model.activation_chec"),
+    ],
+    ids=["mlp-tiles-under-layer-tiles", "offload-one-layer", "offload-without-checkpointing"],
+)
+def test_memory_options_that_would_do_nothing_are_refused(fields, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig(modalities=VOCAB, **fields)
+
+
+def test_the_memory_policy_is_applied_from_outside_and_can_be_replaced():
+    """A built model is plain; the policy wraps methods of the built model (its state dict
+    unchanged), and applying another policy replaces it."""
+    cfg = ModelConfig(modalities=VOCAB, activation_checkpointing=True, layer_tile_tokens=16)
+    model = build_model(cfg, SPACE, seed=0)
+    keys = list(model.state_dict())
+    layer = model.model.layers[0]
+    assert "qkv" not in vars(layer) and "run_layers" not in vars(model.model)
+    assert apply_memory_policy(model, cfg) is None
+    assert "qkv" in vars(layer) and "run_layers" in vars(model.model)
+    assert list(model.state_dict()) == keys
+    offload = Offload()
+    on = ModelConfig(
+        modalities=VOCAB, activation_checkpointing=True, offload_checkpoints=True, mlp_tile_tokens=8
+    )
+    assert apply_memory_policy(model, on, offload) is offload
+    assert "after_attention" not in vars(layer) and "forward" in vars(layer.mlp)
+    plain_model(model)
+    assert not any(k in vars(m) for m in model.modules() for k in ("qkv", "run_layers", "forward"))

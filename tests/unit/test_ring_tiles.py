@@ -17,9 +17,9 @@ from torch.testing import assert_close
 from ulysses_mm.loader.synthetic import packed_doc_ids
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel.ring import (
-    FlashTiles,
+    FlashBlockKernel,
     RingPlan,
-    TorchTiles,
+    TorchBlockKernel,
     block_forward,
     merge,
 )
@@ -59,7 +59,7 @@ def test_tiles_merged_equal_dense_attention(ring, mean, heads):
     plan = RingPlan.of(mask, ring)
     runs = mask.run_ids
     cut = []
-    for j, (out, _) in enumerate(_ring_forward(TorchTiles, q, k, v, plan, ring)):
+    for j, (out, _) in enumerate(_ring_forward(TorchBlockKernel, q, k, v, plan, ring)):
         want = ref.gather(1, plan.idx[j][..., None, None].expand(-1, -1, h, d))
         assert_close(out.view(b, -1, h, d), want, rtol=1e-5, atol=1e-6)
         # the tiles compute exactly the allowed pairs, no more
@@ -178,8 +178,8 @@ def test_flash_path_matches_the_torch_kernel(monkeypatch, version, max_docs):
     q = torch.randn(b, n, h, d, generator=g)
     k, v = (torch.randn(b, n, hk, d, generator=g) for _ in range(2))
     plan = RingPlan.of(mask, ring)
-    want = _ring_forward(TorchTiles, q, k, v, plan, ring)
-    got = _ring_forward(FlashTiles, q, k, v, plan, ring)
+    want = _ring_forward(TorchBlockKernel, q, k, v, plan, ring)
+    got = _ring_forward(FlashBlockKernel, q, k, v, plan, ring)
     scale = 1 / math.sqrt(d)
     for j, ((o_w, l_w), (o_g, l_g)) in enumerate(zip(want, got)):
         assert_close(o_g, o_w, rtol=1e-5, atol=1e-6)
@@ -192,5 +192,5 @@ def test_flash_path_matches_the_torch_kernel(monkeypatch, version, max_docs):
             for grp in plan.block(j, src):
                 args = (dout[grp.q_sel], qf[grp.q_sel], kf[grp.k_sel], vf[grp.k_sel],
                         o_w[grp.q_sel], l_w[grp.q_sel], grp, scale)  # fmt: skip
-                for a, w in zip(FlashTiles.backward(*args), TorchTiles.backward(*args)):
+                for a, w in zip(FlashBlockKernel.backward(*args), TorchBlockKernel.backward(*args)):
                     assert_close(a, w, rtol=1e-5, atol=1e-5)

@@ -99,7 +99,7 @@ def _positions() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _logits(model, ids, pos):
     """Our per-modality heads concatenated: the whole token space's lm_head."""
-    hidden = model(ids, pos, torch.zeros_like(ids))
+    hidden = model.hidden_states(ids, pos, torch.zeros_like(ids))
     return hidden @ model.heads.lm_head_weight().T
 
 

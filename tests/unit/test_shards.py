@@ -190,7 +190,16 @@ def make_manifest(tmp_path: Path) -> Manifest:
         token_space=SPACE,
         tokenizers={"dna": {"name": "x", "spec_sha256": "0" * 64}},
         seq_len=300,
-        shards=[ShardEntry(r.name, r.samples, r.first_sample, r.bytes, r.sha256) for r in records],
+        shards=[
+            ShardEntry(
+                url=r.name,
+                samples=r.samples,
+                first_sample=r.first_sample,
+                bytes=r.bytes,
+                sha256=r.sha256,
+            )
+            for r in records
+        ],
         inputs=[
             InputEntry("a.fa", "ok", modality="dna", documents=60, tokens=real),
             InputEntry("b.fa", "skipped", reason="empty file"),

@@ -17,9 +17,9 @@ from ulysses_mm.config import PipelineConfig
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.shards.prepare.run import prepare
-from ulysses_mm.tokenize import text as text_mod
 from ulysses_mm.tokenize.base import DecodeError
 from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.text import tokenizer as text_mod
 
 REPO = Path(__file__).resolve().parents[2]
 BYTES_DIR = REPO / "tokenizers" / "text-bytes"

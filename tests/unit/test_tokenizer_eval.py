@@ -19,7 +19,8 @@ from media_factory import (
 )
 
 from ulysses_mm.cli import main
-from ulysses_mm.tokenize.evaluate import flip_ids, snr_db
+from ulysses_mm.tokenize.audio.fidelity import snr_db
+from ulysses_mm.tokenize.evaluate import flip_ids
 
 
 def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, dict]:

@@ -28,10 +28,10 @@ from media_factory import (
 from ulysses_mm.cli import main
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
 from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec, build_token_space
-from ulysses_mm.tokenize.evaluate import psnr
-from ulysses_mm.tokenize.kmeans import Codebook
 from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.video.fidelity import psnr
 from ulysses_mm.tokenize.video.frames import sample_frames
+from ulysses_mm.tokenize.video.kmeans import Codebook
 from ulysses_mm.tokenize.video.vq import VqVideoTokenizer, patchify, unpatchify
 
 try:

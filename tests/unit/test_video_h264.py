@@ -10,8 +10,8 @@ from media_factory import TEST_DATA, TOKENIZERS, smooth_frames, tone, write_vide
 
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF
 from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
-from ulysses_mm.tokenize.evaluate import psnr
 from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.video.fidelity import psnr
 from ulysses_mm.tokenize.video.frames import sample_frames
 from ulysses_mm.tokenize.video.h264 import (
     FRAME_END,

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from ulysses_mm.cli import data, model, setup
 from ulysses_mm.core.errors import UserError
+from ulysses_mm.core.launch_env import in_launched_world
 
 # One entry per subcommand, in the order `--help` lists them.
 _SUBCOMMANDS = [
@@ -83,14 +84,17 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
-    joined = _in_world()  # a group the caller made is the caller's to end
+    # a rank of a world a launcher made leaves it when the command is done; a group the
+    # caller made is the caller's to end, and a lone process keeps its one-rank group for
+    # the commands it may still run (DeepSpeed holds on to it)
+    launched = in_launched_world() and not _in_world()
     try:
         code = int(args.func(args))
     except UserError as e:  # what the user can fix: one line; anything else keeps its traceback
         print(f"ulysses-mm {args.command}: {e.prefix}{e}", file=sys.stderr)
         return e.exit_code
-    if not joined and _in_world():  # this command joined a world (a launched rank, a lone
-        from ulysses_mm.parallel.mesh import close_world  # engine): leave it before exiting
+    if launched and _in_world():
+        from ulysses_mm.parallel.mesh import close_world
 
         close_world()
     return code

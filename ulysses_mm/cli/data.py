@@ -73,13 +73,15 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
 def _cmd_inspect(args: argparse.Namespace) -> int:
     import yaml
 
+    from ulysses_mm.core.storage import Location
     from ulysses_mm.shards.inspect import run_inspect
 
     options = yaml.safe_load(args.storage_options) if args.storage_options else {}
     if not isinstance(options, dict):
         print("ulysses-mm inspect: --storage-options must be a mapping", file=sys.stderr)
         return 2
-    return run_inspect(args.target, sample=args.sample, png=args.png, storage_options=options)
+    where = Location(args.target, options)
+    return run_inspect(where, sample=args.sample, png=args.png)
 
 
 def add_inspect(sub: argparse._SubParsersAction) -> None:
@@ -116,7 +118,7 @@ def add_inspect(sub: argparse._SubParsersAction) -> None:
 
 def add_tokenizer(sub: argparse._SubParsersAction) -> None:
     def run_fit(args: argparse.Namespace) -> int:
-        from ulysses_mm.tokenize.fit import cli_fit
+        from ulysses_mm.tokenize.video.fit import cli_fit
 
         return cli_fit(args)
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from ulysses_mm.config.parse import ConfigError, check_ranges
 from ulysses_mm.config.parse import option as _help
+from ulysses_mm.core.storage import Location
 
 ENGINES = ("local", "ray")
 
@@ -124,3 +125,12 @@ class PipelineConfig:
             raise ConfigError(f"workers must be >= 0, got {self.workers}")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
+
+    def location(self, url: str) -> Location:
+        """``url`` (an input, the output) reached with the pipeline's storage_options."""
+        return Location(url, self.storage_options)
+
+    @property
+    def output_location(self) -> Location:
+        """The output directory or URL, reached with storage_options."""
+        return self.location(self.output)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from ulysses_mm.config.parse import SEED_MAX, ConfigError, check_ranges, from_dict, range_of
 from ulysses_mm.config.parse import option as _help
+from ulysses_mm.core.storage import Location
 
 WEIGHT_MAX = 1e6  # a relative weight: far below where a sum of them overflows
 
@@ -181,7 +182,12 @@ class ModelConfig:
     loss_tile_tokens: int = _help(
         "Tokens per loss tile: [tile, vocab] logits are the most ever materialised.", 8192, ge=1
     )
-    mlp_tile_tokens: int = _help("Tokens per MLP tile (0 = no MLP tiling).", 0, ge=0)
+    mlp_tile_tokens: int = _help(
+        "Tokens per MLP tile, each recomputed in backward (0 = no MLP tiling; refused with "
+        "layer_tile_tokens, whose tiles hold the MLP already).",
+        0,
+        ge=0,
+    )
     activation_checkpointing: bool = _help("Recompute each decoder layer in backward.", False)
     qk_norm: bool = _help(
         "RMSNorm of each query and key head before RoPE (Qwen3); export writes a Qwen3 model.",
@@ -236,6 +242,17 @@ class ModelConfig:
                 "model.offload_checkpoints needs model.activation_checkpointing=true "
                 "(it moves the checkpointed layer inputs to the host)"
             )
+        # memory options that would do nothing are refused, never ignored
+        if self.offload_checkpoints and self.num_hidden_layers == 1:
+            raise ConfigError(
+                "model.offload_checkpoints does nothing with model.num_hidden_layers=1 (the last "
+                "layer's input stays on the device); set model.offload_checkpoints=false"
+            )
+        if self.mlp_tile_tokens and self.layer_tile_tokens:
+            raise ConfigError(
+                "model.mlp_tile_tokens does nothing under model.layer_tile_tokens (layer tiles "
+                "already run the MLP tile by tile); set model.mlp_tile_tokens=0"
+            )
 
     def to_llama_config_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the equivalent ``transformers.LlamaConfig`` (backbone only).
@@ -270,7 +287,12 @@ class ParallelConfig:
     """How processes are laid out: world = dp × sp, sp innermost (ranks of one SP group
     are consecutive, so on GPUs they share a node)."""
 
-    sp: int = _help("Sequence-parallel size P (Ulysses all-to-all group).", 1, ge=1)
+    sp: int = _help(
+        "Sequence-parallel size: the ranks that split one sample's sequence, U × R (the "
+        "Ulysses all-to-all group of U = sp / ring ranks times the ring of R = ring).",
+        1,
+        ge=1,
+    )
     dp: int = _help("Data-parallel size D; 0 = world_size / sp.", 0, ge=0)
     ring: int = _help(
         "Ring size R inside each SP group (hybrid Ulysses × ring): sp = U × R, Ulysses over "
@@ -292,8 +314,9 @@ class ParallelConfig:
         "auto",
     )
     attention: AttentionKernel = _help(
-        "Local attention kernel run on H/P heads: auto = flash_varlen on a GPU in bf16/fp16 "
-        "when flash-attn loads, else sdpa_varlen; flash_varlen in fp32 is refused.",
+        "Local attention kernel run on H/U heads (U = sp / ring): auto = flash_varlen on a "
+        "GPU in bf16/fp16 when flash-attn loads, else sdpa_varlen; flash_varlen in fp32 is "
+        "refused.",
         "auto",
     )
     timeout_s: int = _help("Collective timeout in seconds (a hang becomes an error).", 600, ge=1)
@@ -400,6 +423,11 @@ class DataConfig:
     def timeouts(self) -> tuple[float, float]:
         """(connect, read) seconds of every remote read, manifests and shards alike."""
         return self.connect_timeout_s, self.read_timeout_s
+
+    def location(self, url: str) -> Location:
+        """``url`` (a manifest, a dataset) as the data is reached: storage_options and the
+        read timeouts."""
+        return Location(url, self.storage_options, self.timeouts)
 
 
 @dataclass

@@ -11,6 +11,10 @@ key, then ``fs.mv``, a server-side copy), so a reader listing the directory sees
 previous object or the complete new one. A run killed mid-write leaves only ``*.tmp`` names,
 which :func:`remove_stale_temps` clears on the next run.
 
+A :class:`Location` is a path or URL together with its fsspec storage options and read
+timeouts: the value the rest of the package passes around, so the options travel with the
+URL instead of beside it.
+
 Inputs are expanded here too (paths, globs, directories, URL globs) so the pipeline works
 the same on a laptop and against a bucket.
 """
@@ -26,7 +30,7 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -38,15 +42,111 @@ _TEMP_RE = re.compile(r"^\..+\.[0-9a-z_]+\.tmp$")
 _CHUNK = 8 << 20
 
 
+@dataclass(frozen=True)
+class Location:
+    """A path or fsspec URL with what reaches it: the fsspec storage options (credentials,
+    an endpoint) and the (connect, read) timeouts of a remote read (None: unbounded).
+
+    The one value passed wherever a file or object is read or written, so the options
+    and timeouts travel with the URL instead of beside it. Its methods are this module's
+    functions at this location; :meth:`join` and :meth:`at` make siblings that keep the
+    options and timeouts."""
+
+    url: str
+    options: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    timeouts: tuple[float, float] | None = None
+
+    def __str__(self) -> str:
+        return self.url
+
+    def at(self, url: str) -> Location:
+        """Another location reached the same way (same options and timeouts)."""
+        return replace(self, url=url)
+
+    def join(self, name: str) -> Location:
+        """``self/name``, reached the same way."""
+        return self.at(join(self.url, name))
+
+    def with_timeouts(self, timeouts: tuple[float, float] | None) -> Location:
+        return replace(self, timeouts=timeouts)
+
+    @property
+    def is_local(self) -> bool:
+        return is_local(self.url)
+
+    @property
+    def local_path(self) -> Path:
+        return local_path(self.url)
+
+    @property
+    def name(self) -> str:
+        """The last part of the path or URL."""
+        return self.url.rstrip("/").rsplit("/", 1)[-1]
+
+    def exists(self) -> bool:
+        """Whether it exists; a remote probe is bounded by the timeouts when set."""
+        if self.timeouts and not self.is_local:
+            return exists(self.url, with_timeouts(self.url, self.options, *self.timeouts))
+        return exists(self.url, self.options)
+
+    def read_bytes(self) -> bytes:
+        return read_bytes(self.url, self.options, self.timeouts)
+
+    def read_bytes_capped(self, max_bytes: int) -> bytes:
+        return read_bytes_capped(self.url, max_bytes, self.options, self.timeouts)
+
+    def atomic_write(self, data: bytes) -> None:
+        atomic_write(self.url, data, self.options)
+
+    def publish(self, local_file: Path) -> None:
+        """Make the finished ``local_file`` visible here in one step (:func:`publish_file`)."""
+        publish_file(local_file, self.url, self.options)
+
+    def makedirs(self) -> None:
+        makedirs(self.url, self.options)
+
+    def missing_dirs(self) -> list[str]:
+        return missing_dirs(self.url, self.options)
+
+    def remove(self) -> None:
+        remove(self.url, self.options)
+
+    def remove_empty_dir(self) -> bool:
+        return remove_empty_dir(self.url, self.options)
+
+    def list_names(self) -> list[str]:
+        return list_names(self.url, self.options)
+
+    def list_dirs(self) -> list[str]:
+        return list_dirs(self.url, self.options)
+
+    def remove_stale_temps(self) -> int:
+        return remove_stale_temps(self.url, self.options)
+
+    def open_input(self) -> IO[bytes]:
+        return open_input(self.url, self.options)
+
+    def fetch(self, dest_dir: Path) -> Path:
+        return fetch(self.url, dest_dir, self.options)
+
+    def size_and_sha256(self) -> tuple[int, str]:
+        return size_and_sha256(self.url, self.options)
+
+
+def as_location(where: Location | str) -> Location:
+    """``where`` as a :class:`Location` (a plain path or URL: no options, no timeouts)."""
+    return where if isinstance(where, Location) else Location(where)
+
+
 def is_url(location: str) -> bool:
     """True for ``proto://...`` (``file://`` included)."""
     return "://" in location
 
 
 def url_to_fs(
-    location: str, storage_options: Mapping[str, Any] | None = None
+    location: str, options: Mapping[str, Any] | None = None
 ) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, path = fsspec.core.url_to_fs(location, **dict(storage_options or {}))
+    fs, path = fsspec.core.url_to_fs(location, **dict(options or {}))
     return fs, path
 
 
@@ -82,11 +182,11 @@ def is_temp_name(name: str) -> bool:
     return bool(_TEMP_RE.match(name))
 
 
-def makedirs(location: str, storage_options: Mapping[str, Any] | None = None) -> None:
+def makedirs(location: str, options: Mapping[str, Any] | None = None) -> None:
     if is_local(location):
         local_path(location).mkdir(parents=True, exist_ok=True)
         return
-    fs, path = url_to_fs(location, storage_options)
+    fs, path = url_to_fs(location, options)
     fs.makedirs(path, exist_ok=True)
 
 
@@ -165,9 +265,7 @@ def atomic_write_local(path: str | Path, data: bytes | memoryview) -> None:
         f.write(data)
 
 
-def publish_file(
-    local_file: Path, location: str, storage_options: Mapping[str, Any] | None = None
-) -> None:
+def publish_file(local_file: Path, location: str, options: Mapping[str, Any] | None = None) -> None:
     """Make the finished ``local_file`` visible at ``location`` in one step.
 
     Local destinations are renamed into place (``local_file`` must be on the same
@@ -179,7 +277,7 @@ def publish_file(
         os.replace(local_file, dest)
         _fsync_dir(dest.parent)
         return
-    fs, path = url_to_fs(location, storage_options)
+    fs, path = url_to_fs(location, options)
     parent, _, name = path.rpartition("/")
     tmp = f"{parent}/{temp_name(name)}" if parent else temp_name(name)
     try:
@@ -195,9 +293,7 @@ def publish_file(
     local_file.unlink(missing_ok=True)
 
 
-def atomic_write(
-    location: str, data: bytes, storage_options: Mapping[str, Any] | None = None
-) -> None:
+def atomic_write(location: str, data: bytes, options: Mapping[str, Any] | None = None) -> None:
     """Write ``data`` to a path or URL; the final name only ever holds complete bytes."""
     if is_local(location):
         atomic_write_local(local_path(location), data)
@@ -206,14 +302,14 @@ def atomic_write(
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        publish_file(Path(tmp), location, storage_options)
+        publish_file(Path(tmp), location, options)
     finally:
         Path(tmp).unlink(missing_ok=True)
 
 
 def read_bytes(
     location: str,
-    storage_options: Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
     timeouts: tuple[float, float] | None = None,
 ) -> bytes:
     """The bytes of a path or URL. ``timeouts=(connect_s, read_s)`` bounds a remote read
@@ -222,7 +318,7 @@ def read_bytes(
     :class:`ReadError` line (an ``OSError``), whatever the backend raised."""
     if is_local(location):
         return local_path(location).read_bytes()
-    opts = with_timeouts(location, storage_options, *timeouts) if timeouts else storage_options
+    opts = with_timeouts(location, options, *timeouts) if timeouts else options
     fs, path = url_to_fs(location, opts)
     if timeouts and getattr(fs, "protocol", None) and "s3" in fs.protocol:
         fs.retries = 1  # type: ignore[attr-defined]  # the caller owns the retry policy
@@ -247,7 +343,7 @@ class TooLargeError(StorageError):
 def read_bytes_capped(
     location: str,
     max_bytes: int,
-    storage_options: Mapping[str, Any] | None = None,
+    options: Mapping[str, Any] | None = None,
     timeouts: tuple[float, float] | None = None,
 ) -> bytes:
     """Like :func:`read_bytes`, but never more than ``max_bytes``: the size (``stat``,
@@ -274,7 +370,7 @@ def read_bytes_capped(
             if size > max_bytes:
                 raise over(size)
             return bounded(f)
-    opts = with_timeouts(location, storage_options, *timeouts) if timeouts else storage_options
+    opts = with_timeouts(location, options, *timeouts) if timeouts else options
     fs, path = url_to_fs(location, opts)
     if timeouts and getattr(fs, "protocol", None) and "s3" in fs.protocol:
         fs.retries = 1  # type: ignore[attr-defined]  # the caller owns the retry policy
@@ -363,18 +459,18 @@ def _is_timeout(e: BaseException) -> bool:
 
 def with_timeouts(
     location: str,
-    storage_options: Mapping[str, Any] | None,
+    options: Mapping[str, Any] | None,
     connect_s: float,
     read_s: float,
 ) -> dict[str, Any]:
-    """``storage_options`` plus connect and read timeouts in the form the location's fsspec
+    """``options`` plus connect and read timeouts in the form the location's fsspec
     backend takes: an aiohttp ``ClientTimeout`` for http(s) (``sock_read`` is the longest
     silence between bytes), botocore's ``connect_timeout``/``read_timeout`` without its own
     retries for s3, ``timeout`` for gcs. Values the caller set already are kept.
 
     One remote read then takes at most ``connect_s + read_s`` of silence before it
     raises; the caller's retries multiply that bound."""
-    opts = dict(storage_options or {})
+    opts = dict(options or {})
     proto = location.split("://", 1)[0] if is_url(location) else "file"
     if proto in ("http", "https"):
         import aiohttp
@@ -395,33 +491,33 @@ def with_timeouts(
     return opts
 
 
-def exists(location: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+def exists(location: str, options: Mapping[str, Any] | None = None) -> bool:
     if is_local(location):
         return local_path(location).exists()
-    fs, path = url_to_fs(location, storage_options)
+    fs, path = url_to_fs(location, options)
     return bool(fs.exists(path))
 
 
-def remove(location: str, storage_options: Mapping[str, Any] | None = None) -> None:
+def remove(location: str, options: Mapping[str, Any] | None = None) -> None:
     """Delete a file or object if it exists."""
     if is_local(location):
         local_path(location).unlink(missing_ok=True)
         return
-    fs, path = url_to_fs(location, storage_options)
+    fs, path = url_to_fs(location, options)
     if fs.exists(path):
         fs.rm(path)
 
 
-def missing_dirs(location: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+def missing_dirs(location: str, options: Mapping[str, Any] | None = None) -> list[str]:
     """The directories :func:`makedirs` would create for ``location``, deepest first (for a
     URL: the location itself, if absent)."""
     if is_local(location):
         path = local_path(location).absolute()
         return [str(p) for p in (path, *path.parents) if not p.exists()]
-    return [] if exists(location, storage_options) else [location]
+    return [] if exists(location, options) else [location]
 
 
-def remove_empty_dir(location: str, storage_options: Mapping[str, Any] | None = None) -> bool:
+def remove_empty_dir(location: str, options: Mapping[str, Any] | None = None) -> bool:
     """Remove a directory (or URL prefix) if it is empty; True if it is gone."""
     if is_local(location):
         try:
@@ -431,7 +527,7 @@ def remove_empty_dir(location: str, storage_options: Mapping[str, Any] | None = 
         except OSError:  # not empty
             return False
         return True
-    fs, path = url_to_fs(location, storage_options)
+    fs, path = url_to_fs(location, options)
     if not fs.exists(path):
         return True
     if fs.ls(path, detail=False):
@@ -443,23 +539,23 @@ def remove_empty_dir(location: str, storage_options: Mapping[str, Any] | None = 
     return not fs.exists(path)
 
 
-def list_names(location: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+def list_names(location: str, options: Mapping[str, Any] | None = None) -> list[str]:
     """Names of the files directly inside a directory or URL prefix ([] if absent)."""
-    return _list(location, storage_options, dirs=False)
+    return _list(location, options, dirs=False)
 
 
-def list_dirs(location: str, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+def list_dirs(location: str, options: Mapping[str, Any] | None = None) -> list[str]:
     """Names of the directories (URL prefixes) directly inside ``location`` ([] if absent)."""
-    return _list(location, storage_options, dirs=True)
+    return _list(location, options, dirs=True)
 
 
-def _list(location: str, storage_options: Mapping[str, Any] | None, dirs: bool) -> list[str]:
+def _list(location: str, options: Mapping[str, Any] | None, dirs: bool) -> list[str]:
     if is_local(location):
         d = local_path(location)
         if not d.is_dir():
             return []
         return sorted(p.name for p in d.iterdir() if (p.is_dir() if dirs else p.is_file()))
-    fs, path = url_to_fs(location, storage_options)
+    fs, path = url_to_fs(location, options)
     if not fs.exists(path):
         return []
     kind = "directory" if dirs else "file"
@@ -470,20 +566,12 @@ def _list(location: str, storage_options: Mapping[str, Any] | None, dirs: bool) 
     )
 
 
-def remove_stale_temps(location: str, storage_options: Mapping[str, Any] | None = None) -> int:
+def remove_stale_temps(location: str, options: Mapping[str, Any] | None = None) -> int:
     """Remove temporary names a killed run left in ``location``; returns how many."""
-    stale = [n for n in list_names(location, storage_options) if is_temp_name(n)]
+    stale = [n for n in list_names(location, options) if is_temp_name(n)]
     for name in stale:
-        remove(join(location, name), storage_options)
+        remove(join(location, name), options)
     return len(stale)
-
-
-def sha256_file(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ------------------------------------------------------------------------ inputs
@@ -500,15 +588,15 @@ class InputFile:
 
 
 def expand_sources(
-    patterns: Iterable[str], storage_options: Mapping[str, Any] | None = None
+    patterns: Iterable[str], options: Mapping[str, Any] | None = None
 ) -> tuple[list[str], list[str]]:
     """(sorted unique input files, patterns that matched nothing): see :func:`list_inputs`."""
-    files, unmatched = list_inputs(patterns, storage_options)
+    files, unmatched = list_inputs(patterns, options)
     return [f.location for f in files], unmatched
 
 
 def list_inputs(
-    patterns: Iterable[str], storage_options: Mapping[str, Any] | None = None
+    patterns: Iterable[str], options: Mapping[str, Any] | None = None
 ) -> tuple[list[InputFile], list[str]]:
     """(input files sorted by location, unique; patterns that matched nothing).
 
@@ -519,7 +607,7 @@ def list_inputs(
     found: dict[str, InputFile] = {}
     unmatched: list[str] = []
     for pattern in patterns:
-        hits = [h for alt in expand_braces(pattern) for h in _expand_one(alt, storage_options)]
+        hits = [h for alt in expand_braces(pattern) for h in _expand_one(alt, options)]
         if hits:
             found.update((h.location, h) for h in hits)
         else:
@@ -566,7 +654,7 @@ def _identity(info: Mapping[str, Any]) -> dict[str, Any]:
     return ident
 
 
-def _expand_one(pattern: str, storage_options: Mapping[str, Any] | None) -> list[InputFile]:
+def _expand_one(pattern: str, options: Mapping[str, Any] | None) -> list[InputFile]:
     if is_local(pattern):
         p = str(local_path(pattern))
         if os.path.isdir(p):
@@ -582,7 +670,7 @@ def _expand_one(pattern: str, storage_options: Mapping[str, Any] | None) -> list
                 if os.path.isfile(f) and not os.path.basename(f).startswith(".")
             ]
         return [_local_input(p)] if os.path.isfile(p) else []
-    fs, path = url_to_fs(pattern, storage_options)
+    fs, path = url_to_fs(pattern, options)
     infos: dict[str, Any]
     if _glob.has_magic(path):
         infos = fs.glob(path, detail=True)
@@ -600,12 +688,12 @@ def _expand_one(pattern: str, storage_options: Mapping[str, Any] | None) -> list
     ]
 
 
-def fetch(location: str, dest_dir: Path, storage_options: Mapping[str, Any] | None = None) -> Path:
+def fetch(location: str, dest_dir: Path, options: Mapping[str, Any] | None = None) -> Path:
     """A local file with the content of ``location`` (itself when local; a copy in
     ``dest_dir`` keeping the file name, so tokenizers can still route on the suffix)."""
     if is_local(location):
         return local_path(location)
-    fs, path = url_to_fs(location, storage_options)
+    fs, path = url_to_fs(location, options)
     dest_dir.mkdir(parents=True, exist_ok=True)
     dest = dest_dir / path.rstrip("/").rsplit("/", 1)[-1]
     with fs.open(path, "rb") as src, open(dest, "wb") as out:
@@ -613,21 +701,19 @@ def fetch(location: str, dest_dir: Path, storage_options: Mapping[str, Any] | No
     return dest
 
 
-def open_input(location: str, storage_options: Mapping[str, Any] | None = None) -> IO[bytes]:
+def open_input(location: str, options: Mapping[str, Any] | None = None) -> IO[bytes]:
     """A binary file object that reads ``location`` front to back: a local file, or an
     object read through ranged requests in blocks of a few MiB (never copied whole)."""
     if is_local(location):
         return open(local_path(location), "rb")
-    fs, path = url_to_fs(location, storage_options)
+    fs, path = url_to_fs(location, options)
     return fs.open(path, "rb", block_size=_CHUNK, cache_type="readahead")
 
 
-def size_and_sha256(
-    location: str, storage_options: Mapping[str, Any] | None = None
-) -> tuple[int, str]:
+def size_and_sha256(location: str, options: Mapping[str, Any] | None = None) -> tuple[int, str]:
     """(bytes, sha256) of a file or object, read in chunks."""
     h, size = hashlib.sha256(), 0
-    with open_input(location, storage_options) as f:
+    with open_input(location, options) as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
             size += len(chunk)

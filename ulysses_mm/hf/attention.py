@@ -4,7 +4,7 @@
 model built with it (Llama, Qwen2, Qwen3, Mistral: any model whose attention calls the
 registry) runs, in every layer, :class:`~ulysses_mm.parallel.UlyssesAttention` over the
 mesh's Ulysses group with :class:`~ulysses_mm.parallel.RingAttention` across the ring when
-``mesh.ring`` > 1, around our local kernels (:mod:`ulysses_mm.model.attention`): causal,
+``mesh.ring_size`` > 1, around our local kernels (:mod:`ulysses_mm.model.attention`): causal,
 and no token attends across a document boundary, on every kernel. GQA with fewer kv heads
 than the Ulysses group replicates kv heads; a ring lets sp exceed the head count.
 
@@ -68,15 +68,21 @@ class Backend:
         key = (num_heads, num_kv_heads)
         if key not in self._modules:
             m = self.mesh
-            check_layout(m.sp, num_heads=num_heads, num_kv_heads=num_kv_heads, ring=m.ring)
+            check_layout(m.sp, num_heads=num_heads, num_kv_heads=num_kv_heads, ring=m.ring_size)
             core: nn.Module = LocalAttention(self.kernel)
-            if m.ring > 1:
+            if m.ring_size > 1:
                 core = RingAttention(
-                    m.ring_group, m.ring_ranks, m.ring_rank, self.ring_stats, self.kernel
+                    m.ring_group, m.ring_members, m.ring_rank, self.ring_stats, self.kernel
                 )
             group = m.ulysses_group if m.sp > 1 else None
             self._modules[key] = UlyssesAttention(
-                core, group, num_heads, num_kv_heads, self.stats, self.workspace, ring=m.ring
+                core,
+                group,
+                num_heads,
+                num_kv_heads,
+                self.stats,
+                self.workspace,
+                ring_size=m.ring_size,
             )
         return self._modules[key]
 
@@ -100,7 +106,7 @@ class Backend:
         if kwargs.get("cu_seq_lens_q") is not None:
             doc_ids = documents_from_cu(source, batch, seq_len)
         else:
-            if m.ring > 1:
+            if m.ring_size > 1:
                 raise UnsupportedError(
                     "with a ring the tokens of a rank are in the document zigzag, so the "
                     "backend needs the whole sequence's documents: pass the inputs through "

@@ -89,7 +89,7 @@ def _load_sources(
     :class:`ShardStream` takes; every manifest must share the first one's token space."""
     if isinstance(sources, (str, Mapping)):
         sources = [
-            (Manifest.load(loc, data.storage_options, data.timeouts, data.max_manifest_bytes), w, m)
+            (Manifest.load(data.location(loc), data.max_manifest_bytes), w, m)
             for loc, w, m in train_entries(
                 RunConfig(data=from_dict(DataConfig, {"train": sources}))
             )

@@ -93,7 +93,7 @@ def shard_inputs(batch: Mapping[str, Any], mesh: Mesh) -> dict[str, Any]:
         targets = shifted(torch.as_tensor(batch["labels"]).view_as(input_ids))
     doc_ids = document_ids(position_ids)
     full = Batch(input_ids, position_ids, targets, torch.zeros_like(targets), doc_ids)
-    local = sp_slice(full, mesh.sp_rank, mesh.sp, mesh.ring)
+    local = sp_slice(full, mesh.sp_rank, mesh.sp, mesh.ring_size)
     cu = cu_seq_lens(doc_ids)
     longest = int(torch.diff(cu).max())
     targets = local.labels.contiguous()

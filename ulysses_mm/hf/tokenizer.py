@@ -2,17 +2,14 @@
 
 Every id of the manifest's token space gets a name a person can read in a decoded
 sequence: the specials as they are (``<pad>``, ``<doc>``, ``</doc>``, ``<eof>``,
-``<|dna|>`` ...), then each modality's ids as ``modality:label``, the label taken from the
-tokenizer spec the manifest records (its kind and params):
-
-- ``dna-base``: the base letter (``dna:A``, ``dna:n``);
-- ``audio-mulaw``: the signed mu-law level (``audio:+0``, ``audio:-127``);
-- ``audio-codec``: quantizer and code (``audio:q1:17``);
-- ``video-vq``: the codebook word (``video:vq42``);
-- ``video-h264``: the packet bytes in hex (``video:1a2b``, an odd last byte ``video:1a``);
-- ``text``: the text tokenizer's own tokens when its directory is given (whitespace
-  escaped), the byte for the shipped ``text-bytes`` spec (``text:A``, ``text:<0x0A>``);
-- anything else: the local id (``video:17``).
+``<|dna|>`` ...), then each modality's ids as ``modality:label``, the label given by the
+tokenizer kind the manifest records for it, from its entry alone
+(:meth:`Tokenizer.token_labels <ulysses_mm.tokenize.base.Tokenizer.token_labels>`):
+the base letter (``dna:A``, ``dna:n``), the signed mu-law level (``audio:+0``), quantizer
+and code (``audio:q1:17``), the codebook word (``video:vq42``), the packet bytes in hex
+(``video:1a2b``), the text tokenizer's own tokens when its directory is given (whitespace
+escaped) or the byte for the shipped ``text-bytes`` spec (``text:A``, ``text:<0x0A>``);
+a kind with nothing better, or one not registered here, the local id (``video:17``).
 
 The tokenizer is a word-level ``tokenizers`` model over exactly these names (vocabulary
 size = the token space's), split on whitespace, with the specials as special tokens
@@ -26,7 +23,7 @@ specs turn files into ids.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,46 +31,19 @@ from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.storage import atomic_local_dir
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 from ulysses_mm.shards.manifest import Manifest
-from ulysses_mm.tokenize.dna import alphabet
-
-
-def _escape(token: str) -> str:
-    """A token without whitespace (the tokenizer splits on it), still readable."""
-    return "".join(f"<0x{ord(c):02X}>" if c.isspace() or not c.isprintable() else c for c in token)
-
-
-def _byte(b: int) -> str:
-    return chr(b) if 33 <= b <= 126 else f"<0x{b:02X}>"
+from ulysses_mm.tokenize.registry import kind_class
 
 
 def modality_labels(
-    entry: Mapping[str, Any], size: int, text_tokens: list[str] | None = None
+    entry: Mapping[str, Any], size: int, vocabulary: Sequence[str] | None = None
 ) -> list[str]:
-    """The labels of a modality's ``size`` local ids from its manifest tokenizer entry."""
-    kind = entry.get("kind", "")
-    params = entry.get("params") or {}
-    if kind == "dna-base":
-        letters = alphabet(params.get("case", "keep"), params.get("iupac", "to_n"))
-        if len(letters) == size:
-            return list(letters)
-    if kind == "audio-mulaw":
-        half = 1 << (int(params.get("bits", 8)) - 1)
-        return [f"{k - half:+d}" for k in range(size)]
-    if kind == "audio-codec" and int(params.get("num_quantizers", 0)) > 0:
-        book = size // int(params["num_quantizers"])
-        return [f"q{k // book}:{k % book}" for k in range(size)]
-    if kind == "video-vq":
-        return [f"vq{k}" for k in range(size)]
-    if kind == "video-h264":
-        return [f"{k:04x}" if k < 1 << 16 else f"{k - (1 << 16):02x}" for k in range(size)]
-    if kind == "text":
-        if text_tokens is not None:
-            return [_escape(t) for t in text_tokens[:size]] + [
-                str(k) for k in range(len(text_tokens), size)
-            ]
-        if entry.get("name") == "text-bytes" and size == 256:
-            return [_byte(b) for b in range(256)]
-    return [str(k) for k in range(size)]
+    """The labels of a modality's ``size`` local ids from its manifest tokenizer entry
+    (``vocabulary``: a text tokenizer's own tokens, for a kind that names ids by them)."""
+    try:
+        cls = kind_class(str(entry.get("kind", "")))
+    except ValueError:  # a kind this process does not know: the ids
+        return [str(k) for k in range(size)]
+    return cls.token_labels(entry, size, vocabulary)
 
 
 def token_names(
@@ -90,9 +60,7 @@ def token_names(
         text_tokens = [str(t) for t in tok.convert_ids_to_tokens(list(range(len(tok))))]
     names = list(space.specials)
     for r in space.ranges:
-        labels = modality_labels(
-            tokenizers.get(r.name, {}), r.size, text_tokens if r.name == "text" else None
-        )
+        labels = modality_labels(tokenizers.get(r.name, {}), r.size, text_tokens)
         names += [f"{r.name}:{label}" for label in labels]
     seen: dict[str, int] = {}
     for i, name in enumerate(names):

@@ -49,12 +49,13 @@ def fetch_shard(
 ) -> bytes:
     """A shard's bytes, checked against the manifest (see the module docstring)."""
     entry = manifest.shards[shard]
-    location = manifest.shard_location(shard)
+    where = manifest.shard_where(shard).with_timeouts(timeouts)
+    location = where.url
     retries = max(1, retries)
     delay = backoff_s
     for attempt in range(1, retries + 1):
         try:
-            data = storage.read_bytes(location, manifest.storage_options, timeouts)
+            data = where.read_bytes()
         # transport faults arrive as many types (OSError, aiohttp, botocore, asyncio
         # timeouts); storage turns them into ReadError, which says whether to retry
         except Exception as e:

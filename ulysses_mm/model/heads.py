@@ -16,6 +16,7 @@ gather parameters (ZeRO-3) fire identically on every rank.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,17 @@ from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.format import IGNORE
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.model.tiling import tiles
+
+
+class LossOutput(NamedTuple):
+    """The loss terms of this process's targets, per modality M (in token-space order).
+    They add up over processes: the global loss is their sums' ratio
+    (:func:`ulysses_mm.parallel.global_loss`). A named tuple, so a training engine's
+    output hooks reach its tensors."""
+
+    ce_sum: Tensor  # [M] summed cross-entropy of the targets
+    targets: Tensor  # [M] float32 count of targets
+    ce_by_bin: Tensor | None = None  # [M, num_bins] ce_sum split by position bin (evaluation)
 
 
 class ModalityHeads(nn.Module):
@@ -86,9 +98,10 @@ class ModalityHeads(nn.Module):
         label_modality: Tensor,
         bins: Tensor | None = None,
         num_bins: int = 0,
-    ) -> tuple[Tensor, ...]:
+    ) -> LossOutput:
         """hidden [b, n, D], labels [b, n] (IGNORE where no target), label_modality [b, n]
-        (-1 where no target) -> (sum of CE per modality [M], target count per modality [M]).
+        (-1 where no target) -> the sum of CE per modality [M] and the target count per
+        modality [M].
 
         With ``bins`` [b, n] (a bin index in ``[0, num_bins)`` per token, -1 for none: the
         target's position bin, for evaluation), also each modality's CE summed per bin
@@ -116,12 +129,12 @@ class ModalityHeads(nn.Module):
                     total = total + checkpoint(self._tile_loss, *args, use_reentrant=False)
                 else:
                     total = total + self._tile_loss(*args)
-            return total, counts
+            return LossOutput(total, counts)
         by_bin = hidden.new_zeros(m, num_bins, dtype=torch.float32)
         for args, tile_bins in zip(parts, bins.reshape(-1).split(t), strict=True):
             sums, per_bin = self._tile_loss_by_bin(*args, tile_bins, num_bins)
             total, by_bin = total + sums, by_bin + per_bin
-        return total, counts, by_bin
+        return LossOutput(total, counts, by_bin)
 
     def _in_vocab(self, labels: Tensor, mods: Tensor) -> Tensor:
         starts = torch.tensor([r.start for r in self.space.ranges], device=labels.device)

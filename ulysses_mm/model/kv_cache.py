@@ -28,7 +28,6 @@ from torch import Tensor
 
 from ulysses_mm.model.attention import DocumentMask
 from ulysses_mm.model.llama import DecoderLayer, MultimodalLM
-from ulysses_mm.model.tiling import tile_map
 
 # (partial output [b, t, hq, d] fp32, its log-sum-exp [b, t, hq] fp32) -> output [b, t, hq, d]
 Merge = Callable[[Tensor, Tensor], Tensor]
@@ -155,15 +154,15 @@ class CachedDecoder:
         cos, sin = bb.rotary_emb(position_ids, x.dtype)
         kept = 0
         for i, layer in enumerate(self.layers):
-            q, k, v = tile_map(layer.qkv, layer.tile_tokens, x, cos, sin)  # [b, n, h, d]
+            q, k, v = layer.qkv(x, cos, sin)  # [b, n, h, d]
             ks, vs = (k, v) if keep is None else (k[:, keep], v[:, keep])
             self.cache.write(i, ks, vs)
             kept = ks.shape[1]
             o = layer.self_attn.core(q, k, v, mask)  # [b, n, hq, d]
-            x = tile_map(layer.after_attention, layer.tile_tokens, x, o)
+            x = layer.after_attention(x, o)
         self.cache.advance(kept)
         self.position = input_ids.shape[1] if positions is None else positions
-        return tile_map(bb.norm, bb.tile_tokens, x)
+        return bb.norm(x)
 
     def start(self, input_ids: Tensor) -> Tensor:
         """A prompt [b, n] (one document from its ``<doc>``) -> its last hidden state [b, D].
@@ -213,7 +212,7 @@ class RecomputeDecoder:
         b, n = self.ids.shape
         pos = torch.arange(n, device=self.ids.device).expand(b, n)
         doc = torch.zeros_like(self.ids)
-        return self.model(self.ids, pos, doc)  # [b, n, D]
+        return self.model.hidden_states(self.ids, pos, doc)  # [b, n, D]
 
     def start(self, input_ids: Tensor) -> Tensor:
         """A prompt [b, n] -> its last hidden state [b, D]."""

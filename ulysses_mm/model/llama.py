@@ -13,21 +13,17 @@ D hidden, hq/hk query/key-value heads, d head dim.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from ulysses_mm.config import ModelConfig
 from ulysses_mm.core.errors import ConfigError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
-from ulysses_mm.model.heads import ModalityHeads
-from ulysses_mm.model.offload import offloaded_layers, prefetch_after
+from ulysses_mm.model.heads import LossOutput, ModalityHeads
 from ulysses_mm.model.rope import RotaryEmbedding, apply_rope
-from ulysses_mm.model.tiling import tile_map
 
 # (hidden, labels, label_modality, bins or None) -> the same, rearranged over ranks
 TargetExchange = Callable[
@@ -85,43 +81,34 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
         q, k, v = self.qkv(x, cos, sin)
-        prefetch_after(q)  # an offloaded layer fetches the one before once past attention
         return self.out(self.core(q, k, v, mask))  # core: [b, n, hq, d]
 
 
 class MLP(nn.Module):
-    """SwiGLU. With ``tile_tokens`` > 0 the sequence is processed in tiles, each recomputed
-    in backward, so the [n, intermediate] activations exist for one tile at a time."""
+    """SwiGLU."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.tile_tokens = cfg.mlp_tile_tokens
-
-    def _mlp(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def forward(self, x: Tensor) -> Tensor:
-        n = x.shape[1]
-        if not self.tile_tokens or n <= self.tile_tokens or not torch.is_grad_enabled():
-            return self._mlp(x)
-        tiles = [
-            checkpoint(self._mlp, t, use_reentrant=False)
-            for t in x.split(self.tile_tokens, dim=1)  # [b, n, D] -> tiles of [b, tile, D]
-        ]
-        return torch.cat(tiles, dim=1)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
+    """Attention and MLP, each behind a residual add, in three steps: :meth:`qkv`
+    (token-wise), the attention kernel ``self_attn.core``, :meth:`after_attention`
+    (token-wise). A memory policy (:mod:`ulysses_mm.model.memory`) wraps the token-wise
+    steps from outside; a KV-cache decoder calls them itself around its own kernel."""
+
     def __init__(self, cfg: ModelConfig, kernel: str = "auto") -> None:
         super().__init__()
         self.self_attn = Attention(cfg, kernel)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.tile_tokens = cfg.layer_tile_tokens
 
     def qkv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The token-wise part before the attention kernel: its q, k, v [b, n, h, d]."""
@@ -131,18 +118,12 @@ class DecoderLayer(nn.Module):
         """The token-wise part after the kernel's output ``o`` [b, n, hq, d] -> [b, n, D]
         (a KV-cache decoder runs the kernel's part itself between the two)."""
         x = x + self.self_attn.out(o)
-        return x + self.mlp._mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
-        if self.tile_tokens and x.shape[1] > self.tile_tokens:
-            # token-wise parts in recomputed tiles: kept are x, the kernel's q, k, v, its
-            # output (and what the kernel saves), not the norms' or MLP's activations
-            q, k, v = tile_map(self.qkv, self.tile_tokens, x, cos, sin)
-            prefetch_after(q)  # an offloaded layer fetches the one before once past attention
-            o = self.self_attn.core(q, k, v, mask)  # [b, n, hq, d]
-            return tile_map(self.after_attention, self.tile_tokens, x, o)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        q, k, v = self.qkv(x, cos, sin)  # [b, n, h, d]
+        o = self.self_attn.core(q, k, v, mask)  # [b, n, hq, d]
+        return self.after_attention(x, o)  # [b, n, D]
 
 
 class Backbone(nn.Module):
@@ -155,9 +136,6 @@ class Backbone(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, kernel) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope, cfg.max_position_embeddings)
-        self.gradient_checkpointing = cfg.activation_checkpointing
-        self.offload_checkpoints = cfg.offload_checkpoints
-        self.tile_tokens = cfg.layer_tile_tokens
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor) -> Tensor:
         """input_ids, position_ids: [b, n] (this process's tokens); doc_ids: [b, s] for the
@@ -165,16 +143,15 @@ class Backbone(nn.Module):
         mask = DocumentMask(doc_ids)
         x = self.embed_tokens(input_ids)  # [b, n] -> [b, n, D]
         cos, sin = self.rotary_emb(position_ids, x.dtype)  # [b, n, d] each
-        grad = torch.is_grad_enabled()
-        if self.gradient_checkpointing and self.offload_checkpoints and grad:
-            x = offloaded_layers(list(self.layers), x, cos, sin, mask)
-        else:
-            for layer in self.layers:
-                if self.gradient_checkpointing and grad:
-                    x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)
-                else:
-                    x = layer(x, cos, sin, mask)
-        return tile_map(self.norm, self.tile_tokens, x)
+        x = self.run_layers(x, cos, sin, mask)
+        return self.norm(x)
+
+    def run_layers(self, x: Tensor, cos: Tensor, sin: Tensor, mask: DocumentMask) -> Tensor:
+        """``x`` [b, n, D] through every decoder layer (a memory policy may checkpoint or
+        offload them: :mod:`ulysses_mm.model.memory`)."""
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return x
 
 
 class MultimodalLM(nn.Module):
@@ -193,7 +170,7 @@ class MultimodalLM(nn.Module):
         self.config = cfg
         self.space = space
         self.model = Backbone(cfg, space.vocab_size, kernel)
-        self.heads = ModalityHeads(cfg.hidden_size, space, cfg.loss_tile_tokens)
+        self.heads = ModalityHeads(cfg.hidden_size, space)  # loss tiles: the memory policy's
         self.reset_parameters()
 
     @torch.no_grad()
@@ -212,20 +189,21 @@ class MultimodalLM(nn.Module):
         input_ids: Tensor,
         position_ids: Tensor,
         doc_ids: Tensor,
-        labels: Tensor | None = None,
-        label_modality: Tensor | None = None,
+        labels: Tensor,
+        label_modality: Tensor,
         bins: Tensor | None = None,
         num_bins: int = 0,
-    ) -> Any:
-        """Hidden states [b, n, D]; with ``labels`` and ``label_modality``, the
-        per-modality (CE sums, target counts) of :meth:`loss_terms` instead (one call the
-        training engine can wrap), and with ``bins`` the CE sums per bin too."""
+    ) -> LossOutput:
+        """The loss terms of :meth:`loss_terms` of this process's targets (one call the
+        training engine can wrap); with ``bins`` the CE sums per bin too. Hidden states
+        alone: :meth:`hidden_states`."""
         hidden = self.model(input_ids, position_ids, doc_ids)
-        if labels is None:
-            return hidden
-        if label_modality is None:
-            raise ValueError("labels need label_modality (which head predicts each target)")
         return self.loss_terms(hidden, labels, label_modality, bins, num_bins)
+
+    def hidden_states(self, input_ids: Tensor, position_ids: Tensor, doc_ids: Tensor) -> Tensor:
+        """The backbone's last hidden states [b, n, D] of this process's tokens (doc_ids
+        [b, s] of the full sequence): :meth:`Backbone.forward`."""
+        return self.model(input_ids, position_ids, doc_ids)  # type: ignore[no-any-return]
 
     def loss_terms(
         self,
@@ -234,7 +212,7 @@ class MultimodalLM(nn.Module):
         label_modality: Tensor,
         bins: Tensor | None = None,
         num_bins: int = 0,
-    ) -> tuple[Tensor, ...]:
+    ) -> LossOutput:
         """Per-modality (sum of cross-entropy, count of targets) over this process's tokens
         (over the targets :attr:`target_exchange` gives it, when set; their position bins
         travel with them), and with ``bins`` the sums per bin:

@@ -14,8 +14,8 @@ Several tensors travel in ONE exchange, packed along the head dim.
 Buffers: the send buffer is dead as soon as the exchange returns, so it comes from a
 :class:`Workspace` reused by every exchange of the model (one allocation instead of one
 per layer and direction); only what a rank receives is allocated, and the received q, k, v
-are handed to the kernel as views of it (no unpacking copy when b = 1). Head chunks
-(:mod:`ulysses_mm.parallel.head_chunks`) exchange one group of heads at a time through the
+are handed to the kernel as views of it (no unpacking copy when b = 1). Head groups
+(:mod:`ulysses_mm.parallel.head_groups`) exchange one group of heads at a time through the
 ``*_parts`` forms, which take and give each tensor as ``[b, s/P, P, h_i/P, d]`` (chunk j:
 rank j's heads), and allocate the send buffer per exchange (an :class:`Exchange` without
 workspace), so it is not alive while a group's kernel runs.

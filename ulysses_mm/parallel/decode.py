@@ -45,7 +45,9 @@ class SequenceParallelDecoder:
         self.sp = mesh.sp
         self.group = mesh.sp_group
         self.root = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        capacity = padded_length(prompt, self.sp, mesh.ring) // self.sp + new_tokens // self.sp + 1
+        capacity = (
+            padded_length(prompt, self.sp, mesh.ring_size) // self.sp + new_tokens // self.sp + 1
+        )
         self.inner = CachedDecoder(model, capacity, merge=self.merge)
         self.steps = 0
 
@@ -65,7 +67,7 @@ class SequenceParallelDecoder:
     def start(self, input_ids: Tensor) -> Tensor:
         """The prompt [1, n], whole on every rank -> the last token's hidden state [1, D]."""
         b, n = input_ids.shape
-        total = padded_length(n, self.sp, self.mesh.ring)
+        total = padded_length(n, self.sp, self.mesh.ring_size)
         device = input_ids.device
         ids = torch.full((b, total), PAD, dtype=torch.long, device=device)
         ids[:, :n] = input_ids
@@ -73,7 +75,7 @@ class SequenceParallelDecoder:
         doc[:, :n] = 0  # the padding is a document of its own
         pos = torch.arange(total, device=device)
         pos = torch.where(pos < n, pos, pos - n).expand(b, total)
-        idx = sp_index(doc, self.mesh.sp_rank, self.sp, self.mesh.ring)[0]
+        idx = sp_index(doc, self.mesh.sp_rank, self.sp, self.mesh.ring_size)[0]
         keep = idx < n
         hidden = self.inner.prefill(ids[:, idx], pos[:, idx], doc, keep=keep, positions=n)
         last = torch.zeros_like(hidden[:, 0])

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ulysses_mm.core.format import IGNORE
+from ulysses_mm.model.llama import MultimodalLM
+from ulysses_mm.parallel.mesh import Mesh
 
 
 class _ExchangeRows(torch.autograd.Function):
@@ -68,7 +70,7 @@ def received_targets(every: Tensor, bounds: Tensor) -> Tensor:
 class TargetBalance:
     """Rearrange (hidden, labels, modality) so every rank of ``group`` (``size`` ranks,
     this one ``rank``) computes the loss of an equal share of every modality's targets.
-    Set as ``model.target_exchange`` by :func:`apply_target_balance`."""
+    Set as ``model.target_exchange`` by :func:`apply_loss_balance`."""
 
     def __init__(self, group: Any, size: int, rank: int, modalities: int) -> None:
         self.group, self.P, self.rank, self.M = group, size, rank, modalities
@@ -138,8 +140,15 @@ class TargetBalance:
         return place
 
 
-def apply_target_balance(model: Any, group: Any, size: int, rank: int) -> None:
-    """Spread the loss's targets evenly over the ``size`` ranks of ``group`` (the SP
-    group), in place: ``model.target_exchange`` (``model`` a
-    :class:`~ulysses_mm.model.MultimodalLM`)."""
-    model.target_exchange = TargetBalance(group, size, rank, len(model.space.ranges))
+def apply_loss_balance(model: MultimodalLM, mesh: Mesh) -> MultimodalLM:
+    """Spread the loss's targets evenly over the ranks of ``mesh``'s SP group, in place:
+    every rank then computes the loss of an equal share of each modality's targets, so
+    the ranks' loss working sets (and peaks) match. Sets ``model.target_exchange`` (an
+    extra all-to-all before the heads) when ``mesh.sp`` > 1, clears it otherwise (a model
+    laid out again)."""
+    model.target_exchange = None
+    if mesh.sp > 1:
+        model.target_exchange = TargetBalance(
+            mesh.sp_group, mesh.sp, mesh.sp_rank, len(model.space.ranges)
+        )
+    return model

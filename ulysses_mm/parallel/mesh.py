@@ -5,9 +5,14 @@ world = dp × sp with sp innermost: global rank = dp_rank · sp + sp_rank, so th
 SP group are consecutive (on GPUs they share a node and the all-to-all stays on NVLink).
 No module-level process-group state: the :class:`Mesh` is built once and passed in.
 
-Hybrid Ulysses × ring (``ring`` = R > 1): each SP group of sp = U × R ranks splits into R
-Ulysses groups of U consecutive ranks (sp_rank = ring_rank · U + ulysses_rank) and U rings
-of R ranks at stride U. At R = 1 the Ulysses group is the SP group and there is no ring.
+Hybrid Ulysses × ring (``ring_size`` = R > 1): each SP group of sp = U × R ranks splits
+into R Ulysses groups of U = ``ulysses_size`` consecutive ranks (sp_rank = ring_rank · U +
+ulysses_rank) and U rings of R ranks at stride U. At R = 1 the Ulysses group is the SP
+group and there is no ring.
+
+Names: ``sp`` is always the whole SP group's size U × R; a size is ``*_size`` (or the bare
+axis name ``dp``/``sp``), a position in a group ``*_rank``, the global ranks of a group's
+members ``*_members``.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ulysses_mm.core.errors import ConfigError, UnsupportedError
+from ulysses_mm.core.launch_env import LAUNCH_ENV, in_launched_world
 from ulysses_mm.core.layout import check_layout
 
 if TYPE_CHECKING:
@@ -36,22 +42,23 @@ class Mesh:
     sp_group: Any = None  # ProcessGroup of this rank's SP group (None when sp == 1 alone)
     dp_group: Any = None  # ProcessGroup of ranks holding the same SP slice
     world_group: Any = None  # the default group (None for a single process)
-    ring: int = 1  # R: ring size inside the SP group (sp = U × R)
+    ring_size: int = 1  # R: ring size inside the SP group (sp = U × R)
     ulysses_group: Any = None  # U consecutive ranks (the SP group itself when R == 1)
     ring_group: Any = None  # R ranks at stride U (None when R == 1)
-    ring_ranks: tuple[int, ...] = ()  # global ranks of this rank's ring, in ring order
+    ring_members: tuple[int, ...] = ()  # global ranks of this rank's ring, in ring order
 
     @property
-    def ulysses(self) -> int:
-        return self.sp // self.ring
+    def ulysses_size(self) -> int:
+        """U: the ranks of one Ulysses all-to-all group (sp / ring_size)."""
+        return self.sp // self.ring_size
 
     @property
     def ulysses_rank(self) -> int:
-        return self.sp_rank % self.ulysses
+        return self.sp_rank % self.ulysses_size
 
     @property
     def ring_rank(self) -> int:
-        return self.sp_rank // self.ulysses
+        return self.sp_rank // self.ulysses_size
 
     @property
     def world_size(self) -> int:
@@ -75,19 +82,19 @@ class Mesh:
         return cls(dp=1, sp=1, rank=0)
 
     @classmethod
-    def build(cls, sp: int, dp: int = 0, ring: int = 1) -> Mesh:
+    def build(cls, sp: int, dp: int = 0, ring_size: int = 1) -> Mesh:
         """The mesh over the initialised default process group (dp = 0: world / sp;
-        ``ring`` = R divides sp).
+        ``ring_size`` = R divides sp).
 
         Every rank must call this (group creation is collective)."""
         if not dist.is_initialized():
-            if sp == 1 and dp in (0, 1) and ring == 1:
+            if sp == 1 and dp in (0, 1) and ring_size == 1:
                 return cls.single()
             raise RuntimeError(
                 "torch.distributed is not initialised; call init_distributed() first"
             )
         world, rank = dist.get_world_size(), dist.get_rank()
-        dp = check_layout(sp, dp=dp, world=world, ring=ring)
+        dp = check_layout(sp, dp=dp, world=world, ring=ring_size)
         sp_group = dp_group = None
         for d in range(dp):
             ranks = list(range(d * sp, (d + 1) * sp))
@@ -100,21 +107,21 @@ class Mesh:
             if rank in ranks:
                 dp_group = g
         ulysses_group, ring_group = sp_group, None
-        ring_ranks: tuple[int, ...] = ()
-        if ring > 1:
-            u = sp // ring
+        ring_members: tuple[int, ...] = ()
+        if ring_size > 1:
+            u = sp // ring_size
             ulysses_group = None
             for d in range(dp):
-                for j in range(ring):
+                for j in range(ring_size):
                     ranks = [d * sp + j * u + i for i in range(u)]
                     g = dist.new_group(ranks) if u > 1 else None
                     if rank in ranks:
                         ulysses_group = g
                 for i in range(u):
-                    ranks = [d * sp + j * u + i for j in range(ring)]
+                    ranks = [d * sp + j * u + i for j in range(ring_size)]
                     g = dist.new_group(ranks)
                     if rank in ranks:
-                        ring_group, ring_ranks = g, tuple(ranks)
+                        ring_group, ring_members = g, tuple(ranks)
         return cls(
             dp=dp,
             sp=sp,
@@ -122,18 +129,17 @@ class Mesh:
             sp_group=sp_group,
             dp_group=dp_group,
             world_group=dist.group.WORLD,
-            ring=ring,
+            ring_size=ring_size,
             ulysses_group=ulysses_group,
             ring_group=ring_group,
-            ring_ranks=ring_ranks,
+            ring_members=ring_members,
         )
 
     def describe(self) -> str:
         text = f"rank {self.rank}/{self.world_size}: dp {self.dp_rank}/{self.dp} × sp {self.sp_rank}/{self.sp}"
-        if self.ring > 1:
-            text += (
-                f" (ulysses {self.ulysses_rank}/{self.ulysses} × ring {self.ring_rank}/{self.ring})"
-            )
+        if self.ring_size > 1:
+            u, r = f"{self.ulysses_rank}/{self.ulysses_size}", f"{self.ring_rank}/{self.ring_size}"
+            text += f" (ulysses {u} × ring {r})"
         return text
 
 
@@ -184,9 +190,7 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
     eagerly and the groups made later are split from it, so they can share its resources."""
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    missing = [
-        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
+    missing = [k for k in LAUNCH_ENV if k not in os.environ]
     if missing:
         raise UnsupportedError(
             f"not inside a launched world ({', '.join(missing)} unset): start with torchrun, the "
@@ -210,10 +214,6 @@ def close_world() -> None:
     a run that succeeded. Only on success: a failed rank leaves without waiting on peers."""
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def in_launched_world() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
 @dataclass(frozen=True)

@@ -27,20 +27,20 @@ from ulysses_mm.loader.batch import Batch
 from ulysses_mm.model.attention import DocumentMask
 
 
-def sp_slice(batch: Batch, sp_rank: int, sp: int, ring: int = 1) -> Batch:
+def sp_slice(batch: Batch, sp_rank: int, sp: int, ring_size: int = 1) -> Batch:
     """Rank ``sp_rank`` of ``sp``: its contiguous 1/sp of every per-token field (of the
-    ring layout, :func:`ring_order`, when ``ring`` > 1); doc_ids
+    ring layout, :func:`ring_order`, when ``ring_size`` > 1); doc_ids
     stay whole."""
     n = batch.input_ids.shape[-1]
-    check_layout(sp, seq_len=n, ring=ring)
+    check_layout(sp, seq_len=n, ring=ring_size)
     if sp == 1:
         return batch
     chunk = n // sp
-    if ring == 1:
+    if ring_size == 1:
         sl = slice(sp_rank * chunk, (sp_rank + 1) * chunk)
         take = lambda t: t[:, sl]  # noqa: E731
     else:
-        idx = sp_index(batch.doc_ids, sp_rank, sp, ring)
+        idx = sp_index(batch.doc_ids, sp_rank, sp, ring_size)
         take = lambda t: t.gather(1, idx)  # noqa: E731
     return replace(
         batch,
@@ -51,11 +51,11 @@ def sp_slice(batch: Batch, sp_rank: int, sp: int, ring: int = 1) -> Batch:
     )
 
 
-def sp_index(doc_ids: Tensor, sp_rank: int, sp: int, ring: int = 1) -> Tensor:
+def sp_index(doc_ids: Tensor, sp_rank: int, sp: int, ring_size: int = 1) -> Tensor:
     """[b, N/sp] the positions of each row of ``doc_ids`` [b, N] that rank ``sp_rank``
     holds, in the order :func:`sp_slice` gives it."""
     chunk = doc_ids.shape[-1] // sp
-    order = ring_order(DocumentMask(doc_ids).run_ids, ring)  # the identity at ring 1
+    order = ring_order(DocumentMask(doc_ids).run_ids, ring_size)  # the identity at ring_size 1
     return order[:, sp_rank * chunk : (sp_rank + 1) * chunk]
 
 
@@ -71,23 +71,23 @@ def doc_spans(run_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return doc, starts[doc] - row_start, lengths
 
 
-def ring_order(run_ids: Tensor, ring: int) -> Tensor:
+def ring_order(run_ids: Tensor, ring_size: int) -> Tensor:
     """[b, N] permutation of each row whose consecutive N/R pieces are the ring ranks'
     tokens (document zigzag, see the module docstring); needs N % 2R == 0."""
     b, n = run_ids.shape
-    if ring == 1:
+    if ring_size == 1:
         return torch.arange(n, device=run_ids.device).expand(b, n).clone()
-    return document_zigzag(doc_spans(run_ids), ring)
+    return document_zigzag(doc_spans(run_ids), ring_size)
 
 
-def document_zigzag(spans: tuple[Tensor, Tensor, Tensor], ring: int) -> Tensor:
+def document_zigzag(spans: tuple[Tensor, Tensor, Tensor], ring_size: int) -> Tensor:
     """:func:`ring_order` (R > 1) from :func:`doc_spans`' output."""
     doc, start, d_len = spans
     b, n = doc.shape
     pos = torch.arange(n, device=doc.device).expand(b, n)
-    s = 2 * ring
+    s = 2 * ring_size
     if n % s:
-        raise ValueError(f"ring={ring} needs a sequence divisible by {s}, got {n}")
+        raise ValueError(f"ring={ring_size} needs a sequence divisible by {s}, got {n}")
     # per document: base slot size and the remainder's first slot (remainders go round)
     rem = d_len % s
     c = (torch.cumsum(rem, 0) - rem) % s
@@ -104,10 +104,10 @@ def document_zigzag(spans: tuple[Tensor, Tensor, Tensor], ring: int) -> Tensor:
     return torch.argsort(group * n + pos, dim=1)
 
 
-def zigzag_order(seq_len: int, ring: int) -> Tensor:
+def zigzag_order(seq_len: int, ring_size: int) -> Tensor:
     """:func:`ring_order` of one document filling the sequence: ring rank j's tokens are
     chunks j and 2R−1−j of 2R."""
-    return ring_order(torch.zeros(1, seq_len, dtype=torch.long), ring)[0]
+    return ring_order(torch.zeros(1, seq_len, dtype=torch.long), ring_size)[0]
 
 
 def _allowed(q_idx: Tensor, q_run: Tensor, k_idx: Tensor, k_run: Tensor) -> Tensor:
@@ -116,18 +116,20 @@ def _allowed(q_idx: Tensor, q_run: Tensor, k_idx: Tensor, k_run: Tensor) -> Tens
     return causal & (q_run[:, :, None] == k_run[:, None, :])
 
 
-def unmasked_pairs(doc_ids: Tensor, ring: int, contiguous: bool = False) -> list[int]:
+def unmasked_pairs(doc_ids: Tensor, ring_size: int, contiguous: bool = False) -> list[int]:
     """Per ring rank, the query-key pairs its attention computes (causal, document-masked)
     over ``doc_ids`` [b, N]: the work each rank of the ring does. ``contiguous`` counts
     the plain N/R split instead of the ring layout (to show the imbalance it removes)."""
     runs = DocumentMask(doc_ids).run_ids
     b, n = runs.shape
     order = (
-        torch.arange(n, device=runs.device).expand(b, n) if contiguous else ring_order(runs, ring)
+        torch.arange(n, device=runs.device).expand(b, n)
+        if contiguous
+        else ring_order(runs, ring_size)
     )
     every = torch.arange(n, device=runs.device).expand(b, n)
     counts = []
-    for j in range(ring):
-        idx = order[:, j * n // ring : (j + 1) * n // ring]
+    for j in range(ring_size):
+        idx = order[:, j * n // ring_size : (j + 1) * n // ring_size]
         counts.append(int(_allowed(idx, runs.gather(1, idx), every, runs).sum()))
     return counts

@@ -3,8 +3,9 @@
 Given a manifest (or a dataset directory, or one shard), prints the manifest summary and
 one sample's segment table; with ``--png`` renders the sample: a modality ribbon along
 the sequence (per document and per token), then for each modality present the data
-decoded back through the tokenizers the manifest names — a grid of video frames, the
-audio waveform, a GC-content track for DNA. A tokenizer that cannot be found or loaded
+decoded back through the tokenizers the manifest names, each drawn by its kind
+(:meth:`Tokenizer.picture <ulysses_mm.tokenize.base.Tokenizer.picture>`): a strip of
+video frames, the audio waveform, a GC-content track for DNA, an excerpt of a text. A tokenizer that cannot be found or loaded
 (a missing codebook, an unregistered kind) is named in the figure instead of failing.
 
 Tokenizers are found from the manifest (:class:`~ulysses_mm.tokenize.table.TokenizerTable`):
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import io
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TextIO
 
@@ -53,25 +53,23 @@ class Target:
     """What ``inspect`` was pointed at."""
 
     manifest: Manifest | None
-    shard: str | None  # a shard location when a shard was given
+    shard: storage.Location | None  # a shard location when a shard was given
 
 
-def open_target(location: str, storage_options: Mapping[str, Any] | None = None) -> Target:
+def open_target(where: storage.Location | str) -> Target:
     """A manifest, a dataset directory, or a shard (whose sibling manifest is used if any)."""
+    where = storage.as_location(where)
+    location = where.url
     if location.endswith(".tar"):
         base = location.rsplit("/", 1)[0] if "/" in location else "."
-        sibling = storage.join(base, MANIFEST_NAME)
-        probe = storage.with_timeouts(sibling, storage_options, *READ_TIMEOUTS)
-        manifest = (
-            Manifest.load(sibling, storage_options) if storage.exists(sibling, probe) else None
-        )
-        return Target(manifest, location)
-    return Target(Manifest.load(location, storage_options), None)
+        sibling = where.at(storage.join(base, MANIFEST_NAME))
+        probe = sibling.with_timeouts(READ_TIMEOUTS)
+        manifest = Manifest.load(sibling) if probe.exists() else None
+        return Target(manifest, where)
+    return Target(Manifest.load(where), None)
 
 
-def load_sample(
-    target: Target, k: int, storage_options: Mapping[str, Any] | None = None
-) -> tuple[PackedSample, str]:
+def load_sample(target: Target, k: int) -> tuple[PackedSample, str]:
     """(sample, where) — ``k`` is the global sample index for a manifest, the position
     inside the shard when a shard was given."""
     m = target.manifest
@@ -81,14 +79,14 @@ def load_sample(
         data = read_verified_shard(m, shard)
         where = f"{m.shards[shard].url} #{pos}"
     else:
-        name = target.shard.rsplit("/", 1)[-1]
-        given = target.shard
+        name = target.shard.name
+        given = target.shard.url
         shards = m.shards if m is not None else []
         entry = next((s for s in shards if given == s.url or given.endswith("/" + s.url)), None)
         if m is not None and entry is not None:
             data = read_verified_shard(m, entry)
         else:
-            data = read_shard(target.shard, storage_options)
+            data = read_shard(target.shard)
         pos = k
         where = f"{name} #{pos}"
     samples = read_samples(data, where)
@@ -174,6 +172,7 @@ class Decoded:
     error: str = ""  # why there is no data
     tokens: int = 0  # tokens handed to the decoder
     rate: float | None = None  # audio samples per second, if the spec says
+    tokenizer: Tokenizer | None = None  # what decoded it (and draws it)
 
 
 def modality_tokens(sample: PackedSample, space: TokenSpace) -> dict[str, np.ndarray]:
@@ -219,6 +218,7 @@ def decode_sample(manifest: Manifest, sample: PackedSample) -> list[Decoded]:
         params = tok.spec.params
         rate = params.get("sample_rate", params.get("rate"))
         d.rate = float(rate) if isinstance(rate, (int, float)) else None
+        d.tokenizer = tok
         try:
             d.data = tok.decode(toks, space)
         except Exception as e:
@@ -240,27 +240,12 @@ def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return starts, lengths, values[starts]
 
 
-def _gc_track(seq: str, points: int = 400) -> tuple[np.ndarray, np.ndarray]:
-    b = np.frombuffer(seq.upper().encode("ascii", "replace"), dtype=np.uint8)
-    acgt = np.isin(b, np.frombuffer(b"ACGTSW", np.uint8))
-    gc = np.isin(b, np.frombuffer(b"GCS", np.uint8))
-    window = max(len(b) // points, min(100, max(1, len(b) // 10)))
-    k = len(b) // window
-    if k == 0:
-        return np.zeros(0), np.zeros(0)
-    gcw = gc[: k * window].reshape(k, window).sum(1)
-    nw = acgt[: k * window].reshape(k, window).sum(1)
-    frac = np.where(nw > 0, gcw / np.maximum(nw, 1), np.nan)
-    return (np.arange(k) + 0.5) * window, frac
-
-
 def render_png(
-    path: str,
+    path: storage.Location | str,
     sample: PackedSample,
     space: TokenSpace | None,
     decoded: list[Decoded],
     title: str = "",
-    storage_options: Mapping[str, Any] | None = None,
 ) -> None:
     """Draw the sample (matplotlib, Agg, no global pyplot state) and write ``path``
     atomically."""
@@ -325,17 +310,19 @@ def render_png(
         _draw_decoded(fig, grid[p], d)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
-    storage.atomic_write(path, buf.getvalue(), storage_options)
+    storage.as_location(path).atomic_write(buf.getvalue())
 
 
 def _draw_decoded(fig: Any, cell: Any, d: Decoded) -> None:
-    if d.error or d.data is None:
+    """One modality's panel: what its tokenizer draws of the decoded data, or why not."""
+    if d.error or d.data is None or d.tokenizer is None:
+        why = "no tokenizer to draw it" if d.data is not None else "decoder returned nothing"
         ax = fig.add_subplot(cell)
         ax.axis("off")
         ax.text(
             0.5,
             0.5,
-            d.error or f"{d.modality}: decoder returned nothing",
+            d.error or f"{d.modality}: {why}",
             ha="center",
             va="center",
             wrap=True,
@@ -343,69 +330,22 @@ def _draw_decoded(fig: Any, cell: Any, d: Decoded) -> None:
         )
         ax.set_title(f"{d.modality} ({d.tokens:,} tokens)")
         return
-    data = d.data
-    if isinstance(data, str):
-        ax = fig.add_subplot(cell)
-        x, gc = _gc_track(data)
-        ax.plot(x, gc, lw=1, color="tab:green")
-        ax.set_ylim(0, 1)
-        ax.set_xlim(0, max(1, len(data)))
-        ax.set_xlabel("base (this sample's DNA, documents concatenated)")
-        ax.set_ylabel("GC fraction")
-        ax.set_title(
-            f"{d.modality}: {len(data):,} bases, GC {np.nanmean(gc) if len(gc) else float('nan'):.3f}"
-        )
-        return
-    arr = np.asarray(data)
-    if arr.ndim == 4 and arr.shape[-1] == 3:
-        frames = arr.shape[0]
-        show = min(frames, 8)
-        sub = cell.subgridspec(1, max(1, show))
-        idx: list[int] = (
-            np.linspace(0, frames - 1, show).round().astype(int).tolist() if frames else []
-        )
-        for j, f in enumerate(idx):
-            ax = fig.add_subplot(sub[0, j])
-            ax.imshow(arr[f].astype(np.uint8))
-            ax.set_xticks([])
-            ax.set_yticks([])
-            ax.set_title(f"frame {f}", fontsize=8)
-        if not frames:
-            ax = fig.add_subplot(sub[0, 0])
-            ax.axis("off")
-            ax.text(0.5, 0.5, f"{d.modality}: no whole frame in this sample", ha="center")
-        return
-    if arr.ndim >= 1 and arr.dtype.kind == "f":
-        wave = arr.reshape(arr.shape[0], -1)[:, 0] if arr.ndim > 1 else arr
-        ax = fig.add_subplot(cell)
-        x = np.arange(len(wave)) / d.rate if d.rate else np.arange(len(wave))
-        step = max(1, len(wave) // 20000)
-        ax.plot(x[::step], wave[::step], lw=0.5, color="tab:orange")
-        ax.set_xlabel("seconds" if d.rate else "sample")
-        ax.set_title(f"{d.modality}: waveform, {len(wave):,} samples")
-        return
-    ax = fig.add_subplot(cell)
-    ax.axis("off")
-    ax.text(
-        0.5,
-        0.5,
-        f"{d.modality}: decoded to {type(data).__name__} {getattr(arr, 'shape', '')}, no plot for it",
-        ha="center",
-    )
+    d.tokenizer.picture(fig, cell, d.data, d.modality)
 
 
 # ------------------------------------------------------------------------ entry
 
 
 def run_inspect(
-    location: str,
+    where: storage.Location | str,
     sample: int = 0,
     png: str | None = None,
     out: TextIO | None = None,
-    storage_options: Mapping[str, Any] | None = None,
 ) -> int:
     out = out or sys.stdout
-    target = open_target(location, storage_options)
+    where = storage.as_location(where)
+    location = where.url
+    target = open_target(where)
     m = target.manifest
     if m is not None:
         print(summary_text(m), file=out)
@@ -413,15 +353,15 @@ def run_inspect(
         print(
             f"shard {location}: no {MANIFEST_NAME} beside it; modalities shown as indices", file=out
         )
-    s, where = load_sample(target, sample, storage_options)
+    s, at = load_sample(target, sample)
     space = m.token_space if m else None
-    print(segment_table_text(s, space, where), file=out)
+    print(segment_table_text(s, space, at), file=out)
     if png:
         decoded = decode_sample(m, s) if m else []
         for d in decoded:
             if d.error:
                 print(f"  note: {d.error}", file=out)
-        render_png(png, s, space, decoded, storage_options=storage_options)
+        render_png(where.at(png), s, space, decoded)
         print(f"wrote {png}", file=out)
     return 0
 

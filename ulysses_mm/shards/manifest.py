@@ -72,7 +72,7 @@ class ShardIntegrityError(DataError):
     """A shard's bytes do not match its manifest entry (size or sha256)."""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ShardEntry:
     url: str  # relative to the manifest's directory (or an absolute URL/path)
     samples: int
@@ -92,7 +92,7 @@ class ShardEntry:
         }
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PartitionEntry:
     """One partition of the inputs, packed on its own (see the module docstring)."""
 
@@ -177,11 +177,16 @@ class Manifest:
     # several partitions, each packed on its own; None: one
     partitions: list[PartitionEntry] | None = None
     format_version: int = FORMAT_VERSION
-    # where it was loaded from / saved to (not serialised)
-    location: str = field(default="", compare=False, repr=False)
-    storage_options: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    # where it was loaded from / saved to, with its storage options and the timeouts it
+    # was read with (not serialised)
+    where: storage.Location = field(default=storage.Location(""), compare=False, repr=False)
 
     # ---------------------------------------------------------------- queries
+    @property
+    def location(self) -> str:
+        """The path or URL of this manifest.json ('' when neither loaded nor saved)."""
+        return self.where.url
+
     @property
     def num_samples(self) -> int:
         return sum(s.samples for s in self.shards)
@@ -201,6 +206,10 @@ class Manifest:
             return entry.url
         base = self.location.rsplit("/", 1)[0] if "/" in self.location else "."
         return storage.join(base, entry.url)
+
+    def shard_where(self, shard: int | ShardEntry) -> storage.Location:
+        """:meth:`shard_location`, reached as the manifest is (its options and timeouts)."""
+        return self.where.at(self.shard_location(shard))
 
     def sample_key(self, shard: int | ShardEntry, index: int) -> int:
         """The key sample ``index`` (dataset-wide) has inside ``shard``: the index itself,
@@ -241,7 +250,16 @@ class Manifest:
             return out
         # each partition's stream starts a sample of its own
         parts = self.partitions or [
-            PartitionEntry(0, 0, 0, 0, self.num_samples, 0, 0, len(self.modality_runs))
+            PartitionEntry(
+                first_input=0,
+                inputs=0,
+                input_bytes=0,
+                first_sample=0,
+                samples=self.num_samples,
+                first_doc_id=0,
+                documents=0,
+                runs=len(self.modality_runs),
+            )
         ]
         r0 = 0
         for part in parts:
@@ -301,29 +319,32 @@ class Manifest:
     def to_json(self) -> bytes:
         return (json.dumps(self.to_dict(), indent=1, ensure_ascii=False) + "\n").encode()
 
-    def save(self, location: str, storage_options: Mapping[str, Any] | None = None) -> None:
+    def save(self, where: storage.Location | str) -> None:
         """Write atomically (temporary name, then rename or move)."""
-        self.validate(location)
-        storage.atomic_write(location, self.to_json(), storage_options)
-        self.location = location
-        self.storage_options = dict(storage_options or {})
+        where = storage.as_location(where)
+        self.validate(where.url)
+        where.atomic_write(self.to_json())
+        self.where = where
 
     @classmethod
     def load(
         cls,
-        location: str,
-        storage_options: Mapping[str, Any] | None = None,
-        timeouts: tuple[float, float] = READ_TIMEOUTS,
+        where: storage.Location | str,
         max_bytes: int = MAX_MANIFEST_BYTES,
     ) -> Manifest:
         """Read and validate ``manifest.json`` from a path or URL (a dataset directory works
-        too). A remote read has ``timeouts`` (connect, read seconds): a server that accepts
-        and then stalls is one error, not a hang. A body over ``max_bytes`` is refused
-        before it is read whole (its size checked first, the read stopped past the cap)."""
-        if not location.endswith(".json"):
-            location = storage.join(location, MANIFEST_NAME)
+        too). A remote read has ``where``'s timeouts (connect, read seconds; default
+        :data:`READ_TIMEOUTS`): a server that accepts and then stalls is one error, not a
+        hang. A body over ``max_bytes`` is refused before it is read whole (its size
+        checked first, the read stopped past the cap)."""
+        where = storage.as_location(where)
+        if where.timeouts is None:
+            where = where.with_timeouts(READ_TIMEOUTS)
+        if not where.url.endswith(".json"):
+            where = where.join(MANIFEST_NAME)
+        location = where.url
         try:
-            raw = storage.read_bytes_capped(location, max_bytes, storage_options, timeouts)
+            raw = where.read_bytes_capped(max_bytes)
         except storage.TooLargeError as e:
             raise ManifestError(
                 f"manifest {location}: {e} (data.max_manifest_bytes); is it a manifest?"
@@ -335,8 +356,7 @@ class Manifest:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ManifestError(f"manifest {location}: not valid JSON: {e}") from e
         m = cls.from_dict(data, location)
-        m.location = location
-        m.storage_options = dict(storage_options or {})
+        m.where = where
         return m
 
     @classmethod
@@ -521,17 +541,17 @@ def verify_shard_bytes(entry: ShardEntry, data: bytes, where: str = "") -> None:
         )
 
 
-def read_shard(
-    location: str,
-    storage_options: Mapping[str, Any] | None = None,
-    timeouts: tuple[float, float] = READ_TIMEOUTS,
-) -> bytes:
-    """A shard's bytes. A remote read has ``timeouts`` (connect, read seconds), as the
-    manifest's: a server that accepts and then stalls is one error, not a hang."""
+def read_shard(where: storage.Location | str) -> bytes:
+    """A shard's bytes. A remote read has ``where``'s timeouts (connect, read seconds;
+    default :data:`READ_TIMEOUTS`), as the manifest's: a server that accepts and then
+    stalls is one error, not a hang."""
+    where = storage.as_location(where)
+    if where.timeouts is None:
+        where = where.with_timeouts(READ_TIMEOUTS)
     try:
-        return storage.read_bytes(location, storage_options, timeouts)
+        return where.read_bytes()
     except (OSError, ValueError) as e:
-        raise ShardIntegrityError(f"cannot read shard {location}: {_read_failure(e)}") from e
+        raise ShardIntegrityError(f"cannot read shard {where.url}: {_read_failure(e)}") from e
 
 
 def read_verified_shard(
@@ -539,9 +559,9 @@ def read_verified_shard(
 ) -> bytes:
     """A shard's bytes, read from wherever the manifest points and checked against it."""
     entry = manifest.shards[shard] if isinstance(shard, int) else shard
-    location = manifest.shard_location(entry)
-    data = read_shard(location, manifest.storage_options, timeouts)
-    verify_shard_bytes(entry, data, location)
+    where = manifest.shard_where(entry).with_timeouts(timeouts)
+    data = read_shard(where)
+    verify_shard_bytes(entry, data, where.url)
     return data
 
 

@@ -102,11 +102,6 @@ class Packer:
         self._rows: list[np.ndarray] = []
         self._open_pos = 0  # tokens placed so far of the last document (for a continuation)
 
-    @property
-    def pending_tokens(self) -> int:
-        """Tokens waiting in the unfinished sample."""
-        return self._fill
-
     def add(self, block: DocumentBlock) -> Iterator[PackedSample]:
         n = self.seq_len
         tokens = block.tokens

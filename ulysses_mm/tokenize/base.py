@@ -14,6 +14,32 @@ A kind that can read a byte stream (``streams = True``) also gives its documents
 :class:`TokenBlock` pieces through :meth:`Tokenizer.encode_stream`, from a file object
 opened on a local file or straight on an object in a bucket: memory is then bounded by
 the block, not by the record or the file, and no local copy of the input is made.
+
+The contract is wide enough that nothing outside a modality's package asks which kind it
+holds (``tokenize/<modality>/`` holds everything its kinds know). A kind is a subclass of
+:class:`Tokenizer`, registered by one line in :mod:`ulysses_mm.tokenize.registry`; it must
+give :meth:`~Tokenizer.encode_file` and :meth:`~Tokenizer.decode`, and every other method
+has a generic default:
+
+kind-level facts, from a manifest/checkpoint tokenizer entry (``name``, ``kind``,
+``params``, ``vocab_size``) without loading files or weights (classmethods):
+
+- :meth:`~Tokenizer.token_labels`: a readable name per local id (hf tokenizer names);
+- :meth:`~Tokenizer.unit`: what a token is worth (bits per base, sample, byte, second,
+  frame), or None (nats per token only);
+
+per loaded tokenizer:
+
+- :meth:`~Tokenizer.layout`: what may follow what in a generated document, as data
+  (:class:`Layout`) the generic :class:`~ulysses_mm.tokenize.grammar.Grammar` reads;
+- :meth:`~Tokenizer.media`: generated ids -> the file a person opens
+  (:class:`~ulysses_mm.tokenize.write.Media`: suffix, bytes, a describe() line, and why
+  there is nothing to write when the ids hold no whole unit);
+- :meth:`~Tokenizer.prompt_ids_for_seconds`: the first seconds of a prompt's ids;
+- :meth:`~Tokenizer.fidelity` (with :attr:`~Tokenizer.fidelity_measure`,
+  :meth:`~Tokenizer.fidelity_line`, :meth:`~Tokenizer.damage_alphabet`): how faithful the
+  kind is on a file (``ulysses-mm tokenizer eval``);
+- :meth:`~Tokenizer.picture`: the kind's panel of ``inspect --png``.
 """
 
 from __future__ import annotations
@@ -21,15 +47,20 @@ from __future__ import annotations
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, ClassVar
+from typing import IO, TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from ulysses_mm.core.errors import ConfigError, DataError
 from ulysses_mm.core.tokenspace import TokenSpace
+
+if TYPE_CHECKING:
+    from ulysses_mm.tokenize.write import Media
+
+Entry = dict[str, Any]  # one file's fidelity figures (JSON-able)
 
 
 class DecodeError(DataError):
@@ -149,6 +180,46 @@ class TokenBlock:
     closed: bool = True
 
 
+@dataclass(frozen=True)
+class Interleave:
+    """A second modality's run after every ``chunk_frames`` frames: ``<|modality|>``, that
+    chunk's ids (``ids_per_second`` over ``seconds_per_chunk``, the chunk's edges rounded
+    as the tokenizer cuts them), then back to the kind's own modality."""
+
+    modality: str
+    chunk_frames: int
+    seconds_per_chunk: float
+    ids_per_second: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What may follow what inside a kind's run (read by the generic Grammar). Default:
+    any id of the range, or ``</doc>``.
+
+    ``frame``: exactly that many ids per frame, then ``<eof>`` (forced); ``ragged``: frames
+    of any length, ``<eof>`` may be sampled and is forced at ``max_frame`` ids (0: never);
+    ``groups``: the ids cycle through ``groups`` blocks of ``group_size`` consecutive local
+    ids (a codec's quantizers), ``</doc>`` only before the first; ``interleave``: another
+    modality's run after every chunk of frames."""
+
+    frame: int = 0
+    ragged: bool = False
+    max_frame: int = 0
+    groups: int = 0
+    group_size: int = 0
+    interleave: Interleave | None = None
+
+
+class TokenUnit(NamedTuple):
+    """What a kind's token is worth: ``name`` (base, sample, byte, second, frame),
+    ``weights`` the units of each local id [size], ``eof`` the units of an ``<eof>``."""
+
+    name: str
+    weights: np.ndarray
+    eof: float = 0.0
+
+
 class Tokenizer(ABC):
     """Raw file -> token documents, and tokens -> something a person can inspect."""
 
@@ -157,6 +228,10 @@ class Tokenizer(ABC):
 
     def __init__(self, spec: TokenizerSpec) -> None:
         self.spec = spec
+        # records of the last input this tokenizer skipped and kept going (a bad .jsonl
+        # line), and the first one's reason: ``prepare`` records them in the manifest
+        self.skipped_records = 0
+        self.first_skip_reason = ""
 
     @property
     def modality(self) -> str:
@@ -182,6 +257,90 @@ class Tokenizer(ABC):
     def decode(self, tokens: np.ndarray, space: TokenSpace) -> Any:
         """Unified-space ids of this modality (specials allowed) back to data:
         DNA a str, audio a float32 waveform, video uint8 frames [t, h, w, 3]."""
+
+    # ------------------------------------------------------------ kind-level facts
+    @classmethod
+    def token_labels(
+        cls, entry: Mapping[str, Any], size: int, vocabulary: Sequence[str] | None = None
+    ) -> list[str]:
+        """Readable, whitespace-free names of the ``size`` local ids of a modality whose
+        manifest tokenizer entry is ``entry``; ``vocabulary``: a text tokenizer's own
+        tokens when the caller has them (kinds without words ignore it). Default: the id."""
+        return [str(k) for k in range(size)]
+
+    @classmethod
+    def unit(
+        cls, entry: Mapping[str, Any], size: int, load: Callable[[], Tokenizer]
+    ) -> TokenUnit | None:
+        """What a token of this kind is worth, or None (nats per token only). ``load``
+        gives the loaded tokenizer, for a kind whose unit needs it (text: each id's
+        bytes); it raises LookupError/OSError/ValueError when it is not here."""
+        return None
+
+    # ------------------------------------------------------------ generation
+    def layout(self, space: TokenSpace) -> Layout:
+        """What may follow what in a generated document of this kind, in ``space``."""
+        return Layout()
+
+    def media(
+        self,
+        space: TokenSpace,
+        prompt: Sequence[int],
+        new: Sequence[int],
+        with_prompt: bool = False,
+    ) -> Media:
+        """``new`` ids (after ``prompt``, a document's ids from its ``<doc>``) as the file a
+        person opens: the continuation alone, or everything with ``with_prompt``. Default:
+        a decoded str as UTF-8 text, anything else as a ``.npy`` array."""
+        from ulysses_mm.tokenize.write import ArrayMedia, TextMedia, continuation
+
+        data = continuation(self, space, prompt, new, with_prompt)
+        if isinstance(data, str):
+            return TextMedia(data)
+        return ArrayMedia(np.asarray(data))
+
+    def prompt_ids_for_seconds(
+        self, space: TokenSpace, body: list[int], seconds: float
+    ) -> list[int]:
+        """The ids of a prompt's first ``seconds`` (``body``: its ids after
+        ``<doc> <|m|>``); ConfigError for a kind without time."""
+        raise ConfigError(
+            f"--prompt-seconds applies to audio and video; {self.spec.name} is "
+            f"{self.modality}: use --prompt-tokens"
+        )
+
+    # ------------------------------------------------------------ fidelity
+    # the entry key that says how faithful the kind is ("exact", "snr_db", "psnr_db")
+    fidelity_measure: ClassVar[str] = ""
+    # whether fidelity() measures ids damaged at a rate (``tokenizer eval --damage``)
+    damages: ClassVar[bool] = False
+
+    def fidelity(self, path: str, damage: Sequence[float] = (), seeds: int = 5) -> Entry:
+        """How faithful this tokenizer is on one file (``tokenizer eval``); with
+        ``damage`` rates, also after that fraction of ids was replaced (see
+        :func:`ulysses_mm.tokenize.evaluate.damaged`). DecodeError for a bad file."""
+        raise ConfigError(f"tokenizer kind {self.spec.kind!r} has no fidelity measure")
+
+    @classmethod
+    def fidelity_line(cls, entry: Entry) -> str:
+        """One file's entry as the line ``tokenizer eval`` prints after the path."""
+        return ", ".join(f"{k} {v}" for k, v in entry.items())
+
+    def damage_alphabet(self) -> tuple[int, int]:
+        """(vocab, group) of :func:`~ulysses_mm.tokenize.evaluate.flip_ids`: a damaged id
+        is another of the ``vocab`` local ids, or of its own block of ``group`` ids."""
+        return self.spec.vocab_size, 0
+
+    # ------------------------------------------------------------ inspect
+    def picture(self, fig: Any, cell: Any, data: Any, name: str) -> None:
+        """Draw ``data`` (what :meth:`decode` gave for a sample's ids of modality ``name``)
+        in the matplotlib gridspec ``cell`` of ``fig`` (``inspect --png``). Default: by its
+        shape (:func:`~ulysses_mm.tokenize.picture.draw_data`): a str as an excerpt of the
+        text, frames as a strip, a float array as a waveform (at ``params.sample_rate``)."""
+        from ulysses_mm.tokenize.picture import draw_data
+
+        rate = self.spec.params.get("sample_rate", self.spec.params.get("rate"))
+        draw_data(fig, cell, data, name, float(rate) if isinstance(rate, (int, float)) else None)
 
 
 def build_token_space(specs: Sequence[TokenizerSpec]) -> TokenSpace:

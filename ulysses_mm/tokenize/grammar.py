@@ -2,22 +2,23 @@
 must follow for the tokenizer to decode them.
 
 A model has one head per modality, each over the shared specials and its own range, so
-a sampler restricted to one head's ids already gives ids of the right modality. The
-layout of a kind asks a little more, and :class:`Grammar` says it for each position,
-given the ids so far (a prompt, then what was sampled):
+a sampler restricted to one head's ids already gives ids of the right modality. A kind
+asks a little more, and says it as data (:meth:`Tokenizer.layout
+<ulysses_mm.tokenize.base.Tokenizer.layout>`, a :class:`~ulysses_mm.tokenize.base.Layout`);
+:class:`Grammar` applies it at each position, given the ids so far (a prompt, then what
+was sampled):
 
-- DNA, text, mu-law audio: any id of the range, or ``</doc>`` (the document ends);
-- codec audio: quantizer q's ids at the q-th id of each frame (ids say their quantizer);
-- ``video-vq``: exactly ``(size/patch)²`` video ids per frame, then ``<eof>`` (forced);
-- ``video-h264``: slice ids or ``<eof>`` (frames are ragged; a bad slice is concealed),
-  ``<eof>`` forced once a frame holds 4 VBV buffers' worth of ids (``4 · buffer_frames ·
-  tokens_per_frame``, far past any frame the encoder writes), so a model that never
-  closes a frame still makes frames;
-- a video spec that interleaves audio (``params.audio``): after every ``chunk_frames``
-  frames ``<|audio|>`` is forced, the audio head then writes that chunk's samples
-  (``chunk_frames / fps`` seconds at the audio spec's rate), then ``<|video|>`` is
-  forced, as the tokenizer lays clips out. A prompt whose clip has no audio (more frames
-  in a chunk than the spec's) turns the interleaving off.
+- by default: any id of the range, or ``</doc>`` (the document ends);
+- ``groups``: the q-th id of each group from the q-th block of ids (a codec's
+  quantizers; ids say their block), ``</doc>`` only before a group;
+- ``frame``: exactly that many ids per frame, then ``<eof>`` (forced);
+- ``ragged``: ids or ``<eof>`` (frames are ragged), ``<eof>`` forced once a frame holds
+  ``max_frame`` ids, so a model that never closes a frame still makes frames;
+- ``interleave``: after every ``chunk_frames`` frames the other modality's
+  ``<|m|>`` is forced, its head then writes that chunk's ids (``seconds_per_chunk`` at
+  ``ids_per_second``, edges rounded as the tokenizer cuts them), then the kind's own
+  ``<|m|>`` is forced. A prompt with more frames in a chunk than that (a clip without
+  the other track) turns the interleaving off.
 
 Torch-free: the sampler applies :class:`Next` to its logits.
 """
@@ -47,35 +48,25 @@ class Grammar:
     may follow. ``end``: whether ``</doc>`` may be sampled (where the kind allows it)."""
 
     def __init__(self, tokenizer: Tokenizer, space: TokenSpace, end: bool = True) -> None:
-        from ulysses_mm.tokenize.video.base import VideoTokenizer
-        from ulysses_mm.tokenize.video.vq import VqVideoTokenizer
-
         self.space = space
         self.modality = tokenizer.modality
         r = space.range(self.modality)
         self.lo, self.hi = r.start, r.stop
         self.end = (DOC_END,) if end else ()
-        self.frame: int | None = None  # ids per frame of a fixed-frame video kind
-        self.ragged_frames = False
-        self.max_frame = 0  # ids a ragged frame may reach before <eof> is forced
-        self.quantizers = int(getattr(tokenizer, "n_q", 0) or 0)  # codec audio
-        self.codebook = int(getattr(tokenizer, "codebook_size", 0) or 0)
-        self.audio: str | None = None  # the interleaved audio modality
-        if isinstance(tokenizer, VideoTokenizer):
-            if isinstance(tokenizer, VqVideoTokenizer):
-                self.frame = tokenizer.tokens_per_frame
-            else:
-                self.ragged_frames = True
-                p = tokenizer.params
-                buffer = float(p.get("buffer_frames", 2.0))
-                self.max_frame = int(4 * buffer * tokenizer.tokens_per_frame)
-            if tokenizer.audio is not None and tokenizer.audio.modality in space.modalities:
-                self.audio = tokenizer.audio.modality
-                a = space.range(self.audio)
-                self.audio_lo, self.audio_hi = a.start, a.stop
-                self.chunk = int(tokenizer.params["chunk_frames"])
-                self.seconds_per_chunk = self.chunk / tokenizer.fps
-                self.rate = int(tokenizer.audio.rate)
+        layout = tokenizer.layout(space)
+        self.frame = layout.frame or None  # ids per frame of a fixed-frame kind
+        self.ragged_frames = layout.ragged
+        self.max_frame = layout.max_frame  # ids a ragged frame may reach before <eof> is forced
+        self.quantizers = layout.groups  # e.g. codec audio
+        self.codebook = layout.group_size
+        self.audio: str | None = None  # the interleaved modality
+        if layout.interleave is not None and layout.interleave.modality in space.modalities:
+            self.audio = layout.interleave.modality
+            a = space.range(self.audio)
+            self.audio_lo, self.audio_hi = a.start, a.stop
+            self.chunk = layout.interleave.chunk_frames
+            self.seconds_per_chunk = layout.interleave.seconds_per_chunk
+            self.rate = layout.interleave.ids_per_second
         # state
         self.in_run = ""  # the modality of the current run ("" before <|m|>)
         self.in_frame = 0  # video ids of the unfinished frame
@@ -104,7 +95,7 @@ class Grammar:
             self.in_frame = 0
             self.frames_in_chunk += 1
             if self.audio is not None and self.frames_in_chunk > self.chunk:
-                self.audio = None  # a clip without its audio track: no interleaving
+                self.audio = None  # a clip without its other track: no interleaving
             return
         if token < space.num_specials:
             return

@@ -1,5 +1,10 @@
 """From a tokenizer spec to a tokenizer: ``spec.kind`` names the implementation.
 
+``_KINDS`` is the one list of kinds: a line per kind, its class as "module:Class" (a
+class in ``tokenize/<modality>/``) and the file endings it reads. The class is imported
+on first use (:func:`kind_class`), so asking for a kind's facts (its token names, its
+unit) costs only its module.
+
 Each kind is registered with the files it reads, by file-name ending: this is the one
 suffix table ``prepare`` routes inputs with (see :func:`ulysses_mm.shards.prepare.route.route`).
 Kept here, not in the tokenizer modules, so routing never imports a decoder.
@@ -33,20 +38,22 @@ _VIDEO = (".mp4", ".webm", ".mkv", ".mov", ".avi", ".m4v")
 _AUDIO = (".wav", ".flac", ".ogg", ".oga", ".opus", ".mp3", ".m4a", ".aac")
 
 _KINDS: dict[str, Kind] = {
-    "dna-base": Kind("ulysses_mm.tokenize.dna:DnaTokenizer", _DNA + tuple(s + ".gz" for s in _DNA)),
+    "dna-base": Kind(
+        "ulysses_mm.tokenize.dna.tokenizer:DnaTokenizer", _DNA + tuple(s + ".gz" for s in _DNA)
+    ),
     "audio-mulaw": Kind(
-        "ulysses_mm.tokenize.audio:MulawTokenizer",
+        "ulysses_mm.tokenize.audio.mulaw:MulawTokenizer",
         _AUDIO,
         fallback_suffixes=(".mp4", ".webm", ".mkv", ".mov", ".m4v"),
     ),
     "audio-codec": Kind(
-        "ulysses_mm.tokenize.codec:CodecAudioTokenizer",
+        "ulysses_mm.tokenize.audio.codec:CodecAudioTokenizer",
         _AUDIO,
         fallback_suffixes=(".mp4", ".webm", ".mkv", ".mov", ".m4v"),
     ),
     "video-vq": Kind("ulysses_mm.tokenize.video.vq:VqVideoTokenizer", _VIDEO),
     "video-h264": Kind("ulysses_mm.tokenize.video.h264:H264VideoTokenizer", _VIDEO),
-    "text": Kind("ulysses_mm.tokenize.text:TextTokenizer", (".txt", ".jsonl")),
+    "text": Kind("ulysses_mm.tokenize.text.tokenizer:TextTokenizer", (".txt", ".jsonl")),
 }
 
 
@@ -80,11 +87,17 @@ def kind(name: str) -> Kind:
     return _KINDS[name]
 
 
+def kind_class(name: str) -> type[Tokenizer]:
+    """The Tokenizer class of kind ``name``, imported now; ValueError naming the known kinds
+    if none. Its classmethods give the kind's facts without loading a tokenizer."""
+    module, _, attr = kind(name).target.partition(":")
+    cls: type[Tokenizer] = getattr(importlib.import_module(module), attr)
+    return cls
+
+
 def load_tokenizer(spec: TokenizerSpec | str | Path) -> Tokenizer:
     if not isinstance(spec, TokenizerSpec):
         spec = TokenizerSpec.load(spec)
     if spec.kind not in _KINDS:
         raise DataError(f"{spec.where}: unknown tokenizer kind {spec.kind!r}; known: {kinds()}")
-    module, _, name = _KINDS[spec.kind].target.partition(":")
-    cls = getattr(importlib.import_module(module), name)
-    return cls(spec)
+    return kind_class(spec.kind)(spec)

@@ -75,12 +75,27 @@ class TokenizerTable:
             self.loaded[modality] = self._load(modality)
         return self.loaded[modality]
 
+    def kind_class(self, modality: str) -> type[Tokenizer] | None:
+        """The Tokenizer class of ``modality``'s recorded kind (its facts without loading
+        it), or None where no entry is recorded or its kind is not known here."""
+        entry = self.entries.get(modality)
+        if entry is None:
+            return None
+        self._register_kinds()
+        try:
+            return registry.kind_class(str(entry.get("kind", "")))
+        except (ValueError, ImportError, AttributeError):
+            return None
+
+    def _register_kinds(self) -> None:
+        for kind, target in self.kinds.items():
+            registry.register_kind(kind, target)
+
     def _load(self, modality: str) -> Tokenizer:
         entry = self.entries.get(modality)
         if entry is None:
             raise LookupError(f"no tokenizer is recorded for {modality!r}")
-        for kind, target in self.kinds.items():
-            registry.register_kind(kind, target)
+        self._register_kinds()
         want = entry.get("spec_sha256")
         candidates = [Path(p) for p in self.spec_paths if not storage.is_url(p)]
         for d in dict.fromkeys([Path.cwd() / "tokenizers", REPO / "tokenizers"]):

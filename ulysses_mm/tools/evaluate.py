@@ -69,7 +69,7 @@ def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> 
     if opts.micro_batch:
         cfg = replace(cfg, data=replace(cfg.data, micro_batch_size=opts.micro_batch))
     d = cfg.data
-    m = Manifest.load(manifest, d.storage_options, d.timeouts, d.max_manifest_bytes)
+    m = Manifest.load(d.location(manifest), d.max_manifest_bytes)
     m.check_token_space(trained.space)
     length = opts.seq_len or m.seq_len
     check_window_length(m, length)
@@ -91,7 +91,7 @@ def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> 
     return trained, cfg, m
 
 
-def _worker(payload: dict[str, Any], plan: Any = None) -> dict[str, Any]:
+def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
     """One rank's evaluation; ``plan``: what the parent's :func:`_plan` gave, when it
     runs in the parent's process."""
     from ulysses_mm.loader.batch import samples_batch
@@ -123,7 +123,7 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> dict[str, Any]:
         )
     finally:
         stream.close()
-    return asdict(result)
+    return result
 
 
 def run_evaluate(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalResult:
@@ -150,9 +150,11 @@ def run_evaluate(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalR
         out = run_world(_worker, opts.nproc, payload)[0]
     else:
         out = _worker(payload, plan)  # this process (one of a launched world's ranks)
-    out["bins"] = {m: [tuple(r) for r in rows] for m, rows in out["bins"].items()}
-    out["units"] = {m: tuple(u) for m, u in out["units"].items()}
-    return EvalResult(**out)
+    return replace(
+        out,
+        bins={m: [tuple(r) for r in rows] for m, rows in out.bins.items()},
+        units={m: tuple(u) for m, u in out.units.items()},
+    )
 
 
 def summary_text(r: EvalResult, seq_len: int = 0) -> str:

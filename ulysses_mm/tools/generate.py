@@ -7,7 +7,8 @@ opens — FASTA, WAV, MP4 (with the clip's audio when the spec interleaves it) o
    training data; ``--prompt-tokens`` / ``--prompt-seconds`` keep its beginning.
 3. Sampling with a KV cache (:mod:`ulysses_mm.model.generate`), within the modality's
    head and the tokenizer's layout (:mod:`ulysses_mm.tokenize.grammar`), seeded.
-4. The ids decode through the tokenizer (:func:`ulysses_mm.tokenize.write.decode_media`).
+4. The ids decode through the tokenizer into the file its kind writes
+   (:meth:`Tokenizer.media <ulysses_mm.tokenize.base.Tokenizer.media>`).
 
 With ``--nproc N`` (or under torchrun) the prompt is prefilled by N sequence-parallel
 processes and the cache stays split over them (:mod:`ulysses_mm.parallel.decode`): for a
@@ -26,7 +27,7 @@ import numpy as np
 
 from ulysses_mm.core.errors import ConfigError, DataError, UnsupportedError, UserError
 from ulysses_mm.core.layout import check_layout
-from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
+from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
 from ulysses_mm.model.generate import Sampling
 from ulysses_mm.tokenize.base import Tokenizer
 from ulysses_mm.train.inference import Trained, open_trained
@@ -102,26 +103,8 @@ def prompt_ids(
     if tokens is not None:
         body = body[:tokens]
     elif seconds is not None:
-        body = _first_seconds(tok, space, body, seconds, path)
+        body = tok.prompt_ids_for_seconds(space, body, seconds)
     return ids[:2] + body
-
-
-def _first_seconds(
-    tok: Tokenizer, space: TokenSpace, body: list[int], seconds: float, path: str
-) -> list[int]:
-    from ulysses_mm.tokenize.video.base import VideoTokenizer
-
-    if isinstance(tok, VideoTokenizer):
-        frames = max(1, round(seconds * tok.fps))
-        eofs = np.flatnonzero(np.asarray(body) == EOF)
-        return body if len(eofs) <= frames else body[: int(eofs[frames - 1]) + 1]
-    rate = tok.spec.params.get("tokens_per_second") or tok.spec.params.get("sample_rate")
-    if tok.spec.kind.startswith("audio") and rate:
-        return body[: max(1, round(seconds * float(rate)))]
-    raise ConfigError(
-        f"--prompt-seconds applies to audio and video; {tok.spec.name} is {tok.modality}: "
-        "use --prompt-tokens"
-    )
 
 
 def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str, Any]:
@@ -175,7 +158,7 @@ def run_generate(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
     """Generate, decode and write ``opts.out``; returns what was done (for the CLI line)."""
     from ulysses_mm.parallel.launch import run_world
     from ulysses_mm.parallel.mesh import in_launched_world
-    from ulysses_mm.tokenize.write import decode_media, write_file
+    from ulysses_mm.tokenize.write import write_file
     from ulysses_mm.train.plan import world_size
 
     opts.check()
@@ -199,24 +182,15 @@ def run_generate(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
         out = _worker(payload, trained)  # this process (one of a launched world's ranks)
         if int(os.environ.get("RANK", "0")) != 0:
             return {"out": "", "rank": int(os.environ["RANK"])}
-    media = decode_media(tok, trained.space, prompt, out["ids"], opts.with_prompt)
-    if media.no_frames:
-        from ulysses_mm.tokenize.video.base import VideoTokenizer
-
-        also = ""
-        if isinstance(tok, VideoTokenizer) and tok.audio is not None:
-            k = tok.params["chunk_frames"]
-            also = f", and every {k} frames {k / tok.fps:g} s of audio at {tok.audio.rate} ids/s"
-        raise DataError(
-            f"{len(out['ids'])} new ids hold no whole video frame; raise --new-tokens "
-            f"(a {tok.spec.name} frame is about {getattr(tok, 'tokens_per_frame', '?')} ids{also})"
-        )
+    media = tok.media(trained.space, prompt, out["ids"], opts.with_prompt)
+    if lacking := media.lacking():
+        raise DataError(f"{len(out['ids'])} new ids hold {lacking}")
     description = _description(trained, opts, len(prompt), len(out["ids"]))
     path = write_file(opts.out, media.to_bytes("generated", description))
     return {
         "out": str(path),
         "what": media.describe(),
-        "kind": media.kind,
+        "kind": media.suffix,
         "prompt_ids": len(prompt),
         "new_ids": len(out["ids"]),
         "sampled": out["sampled"],

@@ -18,7 +18,8 @@ Peak memory: on CUDA the caching allocator's ``max_memory_allocated``; on CPU
 every tensor storage the process creates is counted (parameters, DeepSpeed's flat buffers
 and optimizer states, activations, gradients, collective buffers). Kernel-internal scratch
 is not a tensor on CPU and is not counted there. What offloaded checkpoints hold in host
-memory is not in the peak: ``host`` reports it apart (:data:`ulysses_mm.model.offload.HOST`).
+memory is not in the peak: ``host`` reports it apart (the setup's
+:class:`~ulysses_mm.model.offload.Offload`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ulysses_mm.config import RunConfig, from_dict
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.loader.synthetic import single_modality_batch
-from ulysses_mm.model.offload import HOST
+from ulysses_mm.model.offload import HostCounter
 from ulysses_mm.parallel.mesh import World, open_world
 from ulysses_mm.train.step import build_setup, train_step
 
@@ -139,7 +140,7 @@ class StepRunner:
             num_heads=m.num_attention_heads,
             num_kv_heads=m.num_key_value_heads,
             seq_len=seq_len,
-            ring=self.mesh.ring,
+            ring=self.mesh.ring_size,
         )
         batch = self.batch(seq_len, doc_len or min(seq_len, 4096))
         gc.collect()
@@ -148,8 +149,9 @@ class StepRunner:
         else:
             self.counter.peak = self.counter.live
         base = self.counter.live
-        HOST.reset_peak()
-        host0 = HOST.live
+        host = self.rt.offload.host if self.rt.offload is not None else HostCounter()
+        host.reset_peak()
+        host0 = host.live
         t0 = time.perf_counter()
         for _ in range(steps):
             self.step(batch)
@@ -172,7 +174,7 @@ class StepRunner:
             tokens=tokens,
             flops=flops,
             device=self.device.type,
-            host=HOST.peak - host0,
+            host=host.peak - host0,
         )
 
     def close(self) -> None:

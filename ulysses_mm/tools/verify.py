@@ -23,7 +23,7 @@ from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES, TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model.attention import check_kernel_config, resolve_kernel
 from ulysses_mm.parallel import CommStats, Mesh, RingAttention, loss_weights, unmasked_pairs
-from ulysses_mm.parallel.head_chunks import exchange_heads
+from ulysses_mm.parallel.head_groups import exchange_heads
 from ulysses_mm.parallel.mesh import in_launched_world, open_world
 from ulysses_mm.parallel.ring import new_ring_stats, ring_theory_bytes
 from ulysses_mm.parallel.slice import sp_slice
@@ -77,7 +77,7 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
     b = opts.micro_batch
     global_batch = random_batch(space, mesh.dp * b, opts.seq_len, seed=opts.seed)
     rows = global_batch.rows(mesh.dp_rank * b, (mesh.dp_rank + 1) * b)
-    local = sp_slice(rows, mesh.sp_rank, mesh.sp, mesh.ring)
+    local = sp_slice(rows, mesh.sp_rank, mesh.sp, mesh.ring_size)
 
     # Parallel first: shape errors surface before the reference spends any time.
     stats = CommStats()
@@ -112,22 +112,22 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
     assert m.head_dim is not None
     ring_fwd, ring_bwd = ring_theory_bytes(
         opts.seq_len,
-        mesh.ring,
-        mesh.ulysses,
+        mesh.ring_size,
+        mesh.ulysses_size,
         m.num_attention_heads,
         m.num_key_value_heads,
         m.head_dim,
         b,
         elem,
     )
-    work = unmasked_pairs(rows.doc_ids, mesh.ring)
+    work = unmasked_pairs(rows.doc_ids, mesh.ring_size)
     return {
         "rank": mesh.rank,
         "ok": bool(ok),
         "mesh": mesh.describe(),
         "sp": mesh.sp,
         "dp": mesh.dp,
-        "ring": mesh.ring,
+        "ring": mesh.ring_size,
         "ring_fwd": ring_stats["forward_bytes"] / max(1, ring_stats["forward_calls"]),
         "ring_bwd": ring_stats["backward_bytes"] / max(1, ring_stats["backward_calls"]),
         "ring_theory": (ring_fwd, ring_bwd),

@@ -72,6 +72,7 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
 def save(
     engine,
     ckpt_dir: Path,
+    *,
     step: int,
     client_state: dict[str, Any],
     config: dict[str, Any],

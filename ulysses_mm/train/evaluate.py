@@ -7,7 +7,8 @@ eval of ``ulysses-mm train`` and ``ulysses-mm evaluate`` on the same batches giv
 figures. Per modality:
 
 - nats per token: its mean cross-entropy over its targets (what training logs);
-- bits per unit, where the tokenizer says what a token is worth: DNA bits per base,
+- bits per unit, where the tokenizer kind says what a token is worth
+  (:meth:`Tokenizer.unit <ulysses_mm.tokenize.base.Tokenizer.unit>`): DNA bits per base,
   mu-law audio bits per sample, text bits per UTF-8 byte (each target id counts the bytes
   it decodes to), codec audio bits per second, video bits per frame (per ``<eof>``).
   The bits of every target of the modality (its specials too) over the units;
@@ -21,6 +22,7 @@ Dims: M modalities, B bins.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,54 +59,24 @@ class Unit:
     table: Tensor  # float64 [specials + V_m]
 
 
-def token_bytes(tokenizer: Any, size: int) -> np.ndarray:
-    """UTF-8 bytes each local id of a transformers tokenizer decodes to (a byte-level
-    token's characters are bytes, ``<0xNN>`` is one byte, an added special is none)."""
-    hf = tokenizer.hf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    byte_chars = set(bytes_to_unicode().values())
-    special = set(getattr(hf, "all_special_ids", []) or [])
-    out = np.zeros(size, dtype=np.float64)
-    n = min(size, len(hf))
-    for i, t in enumerate(hf.convert_ids_to_tokens(list(range(n)))):
-        if i in special or t is None:
-            continue
-        if t.startswith("<0x") and t.endswith(">") and len(t) == 6:
-            out[i] = 1
-        elif all(c in byte_chars for c in t):
-            out[i] = len(t)
-        else:
-            out[i] = len(hf.decode([i]).encode("utf-8"))
-    return out
-
-
 def units_for(space: TokenSpace, tokenizers: TokenizerTable) -> dict[str, Unit]:
-    """The unit of each modality whose tokenizer kind gives one."""
+    """The unit of each modality whose tokenizer kind gives one (:meth:`Tokenizer.unit
+    <ulysses_mm.tokenize.base.Tokenizer.unit>`)."""
     ns = space.num_specials
     out: dict[str, Unit] = {}
     for m in space.modalities:
         entry = tokenizers.entries.get(m) or {}
-        kind, params = str(entry.get("kind", "")), entry.get("params") or {}
+        cls = tokenizers.kind_class(m)
+        if cls is None:
+            continue
         size = space.range(m).size
+        unit = cls.unit(entry, size, functools.partial(tokenizers.tokenizer, m))
+        if unit is None:
+            continue
         table = np.zeros(ns + size, dtype=np.float64)
-        name = ""
-        if kind == "dna-base":
-            name, table[ns:] = "base", 1.0
-        elif kind == "audio-mulaw":
-            name, table[ns:] = "sample", 1.0
-        elif kind == "audio-codec" and float(params.get("tokens_per_second") or 0) > 0:
-            name, table[ns:] = "second", 1.0 / float(params["tokens_per_second"])
-        elif kind.startswith("video-"):
-            name, table[EOF] = "frame", 1.0
-        elif kind == "text":
-            try:
-                table[ns:] = token_bytes(tokenizers.tokenizer(m), size)
-                name = "byte"
-            except (LookupError, OSError, ValueError):
-                name = ""  # the tokenizer is not here: nats per token only
-        if name:
-            out[m] = Unit(name, torch.from_numpy(table))
+        table[ns:] = unit.weights
+        table[EOF] = unit.eof
+        out[m] = Unit(unit.name, torch.from_numpy(table))
     return out
 
 

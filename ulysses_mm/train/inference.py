@@ -174,7 +174,7 @@ def _tokenizers_of_run(cfg: RunConfig) -> TokenizerTable:
     d = cfg.data
     for location, _, _ in train_entries(cfg):
         try:
-            m = Manifest.load(location, d.storage_options, d.timeouts, d.max_manifest_bytes)
+            m = Manifest.load(d.location(location), d.max_manifest_bytes)
         except (OSError, ValueError):
             continue
         tables.append(TokenizerTable.from_manifest(m.tokenizers, m.config))

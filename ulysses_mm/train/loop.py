@@ -26,7 +26,7 @@ from ulysses_mm.loader.node_cache import NodeCache
 from ulysses_mm.loader.order import Sources
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.loader.window import WindowStream
-from ulysses_mm.parallel import apply_ulysses
+from ulysses_mm.parallel import apply_loss_balance, apply_ulysses
 from ulysses_mm.parallel.mesh import Mesh, in_launched_world, open_world
 from ulysses_mm.tokenize.table import TokenizerTable
 from ulysses_mm.train import checkpoint
@@ -116,7 +116,8 @@ class Trainer:
             self.world = replace(self.world, mesh=mesh)
             self.mesh = mesh
             self.rt.world = self.world
-            apply_ulysses(self.model, mesh, head_chunks=p.head_chunks)
+            apply_ulysses(self.model, mesh, head_groups=p.head_chunks)
+            apply_loss_balance(self.model, mesh)
         if old.model.rope != new.model.rope:
             self.model.model.rotary_emb.set_rope(new.model.rope)
             self.model.config.rope = new.model.rope  # what samples and generation read
@@ -227,16 +228,17 @@ class Trainer:
         path = checkpoint.save(
             self.engine,
             self.ckpt_dir,
-            self.step,
-            {
+            step=self.step,
+            client_state={
                 "loader": self.stream.state_dict(),
                 "stage": stage.index,
                 "stage_step": self.step - stage.start,
             },
-            to_dict(stage.cfg),  # the model as this stage trains it (its RoPE, its layout)
-            self.space,
-            self.cfg.train.keep_checkpoints,
-            self.tokenizers.to_dict(),
+            # the model as this stage trains it (its RoPE, its layout)
+            config=to_dict(stage.cfg),
+            space=self.space,
+            keep=self.cfg.train.keep_checkpoints,
+            tokenizers=self.tokenizers.to_dict(),
         )
         self.logger.checkpointed(self.step)  # W&B gets only steps a resume will not redo
         return path

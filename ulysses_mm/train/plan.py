@@ -118,10 +118,7 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     CLI checks it.)"""
     entries = train_entries(cfg)
     d = cfg.data
-    sources = [
-        (Manifest.load(loc, d.storage_options, d.timeouts, d.max_manifest_bytes), w)
-        for loc, w, _ in entries
-    ]
+    sources = [(Manifest.load(d.location(loc), d.max_manifest_bytes), w) for loc, w, _ in entries]
     modalities = [mods for *_, mods in entries]
     manifest = sources[0][0]
     space = model_space(cfg, manifest)
@@ -140,11 +137,7 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     check_kernel_config(cfg.parallel.attention, cfg.deepspeed.precision)
     if cfg.model.init_from:
         check_init_from(cfg.model, space, cfg.model.init_from)
-    eval_manifest = (
-        Manifest.load(d.eval, d.storage_options, d.timeouts, d.max_manifest_bytes)
-        if d.eval
-        else None
-    )
+    eval_manifest = Manifest.load(d.location(d.eval), d.max_manifest_bytes) if d.eval else None
     if eval_manifest is not None:
         eval_manifest.check_token_space(space)
     stages = run_stages(cfg)

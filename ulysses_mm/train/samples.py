@@ -23,10 +23,8 @@ from ulysses_mm.model.kv_cache import CachedDecoder
 from ulysses_mm.model.llama import MultimodalLM
 from ulysses_mm.tokenize.grammar import Grammar
 from ulysses_mm.tokenize.table import TokenizerTable
-from ulysses_mm.tokenize.write import decode_media, write_file
+from ulysses_mm.tokenize.write import write_file
 from ulysses_mm.train.metrics import LN2
-
-SUFFIX = {"fasta": "fa", "wav": "wav", "mp4": "mp4", "txt": "txt"}
 
 
 @torch.no_grad()
@@ -38,8 +36,8 @@ def write_samples(
     new_tokens: int,
     seed: int,
 ) -> dict[str, tuple[str, Path]]:
-    """Per modality: (the media kind, the file written); modalities whose tokenizer is
-    not available are left out."""
+    """Per modality: (how the file is shown: "text", "audio", "video", "file"; the file
+    written); modalities whose tokenizer is not available are left out."""
     space = model.space
     out: dict[str, tuple[str, Path]] = {}
     for m in space.modalities:
@@ -51,12 +49,12 @@ def write_samples(
         decoder = CachedDecoder(model, len(prompt) + new_tokens, stepwise=True)
         sampling = Sampling(temperature=1.0, seed=seed + step)
         got = generate(model, decoder, Grammar(tok, space, end=False), prompt, new_tokens, sampling)
-        media = decode_media(tok, space, prompt, got.ids)
-        if media.no_frames:
-            continue  # too few ids for a whole frame
-        path = out_dir / f"step_{step:08d}_{m}.{SUFFIX[media.kind]}"
+        media = tok.media(space, prompt, got.ids)
+        if media.lacking():
+            continue  # too few ids for a whole unit (a video frame)
+        path = out_dir / f"step_{step:08d}_{m}.{media.suffix}"
         write_file(path, media.to_bytes(f"step_{step}_{m}", f"{len(got.ids)} ids at step {step}"))
-        out[m] = (media.kind, path)
+        out[m] = (media.shown_as, path)
     return out
 
 
@@ -69,12 +67,12 @@ def wandb_media(
     import wandb
 
     out: dict[str, Any] = {}
-    for m, (kind, path) in samples.items():
-        if kind == "wav":
+    for m, (shown_as, path) in samples.items():
+        if shown_as == "audio":
             out[f"samples/{m}"] = wandb.Audio(str(path), caption=path.name)
-        elif kind == "mp4":
+        elif shown_as == "video":
             out[f"samples/{m}"] = wandb.Video(str(path), caption=path.name, format="mp4")
-        else:
+        elif shown_as == "text":
             text = path.read_text(errors="replace")
             out[f"samples/{m}"] = wandb.Html(f"<pre>{html.escape(text)}</pre>")
     if position:

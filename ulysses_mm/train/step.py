@@ -7,11 +7,13 @@ the sequence out again:
 
 - :func:`~ulysses_mm.parallel.mesh.open_world` (first): join the world a launcher
   describes, the :class:`Mesh`, the device.
-- :func:`build_setup`: the model of the run config, Ulysses applied by
-  :func:`~ulysses_mm.parallel.apply_ulysses`, the DeepSpeed engine (handed the model on the
-  host: DeepSpeed casts it to the training precision before it moves it to the GPU).
-- :func:`build_inference_setup`: the same model with trained weights, Ulysses applied,
-  without an engine (evaluation, generation).
+- :func:`build_setup`: the model of the run config, its memory policy applied by
+  :func:`~ulysses_mm.model.apply_memory_policy`, Ulysses by
+  :func:`~ulysses_mm.parallel.apply_ulysses` and the loss balance by
+  :func:`~ulysses_mm.parallel.apply_loss_balance`, the DeepSpeed engine (handed the model
+  on the host: DeepSpeed casts it to the training precision before it moves it to the GPU).
+- :func:`build_inference_setup`: the same model with trained weights, laid out the same
+  way, without an engine (evaluation, generation).
 - :func:`forward_backward` / :func:`train_step`: forward this rank's slice → the global
   loss (:func:`~ulysses_mm.parallel.global_loss`) → its loss scale → backward (→ the
   optimizer step), the loss scaled once, in one place.
@@ -31,26 +33,55 @@ from torch import Tensor, nn
 from ulysses_mm.config import RunConfig
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
-from ulysses_mm.model import MultimodalLM, build_model
+from ulysses_mm.model import LossOutput, MultimodalLM, Offload, apply_memory_policy, build_model
 from ulysses_mm.model.attention import PRECISION_DTYPES, resolve_kernel
-from ulysses_mm.parallel import CommStats, LossReport, Mesh, apply_ulysses, global_loss
+from ulysses_mm.parallel import (
+    CommStats,
+    LossReport,
+    Mesh,
+    apply_loss_balance,
+    apply_ulysses,
+    global_loss,
+)
 from ulysses_mm.parallel.loss import loss_weights
 from ulysses_mm.parallel.mesh import World
 from ulysses_mm.parallel.slice import sp_slice
 
 
+def lay_out(
+    model: MultimodalLM,
+    cfg: RunConfig,
+    mesh: Mesh,
+    stats: CommStats | None = None,
+    offload: Offload | None = None,
+) -> Offload | None:
+    """Lay a built model out for this run, in place, the one way every caller does: the
+    memory policy of ``cfg.model`` (``offload``: the host copies' owner, made when the
+    policy offloads and none is given; returned), Ulysses over ``mesh.sp`` (in
+    ``parallel.head_chunks`` groups of heads), the loss balance over the SP group."""
+    offload = apply_memory_policy(model, cfg.model, offload)
+    apply_ulysses(model, mesh, stats, head_groups=cfg.parallel.head_chunks)
+    apply_loss_balance(model, mesh)
+    return offload
+
+
 def build_parallel_model(
-    cfg: RunConfig, space: TokenSpace, mesh: Mesh, kernel: str, stats: CommStats | None = None
+    cfg: RunConfig,
+    space: TokenSpace,
+    mesh: Mesh,
+    kernel: str,
+    stats: CommStats | None = None,
+    offload: Offload | None = None,
 ) -> MultimodalLM:
-    """The run's model (seeded by ``train.seed``) with Ulysses applied over ``mesh.sp``
-    (in ``parallel.head_chunks`` groups of heads), on the host; ``model.init_from`` loads
-    a pretrained checkpoint into it first."""
+    """The run's model (seeded by ``train.seed``) laid out by :func:`lay_out`, on the
+    host; ``model.init_from`` loads a pretrained checkpoint into it first."""
     model = build_model(cfg.model, space, kernel, seed=cfg.train.seed)
     if cfg.model.init_from:
         from ulysses_mm.model.hf_import import load_pretrained
 
         load_pretrained(model, cfg.model.init_from)
-    return apply_ulysses(model, mesh, stats, head_chunks=cfg.parallel.head_chunks)
+    lay_out(model, cfg, mesh, stats, offload)
+    return model
 
 
 @dataclass
@@ -69,6 +100,8 @@ class Setup:
     # the layout the engine was built on: its gradient average (and so the loss scale)
     # stays that layout's when a staged run lays the model out again
     engine_mesh: Mesh | None = None
+    # the host copies of offloaded checkpoints (model.offload_checkpoints), else None
+    offload: Offload | None = None
 
     @property
     def mesh(self) -> Mesh:
@@ -80,7 +113,7 @@ class Setup:
 
     def slice_of(self, batch: Batch) -> Batch:
         """This rank's sequence-parallel slice of ``batch``, on its device."""
-        return sp_slice(batch, self.mesh.sp_rank, self.mesh.sp, self.mesh.ring).to(self.device)
+        return sp_slice(batch, self.mesh.sp_rank, self.mesh.sp, self.mesh.ring_size).to(self.device)
 
 
 def build_setup(
@@ -90,12 +123,13 @@ def build_setup(
     stats: CommStats | None = None,
     stage_lr: Callable[[int], float] | None = None,
 ) -> Setup:
-    """Model → :func:`apply_ulysses` → DeepSpeed engine for this rank of ``world``
+    """Model → :func:`lay_out` → DeepSpeed engine for this rank of ``world``
     (``stage_lr``: a staged run's re-warm-up factor of each step, on the schedule's lr)."""
     from ulysses_mm.train.engine import build_engine
 
     kernel = resolve_kernel(cfg.parallel.attention, world.device.type, cfg.deepspeed.precision)
-    model = build_parallel_model(cfg, space, world.mesh, kernel, stats)
+    offload = Offload() if cfg.model.offload_checkpoints else None
+    model = build_parallel_model(cfg, space, world.mesh, kernel, stats, offload)
     engine, optimizer, scheduler = build_engine(model, cfg, world.mesh, stage_lr)
     if world.device.type == "cuda":
         # logged and measured peaks are those of training, not of setting up
@@ -103,7 +137,7 @@ def build_setup(
         torch.cuda.reset_peak_memory_stats(world.device)
     weights = loss_weights(space.modalities, cfg.model.loss_weights, world.device)
     return Setup(
-        cfg, world, space, kernel, model, engine, optimizer, scheduler, weights, world.mesh
+        cfg, world, space, kernel, model, engine, optimizer, scheduler, weights, world.mesh, offload
     )
 
 
@@ -115,7 +149,8 @@ def build_inference_setup(
     dtype: torch.dtype | None = None,
 ) -> Setup:
     """What evaluation and generation run on this rank of ``world``: the run's model with
-    its weights put in by ``load``, Ulysses applied over ``world.mesh``, cast to ``dtype``
+    its weights put in by ``load``, its memory policy, Ulysses (all heads at once) and the
+    loss balance applied over ``world.mesh``, cast to ``dtype``
     (default: the training precision, as DeepSpeed casts it) on the device, in eval mode.
     No engine and no optimizer state: ``engine`` is the model itself, which
     :func:`forward_loss` takes as it takes an engine."""
@@ -123,10 +158,12 @@ def build_inference_setup(
     kernel = resolve_kernel(cfg.parallel.attention, world.device.type, dtype)
     model = build_model(cfg.model, space, kernel, seed=cfg.train.seed)
     load(model)
-    apply_ulysses(model, world.mesh)
+    offload = apply_memory_policy(model, cfg.model)
+    apply_ulysses(model, world.mesh)  # all heads at once: no backward to save memory for
+    apply_loss_balance(model, world.mesh)
     model.to(device=world.device, dtype=dtype).eval()
     weights = loss_weights(space.modalities, cfg.model.loss_weights, world.device)
-    return Setup(cfg, world, space, kernel, model, model, None, None, weights)
+    return Setup(cfg, world, space, kernel, model, model, None, None, weights, None, offload)
 
 
 def _is_engine(module: nn.Module) -> bool:
@@ -147,11 +184,11 @@ def forward_loss(
     target's bin, -1 for none; evaluation), the report also holds this rank's CE sums per
     modality and bin (``by_bin``)."""
     args = (local.input_ids, local.position_ids, local.doc_ids, local.labels, local.label_modality)
-    out = module(*args) if bins is None else module(*args, bins, num_bins)
+    out: LossOutput = module(*args) if bins is None else module(*args, bins, num_bins)
     model = cast(MultimodalLM, module.module if _is_engine(module) else module)
-    share, report = global_loss(out[0], out[1], weights, mesh, model.space.modalities)
-    if bins is not None:
-        report.by_bin = out[2].detach()
+    share, report = global_loss(out.ce_sum, out.targets, weights, mesh, model.space.modalities)
+    if out.ce_by_bin is not None:
+        report.by_bin = out.ce_by_bin.detach()
     return share, report
 
 

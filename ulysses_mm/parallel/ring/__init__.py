@@ -4,8 +4,8 @@ Every rank keeps its tokens in the document zigzag of
 :func:`ulysses_mm.parallel.slice.ring_order` (causal load balance); after the Ulysses
 all-to-all, ring rank j sees its N/R tokens on H/U heads and K/V blocks travel the ring.
 
-- ``plan.py``: the varlen tiles of each (query block, key block) pair (:class:`RingPlan`).
-- ``kernels.py``: a block's tiles forward and backward with their LSE (flash-attn's
+- ``plan.py``: the varlen calls of each (query block, key block) pair (:class:`RingPlan`).
+- ``kernels.py``: a block's calls forward and backward with their LSE (flash-attn's
   varlen calls, or an exact PyTorch kernel) and the LSE merge.
 - ``attention.py``: the p2p ring, the autograd function, :class:`RingAttention`, and the
   bytes it sends (counted and in theory).
@@ -18,22 +18,22 @@ Dims: b batch, n = N/R tokens of this ring rank, h query heads here, hk kv heads
 from ulysses_mm.parallel.ring.attention import RingAttention, new_ring_stats, ring_theory_bytes
 from ulysses_mm.parallel.ring.kernels import (
     BlockKernel,
-    FlashTiles,
-    TorchTiles,
+    FlashBlockKernel,
+    TorchBlockKernel,
     block_forward,
     merge,
 )
-from ulysses_mm.parallel.ring.plan import RingPlan, TileGroup, block_tiles
+from ulysses_mm.parallel.ring.plan import RingPlan, VarlenCall, block_calls
 
 __all__ = [
     "BlockKernel",
-    "FlashTiles",
+    "FlashBlockKernel",
     "RingAttention",
     "RingPlan",
-    "TileGroup",
-    "TorchTiles",
+    "TorchBlockKernel",
+    "VarlenCall",
+    "block_calls",
     "block_forward",
-    "block_tiles",
     "merge",
     "new_ring_stats",
     "ring_theory_bytes",

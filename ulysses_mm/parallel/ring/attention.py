@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from ulysses_mm.model.attention import DocumentMask, resolve_kernel
 from ulysses_mm.parallel.ring.kernels import (
     BlockKernel,
-    FlashTiles,
-    TorchTiles,
+    FlashBlockKernel,
+    TorchBlockKernel,
     block_forward,
     merge,
 )
@@ -33,11 +33,11 @@ from ulysses_mm.parallel.ring.plan import RingPlan
 class _Ring:
     """Point-to-point ring steps: send to the next ring rank, receive from the previous."""
 
-    def __init__(self, group: Any, ranks: tuple[int, ...], ring_rank: int) -> None:
+    def __init__(self, group: Any, members: tuple[int, ...], ring_rank: int) -> None:
         self.group = group
-        self.R = len(ranks)
-        self.next = ranks[(ring_rank + 1) % self.R]
-        self.prev = ranks[(ring_rank - 1) % self.R]
+        self.R = len(members)
+        self.next = members[(ring_rank + 1) % self.R]
+        self.prev = members[(ring_rank - 1) % self.R]
 
     def start(self, send: Tensor, tag: int = 0) -> tuple[Tensor, list[Any]]:
         """Send ``send`` on and receive the previous rank's (``tag`` keeps two exchanges
@@ -83,9 +83,9 @@ class _RingAttentionFn(torch.autograd.Function):
                 nxt, reqs = ring.start(kv)  # the next block travels while this one computes
                 if stats is not None:
                     stats["forward_bytes"] += kv.numel() * kv.element_size()
-            groups = plan.block(ring_rank, (ring_rank - step) % R)
-            if groups:
-                o_b, l_b = block_forward(kernel, qf, kv[0], kv[1], groups, scale)
+            calls = plan.block(ring_rank, (ring_rank - step) % R)
+            if calls:
+                o_b, l_b = block_forward(kernel, qf, kv[0], kv[1], calls, scale)
                 out, lse = merge(out, lse, o_b, l_b)
             elif stats is not None:
                 stats["skipped"] += 1
@@ -176,19 +176,19 @@ class RingAttention(nn.Module):
     def __init__(
         self,
         group: Any,
-        ranks: tuple[int, ...],
+        members: tuple[int, ...],
         ring_rank: int,
         stats: dict[str, int] | None,
         kernel: str = "auto",
     ) -> None:
         super().__init__()
-        self.ring = _Ring(group, ranks, ring_rank)
+        self.ring = _Ring(group, members, ring_rank)
         self.ring_rank = ring_rank
         self.stats = stats
         self.kernel = kernel
 
     def extra_repr(self) -> str:
-        return f"ring={self.ring.R}, ring_rank={self.ring_rank}, kernel={self.kernel}"
+        return f"ring_size={self.ring.R}, ring_rank={self.ring_rank}, kernel={self.kernel}"
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
         R = self.ring.R
@@ -199,7 +199,7 @@ class RingAttention(nn.Module):
                 f"of {n} tokens over ring={R} needs {n // R}"
             )
         name = resolve_kernel(self.kernel, q.device.type, q.dtype)
-        kernel = FlashTiles if name == "flash_varlen" else TorchTiles
+        kernel = FlashBlockKernel if name == "flash_varlen" else TorchBlockKernel
         plan = RingPlan.of(mask, R)
         return _RingAttentionFn.apply(q, k, v, self.ring, self.ring_rank, plan, kernel, self.stats)
 
@@ -219,8 +219,8 @@ def new_ring_stats() -> dict[str, int]:
 
 def ring_theory_bytes(
     seq_len: int,
-    ring: int,
-    ulysses: int,
+    ring_size: int,
+    ulysses_size: int,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -231,10 +231,9 @@ def ring_theory_bytes(
     """(forward, backward) bytes one rank sends around the ring per layer: R−1 K/V blocks
     of N/R tokens on lcm(hk, U)/U kv heads forward; the same again backward plus R hops
     of their dK/dV (accumulated in fp32: ``grad_bytes``)."""
-    if ring == 1:
+    R, U = ring_size, ulysses_size
+    if R == 1:
         return 0, 0
-    e = math.lcm(num_kv_heads, ulysses) // ulysses if ulysses > 1 else num_kv_heads
-    block = micro_batch * (seq_len // ring) * 2 * e * head_dim
-    return (ring - 1) * block * elem_bytes, (
-        ring - 1
-    ) * block * elem_bytes + ring * block * grad_bytes
+    e = math.lcm(num_kv_heads, U) // U if U > 1 else num_kv_heads
+    block = micro_batch * (seq_len // R) * 2 * e * head_dim
+    return (R - 1) * block * elem_bytes, (R - 1) * block * elem_bytes + R * block * grad_bytes

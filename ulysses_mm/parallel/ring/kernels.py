@@ -1,8 +1,8 @@
-"""The block kernels of ring attention: a group of varlen tiles forward and backward, with
+"""The block kernels of ring attention: a block's varlen calls forward and backward, with
 its log-sum-exp, and the merge of partial outputs through it.
 
-:class:`FlashTiles` runs each group as flash-attn's ``_flash_attn_varlen_forward/backward``
-(CUDA, bf16/fp16; at most ``FLASH_MAX_DOCS`` segments a call); :class:`TorchTiles` runs
+:class:`FlashBlockKernel` runs each call as flash-attn's ``_flash_attn_varlen_forward/backward``
+(CUDA, bf16/fp16; at most ``FLASH_MAX_DOCS`` segments a call); :class:`TorchBlockKernel` runs
 the same segments as masked dense products with the exact LSE (fp32), one row's queries
 at a time, wherever flash-attn does not.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ulysses_mm.model.attention import FLASH_MAX_DOCS
-from ulysses_mm.parallel.ring.plan import TileGroup
+from ulysses_mm.parallel.ring.plan import VarlenCall
 
 
 def _block_forward(
@@ -65,19 +65,19 @@ def _block_backward(
 
 
 class BlockKernel:
-    """A varlen block kernel: a group's calls cut into pieces (:meth:`TileGroup.pieces`,
+    """A varlen block kernel: a call cut into pieces (:meth:`VarlenCall.pieces`,
     within the kernel's ``limits``), each run by ``piece_forward`` / ``piece_backward``."""
 
     name = ""
 
     @classmethod
-    def limits(cls, g: TileGroup) -> tuple[int, int]:
+    def limits(cls, g: VarlenCall) -> tuple[int, int]:
         """(most queries, most segments) of one call; 0: no bound."""
         raise NotImplementedError
 
     @classmethod
     def piece_forward(
-        cls, q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+        cls, q: Tensor, k: Tensor, v: Tensor, g: VarlenCall, scale: float
     ) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
 
@@ -90,16 +90,16 @@ class BlockKernel:
         v: Tensor,
         out: Tensor,
         lse: Tensor,
-        g: TileGroup,
+        g: VarlenCall,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         raise NotImplementedError
 
     @classmethod
     def forward(
-        cls, q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+        cls, q: Tensor, k: Tensor, v: Tensor, g: VarlenCall, scale: float
     ) -> tuple[Tensor, Tensor]:
-        """(out [Tq, h, d] fp32, lse [Tq, h]) of the group's gathered rows."""
+        """(out [Tq, h, d] fp32, lse [Tq, h]) of the call.s gathered rows."""
         out = q.new_empty(q.shape, dtype=torch.float32)
         lse = q.new_empty(q.shape[:2], dtype=torch.float32)
         for qs, ks, piece in g.pieces(*cls.limits(g)):
@@ -115,7 +115,7 @@ class BlockKernel:
         v: Tensor,
         out: Tensor,
         lse: Tensor,
-        g: TileGroup,
+        g: VarlenCall,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """(dq, dk, dv) fp32 of the group, from the FINAL out and lse [Tq, h] of its rows
@@ -132,19 +132,19 @@ class BlockKernel:
         return dq, dk, dv
 
 
-class TorchTiles(BlockKernel):
+class TorchBlockKernel(BlockKernel):
     """The PyTorch block kernel: masked dense products (fp32), one per piece of at most one
     row's queries, so its scores are [h, ≤ n, ≤ n] whatever the batch."""
 
     name = "torch"
 
     @classmethod
-    def limits(cls, g: TileGroup) -> tuple[int, int]:
+    def limits(cls, g: VarlenCall) -> tuple[int, int]:
         return g.cap, 0
 
     @classmethod
     def piece_forward(
-        cls, q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+        cls, q: Tensor, k: Tensor, v: Tensor, g: VarlenCall, scale: float
     ) -> tuple[Tensor, Tensor]:
         o, lse = _block_forward(
             q.float()[None], k.float()[None], v.float()[None], g.allowed()[None], scale
@@ -160,7 +160,7 @@ class TorchTiles(BlockKernel):
         v: Tensor,
         out: Tensor,
         lse: Tensor,
-        g: TileGroup,
+        g: VarlenCall,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         do = dout.float()
@@ -190,19 +190,19 @@ def _call(fn: Any, **kw: Any) -> Any:
     return fn(**{k: v for k, v in kw.items() if k in params})
 
 
-class FlashTiles(BlockKernel):
+class FlashBlockKernel(BlockKernel):
     """flash-attn's varlen forward/backward with the LSE (CUDA, bf16/fp16), one call per
     ``FLASH_MAX_DOCS`` segments."""
 
     name = "flash_varlen"
 
     @classmethod
-    def limits(cls, g: TileGroup) -> tuple[int, int]:
+    def limits(cls, g: VarlenCall) -> tuple[int, int]:
         return 0, FLASH_MAX_DOCS
 
     @classmethod
     def piece_forward(
-        cls, q: Tensor, k: Tensor, v: Tensor, g: TileGroup, scale: float
+        cls, q: Tensor, k: Tensor, v: Tensor, g: VarlenCall, scale: float
     ) -> tuple[Tensor, Tensor]:
         from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
 
@@ -239,7 +239,7 @@ class FlashTiles(BlockKernel):
         v: Tensor,
         out: Tensor,
         lse: Tensor,
-        g: TileGroup,
+        g: VarlenCall,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
         from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
@@ -277,14 +277,14 @@ def block_forward(
     qf: Tensor,
     kf: Tensor,
     vf: Tensor,
-    groups: list[TileGroup],
+    calls: list[VarlenCall],
     scale: float,
 ) -> tuple[Tensor, Tensor]:
     """(out [T, h, d] fp32, lse [T, h]) of flat queries ``qf`` against one flat key block;
-    queries in no group get 0 and −inf."""
+    queries in no call get 0 and −inf."""
     out = qf.new_zeros(qf.shape, dtype=torch.float32)
     lse = qf.new_full(qf.shape[:2], float("-inf"), dtype=torch.float32)
-    for g in groups:
+    for g in calls:
         o, l_ = kernel.forward(qf[g.q_sel], kf[g.k_sel], vf[g.k_sel], g, scale)
         out[g.q_sel] = o
         lse[g.q_sel] = l_

@@ -1,8 +1,8 @@
-"""The tiles of ring attention: which keys of a block each query may see, as varlen calls.
+"""The varlen calls of ring attention: which keys of a block each query may see.
 
 Because every rank keeps its tokens in global order (the document zigzag of
 :func:`ulysses_mm.parallel.slice.ring_order`), the keys a query may see in a block are one
-contiguous run of that block (its document's keys up to its position). :func:`block_tiles`
+contiguous run of that block (its document's keys up to its position). :func:`block_calls`
 cuts a (query block, key block) pair into varlen segments that are either full (every
 query of the segment sees the same keys) or causal aligned bottom-right (each next query
 sees one key more): exactly flash-attn's varlen calls with ``causal=False`` /
@@ -21,7 +21,7 @@ from ulysses_mm.parallel.slice import doc_spans, document_zigzag, ring_order
 
 
 @dataclass
-class TileGroup:
+class VarlenCall:
     """One varlen call: query rows ``q_sel`` (of the flat [b·nq] block) in segments
     ``cu_q`` against key rows ``k_sel`` (of the flat [b·nk] block, a row may repeat) in
     segments ``cu_k``; ``causal``: aligned bottom-right, else full."""
@@ -34,13 +34,13 @@ class TileGroup:
     max_k: int
     causal: bool
     cap: int = 0  # queries of one row: a dense kernel's piece
-    _pieces: dict[tuple[int, int], list[tuple[slice, slice, TileGroup]]] = field(
+    _pieces: dict[tuple[int, int], list[tuple[slice, slice, VarlenCall]]] = field(
         default_factory=dict, repr=False
     )
 
     def pieces(
         self, max_queries: int = 0, max_segments: int = 0
-    ) -> list[tuple[slice, slice, TileGroup]]:
+    ) -> list[tuple[slice, slice, VarlenCall]]:
         """The call cut at segment boundaries into pieces of at most ``max_queries``
         queries and ``max_segments`` segments (0: no bound): (query rows, key rows, the
         piece as a call of its own). A dense kernel bounds the queries (one row's worth:
@@ -62,7 +62,7 @@ class TileGroup:
                 (
                     slice(cq[a], cq[b]),
                     slice(ck[a], ck[b]),
-                    TileGroup(
+                    VarlenCall(
                         self.q_sel[cq[a] : cq[b]],
                         self.k_sel[ck[a] : ck[b]],
                         self.cu_q[a : b + 1] - cq[a],
@@ -99,7 +99,7 @@ class TileGroup:
         return ok
 
 
-def block_tiles(q_idx: Tensor, q_start: Tensor, k_idx: Tensor) -> list[TileGroup]:
+def block_calls(q_idx: Tensor, q_start: Tensor, k_idx: Tensor) -> list[VarlenCall]:
     """The varlen calls (at most two: full, causal) that compute queries at global
     positions ``q_idx`` [b, nq] (their documents starting at ``q_start``) against keys at
     ``k_idx`` [b, nk] (both sorted per row). A query sees the keys of its document at or
@@ -130,7 +130,7 @@ def block_tiles(q_idx: Tensor, q_start: Tensor, k_idx: Tensor) -> list[TileGroup
     causal = (lq > 1) & (torch.cat([step, step.new_zeros(1)])[starts] == 1)
     k0, lk = ks[starts], ke[ends - 1] - ks[starts]
     seg_of = torch.arange(len(starts), device=dev).repeat_interleave(lq)
-    groups = []
+    calls = []
     for flag in (False, True):
         pick = causal == flag
         if not bool(pick.any()):
@@ -141,8 +141,8 @@ def block_tiles(q_idx: Tensor, q_start: Tensor, k_idx: Tensor) -> list[TileGroup
         cu_k = torch.zeros(len(glk) + 1, dtype=torch.int32, device=dev)
         cu_k[1:] = torch.cumsum(glk, 0)
         within = torch.arange(int(cu_k[-1]), device=dev) - cu_k[:-1].long().repeat_interleave(glk)
-        groups.append(
-            TileGroup(
+        calls.append(
+            VarlenCall(
                 q_sel=v[pick[seg_of]],
                 k_sel=gk0.repeat_interleave(glk) + within,
                 cu_q=cu_q,
@@ -153,36 +153,36 @@ def block_tiles(q_idx: Tensor, q_start: Tensor, k_idx: Tensor) -> list[TileGroup
                 cap=q_idx.shape[1],
             )
         )
-    return groups
+    return calls
 
 
 @dataclass
 class RingPlan:
     """What every ring rank needs about one batch's layout, computed once per mask:
     each ring rank's global token positions, their documents' starts, and the varlen
-    tiles of every (query rank, key rank) pair it meets."""
+    calls of every (query rank, key rank) pair it meets."""
 
     idx: list[Tensor]  # [b, n] global positions per ring rank
     start: list[Tensor]  # [b, n] global start of each token's document
-    tiles: dict[tuple[int, int], list[TileGroup]] = field(default_factory=dict)
+    calls: dict[tuple[int, int], list[VarlenCall]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, mask: DocumentMask, ring: int) -> RingPlan:
-        key = ("ring", ring)
+    def of(cls, mask: DocumentMask, ring_size: int) -> RingPlan:
+        key = ("ring", ring_size)
         if key not in mask._cache:
             runs = mask.run_ids
-            n = mask.seq_len // ring
+            n = mask.seq_len // ring_size
             spans = doc_spans(runs)
             start = spans[1]
-            order = document_zigzag(spans, ring) if ring > 1 else ring_order(runs, 1)
-            idx = [order[:, j * n : (j + 1) * n].contiguous() for j in range(ring)]
+            order = document_zigzag(spans, ring_size) if ring_size > 1 else ring_order(runs, 1)
+            idx = [order[:, j * n : (j + 1) * n].contiguous() for j in range(ring_size)]
             mask._cache[key] = cls(idx, [start.gather(1, i) for i in idx])
         plan: RingPlan = mask._cache[key]
         return plan
 
-    def block(self, q_rank: int, k_rank: int) -> list[TileGroup]:
-        if (q_rank, k_rank) not in self.tiles:
-            self.tiles[q_rank, k_rank] = block_tiles(
+    def block(self, q_rank: int, k_rank: int) -> list[VarlenCall]:
+        if (q_rank, k_rank) not in self.calls:
+            self.calls[q_rank, k_rank] = block_calls(
                 self.idx[q_rank], self.start[q_rank], self.idx[k_rank]
             )
-        return self.tiles[q_rank, k_rank]
+        return self.calls[q_rank, k_rank]

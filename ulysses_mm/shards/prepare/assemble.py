@@ -114,7 +114,7 @@ def write_partition(
     """Pack a partition's inputs (``results``, one per input in input order) into its
     shards, publish them, write its fragment; what it holds. ``on_input`` is called after
     each input (progress)."""
-    output = Output(job.output, job.worker.storage_options, job.staging, task.index, job.multi)
+    output = Output(job.output, job.staging, task.index, job.multi)
     writer = ShardWriter(
         output.write_dir,
         output.publish,

@@ -168,8 +168,8 @@ def run_partition(job: Job, task: PartitionTask) -> PartitionResult:
                 held = None
             else:
                 mark.write_text(str(attempts + 1))
-                so = job.worker.storage_options
-                outcome, held = tokenize_held(t, tok, ctx.space, so, HOLD_BYTES)
+                store = job.worker.store
+                outcome, held = tokenize_held(t, tok, ctx.space, store, HOLD_BYTES)
             mark.unlink(missing_ok=True)
             yield Result(outcome, t.staged, held=held)
 

@@ -25,7 +25,6 @@ import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from ulysses_mm.core import storage
 from ulysses_mm.shards.manifest import InputEntry
@@ -72,13 +71,13 @@ def partition_inputs(
     return list(itertools.pairwise(bounds))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Job:
     """What every partition of a run is done with (picklable: it travels to the workers)."""
 
     worker: WorkerConfig
     suffixes: dict[str, list[str]]  # the pipeline's extra routing table
-    output: str
+    output: storage.Location  # the dataset's directory or URL, with its storage options
     staging: str  # local staging directory, on the node that runs a partition
     seq_len: int
     max_bytes: int
@@ -171,30 +170,28 @@ class PartitionResult:
         )
 
 
-def fragment_location(output: str, index: int) -> str:
-    return storage.join(storage.join(output, FRAGMENTS_DIR), f"part-{index:05d}.json")
+def fragment_location(output: storage.Location, index: int) -> storage.Location:
+    return output.join(FRAGMENTS_DIR).join(f"part-{index:05d}.json")
 
 
 def save_fragment(job: Job, result: PartitionResult) -> None:
-    so = job.worker.storage_options
-    storage.makedirs(storage.join(job.output, FRAGMENTS_DIR), so)
-    storage.atomic_write(fragment_location(job.output, result.index), result.to_json(), so)
+    job.output.join(FRAGMENTS_DIR).makedirs()
+    fragment_location(job.output, result.index).atomic_write(result.to_json())
 
 
 def completed(job: Job, task: PartitionTask) -> PartitionResult | None:
     """The partition as an earlier run left it, if that run finished it for these very
     inputs and config and every one of its shards still has the bytes it recorded."""
-    so = job.worker.storage_options
     location = fragment_location(job.output, task.index)
     try:
-        result = PartitionResult.from_json(storage.read_bytes(location, so))
+        result = PartitionResult.from_json(location.read_bytes())
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if result.key != task.key(job) or result.index != task.index:
         return None
     for record in result.shards:
         try:
-            size, digest = storage.size_and_sha256(storage.join(job.output, record.name), so)
+            size, digest = job.output.join(record.name).size_and_sha256()
         except OSError:
             return None
         if size != record.bytes or digest != record.sha256:
@@ -203,8 +200,8 @@ def completed(job: Job, task: PartitionTask) -> PartitionResult | None:
     return result
 
 
-def remove_fragments(output: str, storage_options: dict[str, Any]) -> None:
-    where = storage.join(output, FRAGMENTS_DIR)
-    for name in storage.list_names(where, storage_options):
-        storage.remove(storage.join(where, name), storage_options)
-    storage.remove_empty_dir(where, storage_options)
+def remove_fragments(output: storage.Location) -> None:
+    where = output.join(FRAGMENTS_DIR)
+    for name in where.list_names():
+        where.join(name).remove()
+    where.remove_empty_dir()

@@ -43,7 +43,7 @@ class WorkerConfig:
     spec_paths: list[str]
     kinds: dict[str, str]  # extra tokenizer kinds, kind -> "module:Class"
     space: dict[str, Any]  # TokenSpace.to_dict()
-    storage_options: dict[str, Any]
+    store: storage.Location  # the output; its storage options reach the inputs too
     parent_pid: int
 
 
@@ -140,46 +140,46 @@ def _blocks(tok: Tokenizer, path: str, space: TokenSpace) -> Iterator[TokenBlock
 
 
 def tokenize_input(
-    task: Task, tok: Tokenizer, space: TokenSpace, storage_options: dict[str, Any]
+    task: Task, tok: Tokenizer, space: TokenSpace, store: storage.Location
 ) -> Outcome:
     """Tokenize one input into its staged entry, committed for the process that packs it
-    and for later runs; its outcome."""
-    outcome, _ = _tokenize(
-        task, tok, space, storage_options, staged.StagedWriter(task.staged, space)
-    )
+    and for later runs; its outcome. ``store``: a location whose storage options reach
+    the input."""
+    outcome, _ = _tokenize(task, tok, space, store, staged.StagedWriter(task.staged, space))
     if outcome.reusable:  # the outcome commits the entry: written after the documents
         commit(task.staged, outcome)
     return outcome
 
 
 def tokenize_held(
-    task: Task, tok: Tokenizer, space: TokenSpace, storage_options: dict[str, Any], hold: int
+    task: Task, tok: Tokenizer, space: TokenSpace, store: storage.Location, hold: int
 ) -> tuple[Outcome, staged.StagedWriter | None]:
     """Tokenize one input for this process to pack: its outcome and its entry, held in
     memory up to ``hold`` bytes (then in a local file), never committed."""
     writer = staged.StagedWriter(task.staged, space, hold=hold)
-    return _tokenize(task, tok, space, storage_options, writer)
+    return _tokenize(task, tok, space, store, writer)
 
 
 def _tokenize(
     task: Task,
     tok: Tokenizer,
     space: TokenSpace,
-    storage_options: dict[str, Any],
+    store: storage.Location,
     writer: staged.StagedWriter,
 ) -> tuple[Outcome, staged.StagedWriter | None]:
     """The input's outcome, and ``writer`` holding its documents when it is ok. A streaming
     tokenizer reads the input where it is (a bucket's object included); any other gets a
     local file (a remote input is copied for it, then removed)."""
     fetched: Path | None = None
+    source = store.at(task.source)
     try:
         if tok.streams:
-            with storage.open_input(task.source, storage_options) as f:
+            with source.open_input() as f:
                 for block in tok.encode_stream(f, task.source, space):
                     writer.add(block)
         else:
-            local = storage.fetch(task.source, Path(task.fetch_dir), storage_options)
-            fetched = None if storage.is_local(task.source) else local
+            local = source.fetch(Path(task.fetch_dir))
+            fetched = None if source.is_local else local
             for block in _blocks(tok, str(local), space):
                 writer.add(block)
         if not writer.documents:
@@ -210,8 +210,8 @@ def _tokenize(
         modality=task.modality,
         documents=writer.documents,
         tokens=writer.tokens,
-        skipped_records=int(getattr(tok, "skipped_records", 0) or 0),
-        skip_reason=one_line(str(getattr(tok, "first_skip_reason", "") or "")),
+        skipped_records=tok.skipped_records,
+        skip_reason=one_line(tok.first_skip_reason),
     )
     return outcome, writer
 
@@ -230,7 +230,7 @@ def tokenize(task: Task) -> Outcome:
             modality=task.modality,
             reusable=False,
         )
-    return tokenize_input(task, tok, w.space, config.storage_options)
+    return tokenize_input(task, tok, w.space, config.store)
 
 
 def run_pool(

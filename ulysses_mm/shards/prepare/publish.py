@@ -11,9 +11,8 @@ the same time on different machines never touch each other's files.
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from pathlib import Path
-from typing import Any
 
 from ulysses_mm.core import storage
 from ulysses_mm.shards.manifest import MANIFEST_NAME
@@ -31,49 +30,43 @@ def part_prefix(index: int, multi: bool) -> str:
 class Output:
     """Partition ``index``'s destination in a dataset at ``url`` (a directory or a URL)."""
 
-    def __init__(
-        self, url: str, storage_options: Mapping[str, Any], staging: str, index: int, multi: bool
-    ) -> None:
+    def __init__(self, url: storage.Location, staging: str, index: int, multi: bool) -> None:
         self.url = url
-        self.so = dict(storage_options)
-        self.local = storage.is_local(url)
+        self.local = url.is_local
         self.prefix = part_prefix(index, multi)  # of its shards' names, relative to url
         sub = self.prefix.rstrip("/")
-        self.dir_url = storage.join(url, sub) if sub else url
-        storage.makedirs(self.dir_url, self.so)
+        self.dir_url = url.join(sub) if sub else url
+        self.dir_url.makedirs()
         if self.local:
-            self.write_dir = storage.local_path(self.dir_url)
+            self.write_dir = self.dir_url.local_path
         else:
             self.write_dir = Path(staging) / "upload" / (sub or "part")
         self.write_dir.mkdir(parents=True, exist_ok=True)
-        storage.remove_stale_temps(self.dir_url, self.so)
+        self.dir_url.remove_stale_temps()
         if not self.local:
             for p in self.write_dir.iterdir():
                 p.unlink()
         self.claimed = False
-        self.manifest_url = storage.join(url, MANIFEST_NAME)
+        self.manifest_url = url.join(MANIFEST_NAME)
 
     def publish(self, tmp: Path, record: ShardRecord) -> None:
         if not self.claimed:  # the old manifest must go before its first shard changes
-            storage.remove(self.manifest_url, self.so)
+            self.manifest_url.remove()
             self.claimed = True
-        storage.publish_file(tmp, storage.join(self.url, record.name), self.so)
+        self.url.join(record.name).publish(tmp)
 
 
-def remove_stale_shards(
-    url: str, storage_options: Mapping[str, Any], keep: Collection[str]
-) -> None:
+def remove_stale_shards(url: storage.Location, keep: Collection[str]) -> None:
     """Remove the shards under ``url`` (``shard-N.tar`` and ``part-P/shard-N.tar``) that
     are not in ``keep`` (names relative to ``url``), and partition folders left empty."""
-    so = dict(storage_options)
-    for name in storage.list_names(url, so):
+    for name in url.list_names():
         if _SHARD_RE.match(name) and name not in keep:
-            storage.remove(storage.join(url, name), so)
-    for sub in storage.list_dirs(url, so):
+            url.join(name).remove()
+    for sub in url.list_dirs():
         if not _PART_RE.match(sub):
             continue
-        where = storage.join(url, sub)
-        for name in storage.list_names(where, so):
+        where = url.join(sub)
+        for name in where.list_names():
             if _SHARD_RE.match(name) and f"{sub}/{name}" not in keep:
-                storage.remove(storage.join(where, name), so)
-        storage.remove_empty_dir(where, so)
+                where.join(name).remove()
+        where.remove_empty_dir()

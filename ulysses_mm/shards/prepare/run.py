@@ -137,7 +137,7 @@ def load_pipeline_config(
 # ------------------------------------------------------------------------ the run
 
 
-@dataclass
+@dataclass(kw_only=True)
 class PrepareResult:
     manifest: Manifest
     location: str  # of manifest.json
@@ -154,19 +154,19 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
     can be made (every input failed, no inputs matched, a bad spec, a partition failed)."""
     out = out or sys.stdout
     t0 = time.perf_counter()
-    so = dict(cfg.storage_options)
+    dest = cfg.output_location
     specs, space = load_specs(cfg)
     staging = staging_dir(cfg)
     # the directories this run creates, so that a run that writes nothing removes them
-    new_dirs = [storage.missing_dirs(str(staging)), storage.missing_dirs(cfg.output, so)]
-    inputs, unmatched = storage.list_inputs(cfg.sources, so)
+    new_dirs = [storage.missing_dirs(str(staging)), dest.missing_dirs()]
+    inputs, unmatched = storage.list_inputs(cfg.sources, dest.options)
     ranges = partition_inputs(
         [f.size for f in inputs], cfg.shards.partition_bytes, cfg.shards.partitions
     )
     job = Job(
         worker=_worker_config(cfg, specs, space),
         suffixes={k: list(v) for k, v in cfg.suffixes.items()},
-        output=cfg.output,
+        output=dest,
         staging=str(staging),
         seq_len=cfg.pack.seq_len,
         max_bytes=cfg.shards.max_bytes,
@@ -177,8 +177,8 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
     )
     tasks = [PartitionTask(p, a, inputs[a:b]) for p, (a, b) in enumerate(ranges)]
     engine = _engine(cfg)  # an engine that cannot start fails here, before anything is written
-    storage.makedirs(cfg.output, so)
-    storage.remove_stale_temps(cfg.output, so)
+    dest.makedirs()
+    dest.remove_stale_temps()
     staging.mkdir(parents=True, exist_ok=True)
     progress = Progress(len(inputs), len(tasks), cfg.progress)
     try:
@@ -191,21 +191,21 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
         _remove_traces(cfg, staging, new_dirs)
         raise PrepareError(_nothing_written(entries))
     manifest = _manifest(cfg, specs, space, tasks, results, entries)
-    remove_stale_shards(cfg.output, so, {s.url for s in manifest.shards})
-    location = storage.join(cfg.output, MANIFEST_NAME)
-    manifest.save(location, so)
-    remove_fragments(cfg.output, so)
+    remove_stale_shards(dest, {s.url for s in manifest.shards})
+    where = dest.join(MANIFEST_NAME)
+    manifest.save(where)
+    remove_fragments(dest)
     if not cfg.keep_staging:
         shutil.rmtree(staging, ignore_errors=True)
     result = PrepareResult(
-        manifest,
-        location,
-        sum(r.reused_inputs for r in results),
-        time.perf_counter() - t0,
-        [c for r in results for c in r.crashed],
-        engine.name,
-        len(tasks),
-        sum(r.resumed for r in results),
+        manifest=manifest,
+        location=where.url,
+        reused=sum(r.reused_inputs for r in results),
+        seconds=time.perf_counter() - t0,
+        crashed=[c for r in results for c in r.crashed],
+        engine=engine.name,
+        partitions=len(tasks),
+        resumed=sum(r.resumed for r in results),
     )
     print_summary(result, out)
     return result
@@ -240,12 +240,12 @@ def _manifest(
         for rec in r.shards:
             shards.append(
                 ShardEntry(
-                    rec.name,
-                    rec.samples,
-                    first_sample + rec.first_sample,
-                    rec.bytes,
-                    rec.sha256,
-                    r.index if multi else None,
+                    url=rec.name,
+                    samples=rec.samples,
+                    first_sample=first_sample + rec.first_sample,
+                    bytes=rec.bytes,
+                    sha256=rec.sha256,
+                    partition=r.index if multi else None,
                 )
             )
         for e in r.entries:
@@ -254,14 +254,14 @@ def _manifest(
         part_runs = [(space.modalities[m], t) for m, t in r.runs]
         parts.append(
             PartitionEntry(
-                task.first_input,
-                len(task.inputs),
-                task.bytes,
-                first_sample,
-                r.samples,
-                first_doc,
-                r.documents,
-                len(part_runs),
+                first_input=task.first_input,
+                inputs=len(task.inputs),
+                input_bytes=task.bytes,
+                first_sample=first_sample,
+                samples=r.samples,
+                first_doc_id=first_doc,
+                documents=r.documents,
+                runs=len(part_runs),
             )
         )
         runs += part_runs
@@ -291,7 +291,7 @@ def _worker_config(
         [s.path for s in specs],
         dict(cfg.tokenizer_kinds),
         space.to_dict(),
-        dict(cfg.storage_options),
+        cfg.output_location,
         os.getpid(),
     )
 
@@ -310,13 +310,13 @@ def _remove_traces(cfg: PipelineConfig, staging: Path, new_dirs: list[list[str]]
     """After a run that wrote nothing: its fragments and empty partition folders, its
     staging directory (unless ``keep_staging``) and the directories it created, where they
     are empty."""
-    remove_fragments(cfg.output, cfg.storage_options)
-    remove_stale_shards(cfg.output, cfg.storage_options, ())
+    remove_fragments(cfg.output_location)
+    remove_stale_shards(cfg.output_location, ())
     if not cfg.keep_staging:
         shutil.rmtree(staging, ignore_errors=True)
     for dirs in new_dirs:  # each deepest first: stop at the first one still in use
         for d in dirs:
-            if not storage.remove_empty_dir(d, cfg.storage_options):
+            if not cfg.output_location.at(d).remove_empty_dir():
                 break
 
 

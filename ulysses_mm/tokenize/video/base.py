@@ -19,12 +19,22 @@ interleaved per time chunk of k frames (k/fps seconds)::
 The document's primary modality stays ``video``; a clip with no audio track gives a
 video-only document; the dataset's token space must hold the audio modality too (see
 :meth:`VideoTokenizer.companion_specs`).
+
+It also gives the rest of the :class:`~ulysses_mm.tokenize.base.Tokenizer` contract for
+every video kind: the unit (bits per frame, one ``<eof>`` each), the layout (fixed frames
+of ``tokens_per_frame`` ids, the audio interleaving; a ragged kind overrides
+:meth:`~VideoTokenizer.frame_layout`), an MP4 of generated ids, the prompt's first
+seconds, the PSNR fidelity measure and the frame strip of ``inspect --png``. A kind in a
+subpackage (``video/<kind>/``) subclasses it and reuses
+:mod:`~ulysses_mm.tokenize.video.frames`, :mod:`~ulysses_mm.tokenize.video.output` and
+:mod:`~ulysses_mm.tokenize.video.fidelity`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +42,20 @@ import numpy as np
 
 from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, EOF, TokenSpace
-from ulysses_mm.tokenize.audio import MulawTokenizer, load_waveform, mulaw_decode
-from ulysses_mm.tokenize.base import TokenDocument, Tokenizer, TokenizerSpec
+from ulysses_mm.tokenize.audio.mulaw import MulawTokenizer, mulaw_decode
+from ulysses_mm.tokenize.audio.waveform import load_waveform
+from ulysses_mm.tokenize.base import (
+    Entry,
+    Interleave,
+    Layout,
+    TokenDocument,
+    Tokenizer,
+    TokenizerSpec,
+    TokenUnit,
+)
 from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
 from ulysses_mm.tokenize.video.frames import VideoProbe, decord_or_none, probe_video, sample_frames
+from ulysses_mm.tokenize.write import Media
 
 BACKENDS = ("auto", "decord", "pyav")
 
@@ -56,6 +76,8 @@ class VideoTokenizer(Tokenizer):
 
     schema: ParamSchema = FRAME_PARAMS  # a kind's class sets its own, FRAME_PARAMS and more
     tokens_per_frame: int  # ids per frame (a kind with variable frames: on average)
+    fidelity_measure = "psnr_db"
+    damages = True
 
     def __init__(self, spec: TokenizerSpec) -> None:
         super().__init__(spec)
@@ -232,3 +254,85 @@ class VideoTokenizer(Tokenizer):
         if self.audio is not None:
             wave = mulaw_decode(audio, self.audio.bits)
         return self.decode_ids(video), wave
+
+    # ------------------------------------------------------------------ contract
+    @classmethod
+    def unit(
+        cls, entry: Mapping[str, Any], size: int, load: Callable[[], Tokenizer]
+    ) -> TokenUnit | None:
+        """Bits per frame: each frame's ``<eof>`` counts one."""
+        return TokenUnit("frame", np.zeros(size), eof=1.0)
+
+    def frame_layout(self) -> Layout:
+        """How a frame's ids are laid out: by default exactly ``tokens_per_frame`` ids,
+        then ``<eof>``."""
+        return Layout(frame=self.tokens_per_frame)
+
+    def layout(self, space: TokenSpace) -> Layout:
+        """:meth:`frame_layout`, with the audio interleaved per chunk of frames when the spec
+        interleaves it and ``space`` holds its modality."""
+        frame = self.frame_layout()
+        if self.audio is None or self.audio.modality not in space.modalities:
+            return frame
+        k = int(self.params["chunk_frames"])
+        chunks = Interleave(self.audio.modality, k, k / self.fps, int(self.audio.rate))
+        return dataclasses.replace(frame, interleave=chunks)
+
+    def prompt_ids_for_seconds(
+        self, space: TokenSpace, body: list[int], seconds: float
+    ) -> list[int]:
+        """The prompt's first ``round(seconds · fps)`` frames (at least one)."""
+        frames = max(1, round(seconds * self.fps))
+        eofs = np.flatnonzero(np.asarray(body) == EOF)
+        return body if len(eofs) <= frames else body[: int(eofs[frames - 1]) + 1]
+
+    def media(
+        self,
+        space: TokenSpace,
+        prompt: Sequence[int],
+        new: Sequence[int],
+        with_prompt: bool = False,
+    ) -> Media:
+        """The whole frames as H.264 in an MP4, with the interleaved audio as AAC. The whole
+        document is decoded at once (an H.264 frame needs the frames before it), then the
+        prompt's frames are cut off; video ids after the last ``<eof>`` (a frame cut short)
+        are dropped."""
+        from ulysses_mm.tokenize.video.output import Mp4Media, trim_unfinished_frame
+
+        p = np.asarray(list(prompt), dtype=np.int64)
+        allids = np.asarray(list(prompt) + list(new), dtype=np.int64)
+        r = space.range(self.modality)
+        allids = trim_unfinished_frame(allids, r.start, r.stop)
+        skip_frames = 0 if with_prompt else int((p == EOF).sum())
+        wave = None
+        rate = 0
+        if self.audio is not None and self.audio.modality in space.modalities:
+            frames, wave = self.decode_av(allids, space)
+            a = space.range(self.audio.modality)
+            skip_audio = 0 if with_prompt else int(((p >= a.start) & (p < a.stop)).sum())
+            wave, rate = wave[skip_audio:], self.audio.rate
+        else:
+            frames = self.decode(allids, space)
+        hint = f"a {self.spec.name} frame is about {self.tokens_per_frame} ids"
+        if self.audio is not None:
+            k = self.params["chunk_frames"]
+            hint += f", and every {k} frames {k / self.fps:g} s of audio at {self.audio.rate} ids/s"
+        return Mp4Media(frames[skip_frames:], self.fps, wave, rate, hint)
+
+    def fidelity(self, path: str, damage: Sequence[float] = (), seeds: int = 5) -> Entry:
+        """PSNR of the decoded frames against the sampled ones (see
+        :func:`~ulysses_mm.tokenize.video.fidelity.eval_video`)."""
+        from ulysses_mm.tokenize.video.fidelity import eval_video
+
+        return eval_video(self, path, damage, seeds)
+
+    @classmethod
+    def fidelity_line(cls, entry: Entry) -> str:
+        from ulysses_mm.tokenize.video.fidelity import video_line
+
+        return video_line(entry)
+
+    def picture(self, fig: Any, cell: Any, data: Any, name: str) -> None:
+        from ulysses_mm.tokenize.picture import draw_frames
+
+        draw_frames(fig, cell, np.asarray(data), name)

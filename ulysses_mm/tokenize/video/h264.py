@@ -48,7 +48,7 @@ Local ids are ragged: one clip's ids are a 1-D array whose frames end at ``FRAME
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -56,7 +56,7 @@ import numpy as np
 
 from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import EOF, TokenSpace
-from ulysses_mm.tokenize.base import TokenizerSpec
+from ulysses_mm.tokenize.base import Layout, TokenizerSpec
 from ulysses_mm.tokenize.params import ParamSchema, check_choice
 from ulysses_mm.tokenize.video.base import FRAME_PARAMS, VideoTokenizer
 
@@ -305,6 +305,21 @@ class H264VideoTokenizer(VideoTokenizer):
                 prev = got
             out[i] = prev
         return out
+
+    # ------------------------------------------------------------------ contract
+    @classmethod
+    def token_labels(
+        cls, entry: Mapping[str, Any], size: int, vocabulary: Sequence[str] | None = None
+    ) -> list[str]:
+        """The packet bytes of each id in hex (``1a2b``; an odd last byte ``1a``)."""
+        return [f"{k:04x}" if k < PAIRS else f"{k - PAIRS:02x}" for k in range(size)]
+
+    def frame_layout(self) -> Layout:
+        """Ragged frames: slice ids or ``<eof>`` (a bad slice is concealed), ``<eof>``
+        forced once a frame holds 4 VBV buffers' worth of ids, far past any frame the
+        encoder writes, so a model that never closes a frame still makes frames."""
+        buffer = float(self.params.get("buffer_frames", 2.0))
+        return Layout(ragged=True, max_frame=int(4 * buffer * self.tokens_per_frame))
 
     def split(self, tokens: np.ndarray, space: TokenSpace) -> tuple[np.ndarray, np.ndarray]:
         """(ragged video local ids, audio local ids [n]) of one clip's unified ids: video ids

@@ -15,16 +15,17 @@ picture needs them (``video-h264`` can).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import EOF, TokenSpace
 from ulysses_mm.tokenize.base import TokenizerSpec
-from ulysses_mm.tokenize.kmeans import Codebook
 from ulysses_mm.tokenize.params import ParamSchema
 from ulysses_mm.tokenize.video.base import FRAME_PARAMS, VideoTokenizer
+from ulysses_mm.tokenize.video.kmeans import Codebook
 
 _SCHEMA: ParamSchema = {
     **FRAME_PARAMS,
@@ -129,3 +130,10 @@ class VqVideoTokenizer(VideoTokenizer):
             raise ValueError(f"video ids do not form whole frames of {n} ids, each then <eof>")
         video = seq[seq != EOF].reshape(-1, n) - space.range(self.modality).start
         return video, audio
+
+    @classmethod
+    def token_labels(
+        cls, entry: Mapping[str, Any], size: int, vocabulary: Sequence[str] | None = None
+    ) -> list[str]:
+        """The codebook word of each id (``vq42``)."""
+        return [f"vq{k}" for k in range(size)]

@@ -11,7 +11,8 @@ be chosen before any GPU is held.
 - ``activations.py``: what a layer saves and the working sets; ``ring.py`` ring attention's.
 - ``comm.py``: the bytes one rank sends per layer.
 - ``phases.py``: the tensors live at each phase's high point.
-- ``result.py``: :func:`estimate`, the peak, allocator headroom and runtime reserve.
+- ``result.py``: :func:`estimate` (its options one :class:`EstimateOptions`), the peak,
+  allocator headroom and runtime reserve.
 - ``head_chunks.py``: attention in head groups' sets (``parallel.head_chunks``).
 - ``search.py``: :func:`max_seq_len`, the longest sequence that fits (and
   :func:`best_head_chunks`, over every head-chunk count).
@@ -26,6 +27,7 @@ from ulysses_mm.tools.estimate.result import (
     CONTEXT_RESERVE_GIB,
     NCCL_GIB_PER_COMMUNICATOR,
     Estimate,
+    EstimateOptions,
     estimate,
 )
 from ulysses_mm.tools.estimate.search import MAX_GRANULARITY, best_head_chunks, max_seq_len
@@ -46,6 +48,7 @@ __all__ = [
     "NCCL_GIB_PER_COMMUNICATOR",
     "Activations",
     "Estimate",
+    "EstimateOptions",
     "GiB",
     "ModelShape",
     "Phase",

@@ -5,6 +5,7 @@ stage, then the peak stage's breakdown). The arguments are
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from ulysses_mm.config import RunConfig
@@ -15,6 +16,7 @@ from ulysses_mm.tools.estimate.result import (
     HOST_GIB_PER_NODE,
     NCCL_GIB_PER_COMMUNICATOR,
     Estimate,
+    EstimateOptions,
     estimate,
 )
 from ulysses_mm.tools.estimate.search import (
@@ -60,7 +62,7 @@ def run_cli(args: Any) -> int:
 
     cfg = load_config(RunConfig, args.config, args.overrides)
     space, space_from = token_space(cfg, args.manifest)
-    kw: dict[str, Any] = dict(
+    opts = EstimateOptions(
         gpus=args.gpus,
         sp=args.sp,
         space=space,
@@ -69,6 +71,7 @@ def run_cli(args: Any) -> int:
         headroom=args.headroom,
         reserve_gib=args.reserve,
         nccl_gib=getattr(args, "nccl_reserve", NCCL_GIB_PER_COMMUNICATOR),
+        gpu_mem_gib=args.gpu_mem,
         config_name=str(args.config),
         host_mem_gib=getattr(args, "host_mem", HOST_GIB_PER_NODE),
         gpus_per_node=getattr(args, "gpus_per_node", GPUS_PER_NODE),
@@ -77,17 +80,17 @@ def run_cli(args: Any) -> int:
     if cfg.train.stages:  # a length and layout per stage: the per-stage table
         from ulysses_mm.tools.estimate.stages import run_staged_cli
 
-        return run_staged_cli(args, cfg, kw)
+        return run_staged_cli(args, cfg, opts)
     if isinstance(chunks, int):
-        kw["head_chunks"] = chunks
+        opts = replace(opts, head_chunks=chunks)
     longest, per_chunks = None, None
     if args.max:
         if args.gpu_mem is None:
             raise UserError("--max needs --gpu-mem GB (the memory of one GPU)")
         if chunks == "auto":
-            longest, est, per_chunks = best_head_chunks(cfg, args.gpu_mem, **kw)
+            longest, est, per_chunks = best_head_chunks(cfg, opts)
         else:
-            longest, est = max_seq_len(cfg, args.gpu_mem, **kw)
+            longest, est = max_seq_len(cfg, opts)
         if not longest and est.host_fits is False:
             raise UserError(host_refusal(est))
     else:
@@ -98,13 +101,13 @@ def run_cli(args: Any) -> int:
             )
         if chunks == "auto":  # the fewest chunks among the lowest totals
             tried = [
-                estimate(cfg, seq_len, gpu_mem_gib=args.gpu_mem, head_chunks=c, **kw)
+                estimate(cfg, seq_len, replace(opts, head_chunks=c))
                 for c in head_chunk_choices(cfg, args.gpus, args.sp)
             ]
             est = min(tried, key=lambda e: (e.total, e.step.head_chunks))
             per_chunks = {e.step.head_chunks: e.total for e in tried}
         else:
-            est = estimate(cfg, seq_len, gpu_mem_gib=args.gpu_mem, **kw)
+            est = estimate(cfg, seq_len, opts)
         if est.host_fits is False:
             raise UserError(host_refusal(est))
     if args.json:

@@ -11,10 +11,10 @@ def sent_per_layer(sh: ModelShape, step: StepShape, a: int) -> dict[str, int]:
     """Bytes one rank sends per layer: the all-to-all (q, k, v in and the output back over
     the U ranks of a Ulysses group, on N/R tokens; the gradients the same way back, and
     with head chunks q, k, v again for the recomputation:
-    :func:`~ulysses_mm.parallel.head_chunks.exchange_heads`) and the ring's K/V blocks
+    :func:`~ulysses_mm.parallel.head_groups.exchange_heads`) and the ring's K/V blocks
     (backward: again, with their fp32 dK/dV)."""
     # torch: only when computed
-    from ulysses_mm.parallel.head_chunks import exchange_heads
+    from ulysses_mm.parallel.head_groups import exchange_heads
     from ulysses_mm.parallel.ring import ring_theory_bytes
 
     U, R, b = step.ulysses, step.ring, step.micro_batch

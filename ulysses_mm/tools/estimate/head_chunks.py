@@ -1,7 +1,7 @@
 """Attention in C groups of heads (``parallel.head_chunks`` > 1, in place of the all-heads
 sets of :mod:`ulysses_mm.tools.estimate.activations`).
 
-:mod:`ulysses_mm.parallel.head_chunks` keeps the caller's q, k, v [T, Q + 2K] for backward
+:mod:`ulysses_mm.parallel.head_groups` keeps the caller's q, k, v [T, Q + 2K] for backward
 (not the kernel's saved set) and fills one output buffer [T, Q]; one group's q, k, v after
 the all-to-all, its kernel and their exchanges are alive at a time. A group holds, over
 the whole sequence of the kernel, hq/C query heads (Qg = Q/C) and U·eg kv heads (Kg; eg =

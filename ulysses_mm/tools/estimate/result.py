@@ -136,25 +136,9 @@ class Estimate:
         return d
 
 
-def estimate(
-    cfg: RunConfig,
-    seq_len: int,
-    *,
-    gpus: int | None = None,
-    sp: int | None = None,
-    space: TokenSpace | None = None,
-    space_from: str = "",
-    device: str = "cuda",
-    headroom: float = 0.10,
-    reserve_gib: float | None = None,
-    nccl_gib: float = NCCL_GIB_PER_COMMUNICATOR,
-    gpu_mem_gib: float | None = None,
-    config_name: str = "",
-    head_chunks: int | None = None,
-    host_mem_gib: float | None = None,
-    gpus_per_node: int = GPUS_PER_NODE,
-) -> Estimate:
-    """Per-rank memory of one training step of ``cfg`` at ``seq_len`` tokens per sample.
+@dataclass(frozen=True)
+class EstimateOptions:
+    """How to estimate a config: the layout, the device and its memory, the node.
 
     ``device='cuda'`` estimates a GPU (foreach AdamW, flash scratch, allocator headroom,
     runtime reserve); ``device='cpu'`` the tensor memory of a CPU process, which
@@ -163,6 +147,27 @@ def estimate(
     ``head_chunks`` (default: parallel.head_chunks) runs attention in that many head
     groups; ``host_mem_gib`` is the host memory of a node of ``gpus_per_node`` GPUs that
     the offloaded states and checkpoints of its GPUs share (:attr:`Estimate.host_fits`)."""
+
+    gpus: int | None = None  # world size (default parallel.sp × parallel.dp)
+    sp: int | None = None  # sequence-parallel size (default: gpus when given, else parallel.sp)
+    space: TokenSpace | None = None  # default: model.modalities, else the shipped specs'
+    space_from: str = ""  # where ``space`` came from (shown)
+    device: str = "cuda"
+    headroom: float = 0.10  # allocator headroom as a fraction of the tensor peak (GPU only)
+    reserve_gib: float | None = None
+    nccl_gib: float = NCCL_GIB_PER_COMMUNICATOR
+    gpu_mem_gib: float | None = None  # the memory of one GPU (``fits``)
+    config_name: str = ""
+    head_chunks: int | None = None
+    host_mem_gib: float | None = None
+    gpus_per_node: int = GPUS_PER_NODE
+
+
+def estimate(cfg: RunConfig, seq_len: int, opts: EstimateOptions | None = None) -> Estimate:
+    """Per-rank memory of one training step of ``cfg`` at ``seq_len`` tokens per sample,
+    under ``opts`` (default :class:`EstimateOptions`: a GPU, the config's layout)."""
+    o = opts or EstimateOptions()
+    device, space, space_from = o.device, o.space, o.space_from
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be cuda or cpu, got {device!r}")
     if space is None:
@@ -172,7 +177,7 @@ def estimate(
         raise ConfigError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1")
     if ds.offload_param != "none" and ds.zero_stage != 3:
         raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
-    step = step_shape(cfg, seq_len, gpus, sp, head_chunks)
+    step = step_shape(cfg, seq_len, o.gpus, o.sp, o.head_chunks)
     sh = model_shape(cfg, space)
     cuda = device == "cuda"
     kernel = _kernel(cfg, device, step)
@@ -187,12 +192,12 @@ def estimate(
         host += checkpoints_on_host(sh, act)
     elif cfg.model.activation_checkpointing:
         offloaded = max(p.bytes for p in phases(cfg, sh, zs, act, a, offload_checkpoints=True))
-    if cuda and reserve_gib is None:
-        reserve = int((CONTEXT_RESERVE_GIB + nccl_gib * step.communicators) * GiB)
+    if cuda and o.reserve_gib is None:
+        reserve = int((CONTEXT_RESERVE_GIB + o.nccl_gib * step.communicators) * GiB)
     else:
-        reserve = int((reserve_gib or 0.0) * GiB) if cuda else 0
+        reserve = int((o.reserve_gib or 0.0) * GiB) if cuda else 0
     return Estimate(
-        config=config_name,
+        config=o.config_name,
         space=space.vocab(),
         space_from=space_from,
         step=step,
@@ -216,15 +221,15 @@ def estimate(
         phases=every,
         peak_phase=top.name,
         peak=top.bytes,
-        headroom_fraction=headroom if cuda else 0.0,
+        headroom_fraction=o.headroom if cuda else 0.0,
         reserve=reserve,
         host=host,
         offloaded_peak=offloaded,
-        gpu_mem=int(gpu_mem_gib * GiB) if gpu_mem_gib else None,
+        gpu_mem=int(o.gpu_mem_gib * GiB) if o.gpu_mem_gib else None,
         notes=_notes(kernel, step, act),
         sent_per_layer=sent_per_layer(sh, step, a),
-        host_mem=int(host_mem_gib * GiB) if host_mem_gib else None,
-        gpus_per_node=gpus_per_node,
+        host_mem=int(o.host_mem_gib * GiB) if o.host_mem_gib else None,
+        gpus_per_node=o.gpus_per_node,
     )
 
 

@@ -5,10 +5,10 @@ count the layout allows."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 from ulysses_mm.config import RunConfig
-from ulysses_mm.tools.estimate.result import Estimate, estimate
+from ulysses_mm.tools.estimate.result import Estimate, EstimateOptions, estimate
 from ulysses_mm.tools.estimate.shape import gpus_and_sp
 
 # A sequence length searched by --max is a multiple of sp × this.
@@ -16,21 +16,20 @@ MAX_GRANULARITY = 1024
 
 
 def max_seq_len(
-    cfg: RunConfig, gpu_mem_gib: float, limit: int = 1 << 34, **kw: Any
+    cfg: RunConfig, opts: EstimateOptions, limit: int = 1 << 34
 ) -> tuple[int, Estimate]:
     """The longest sequence (a multiple of sp × MAX_GRANULARITY tokens) whose estimate
-    fits ``gpu_mem_gib`` (and ``host_mem_gib`` per node when given in ``kw``), and its
-    estimate; (0, the estimate at the smallest length) when none does. ``kw`` as for
-    :func:`estimate`. The estimate grows with the length, so doubling then bisection
-    finds it."""
-    first = estimate(cfg, _granule(cfg, kw), gpu_mem_gib=gpu_mem_gib, **kw)
+    fits ``opts.gpu_mem_gib`` (and ``opts.host_mem_gib`` per node when given), and its
+    estimate; (0, the estimate at the smallest length) when none does. The estimate grows
+    with the length, so doubling then bisection finds it."""
+    first = estimate(cfg, _granule(cfg, opts), opts)
     g = first.step.sp * MAX_GRANULARITY
     if not _fits(first):
         return 0, first
     lo, best = 1, first
     hi = 2
     while hi * g <= limit:
-        est = estimate(cfg, hi * g, gpu_mem_gib=gpu_mem_gib, **kw)
+        est = estimate(cfg, hi * g, opts)
         if not _fits(est):
             break
         lo, best, hi = hi, est, hi * 2
@@ -38,7 +37,7 @@ def max_seq_len(
         return lo * g, best
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        est = estimate(cfg, mid * g, gpu_mem_gib=gpu_mem_gib, **kw)
+        est = estimate(cfg, mid * g, opts)
         if _fits(est):
             lo, best = mid, est
         else:
@@ -60,19 +59,18 @@ def head_chunk_choices(cfg: RunConfig, gpus: int | None, sp: int | None) -> list
 
 
 def best_head_chunks(
-    cfg: RunConfig, gpu_mem_gib: float, limit: int = 1 << 34, **kw: Any
+    cfg: RunConfig, opts: EstimateOptions, limit: int = 1 << 34
 ) -> tuple[int, Estimate, dict[int, int]]:
-    """:func:`max_seq_len` for every head-chunk count the layout allows: (the longest
-    sequence, its estimate, {C: longest at C}); among equals the fewest chunks (fewer,
-    larger exchanges and kernel calls)."""
-    kw.pop("head_chunks", None)
+    """:func:`max_seq_len` for every head-chunk count the layout allows (``opts.head_chunks``
+    is not used): (the longest sequence, its estimate, {C: longest at C}); among equals the
+    fewest chunks (fewer, larger exchanges and kernel calls)."""
     found: dict[int, tuple[int, Estimate]] = {}
-    for c in head_chunk_choices(cfg, kw.get("gpus"), kw.get("sp")):
-        found[c] = max_seq_len(cfg, gpu_mem_gib, limit, head_chunks=c, **kw)
+    for c in head_chunk_choices(cfg, opts.gpus, opts.sp):
+        found[c] = max_seq_len(cfg, replace(opts, head_chunks=c), limit)
     best = max(found, key=lambda c: (found[c][0], -c))
     n, est = found[best]
     return n, est, {c: v[0] for c, v in found.items()}
 
 
-def _granule(cfg: RunConfig, kw: dict[str, Any]) -> int:
-    return gpus_and_sp(cfg, kw.get("gpus"), kw.get("sp"))[1] * MAX_GRANULARITY
+def _granule(cfg: RunConfig, opts: EstimateOptions) -> int:
+    return gpus_and_sp(cfg, opts.gpus, opts.sp)[1] * MAX_GRANULARITY

@@ -98,9 +98,11 @@ def token_space(cfg: RunConfig, manifest: str | None = None) -> tuple[TokenSpace
     if cfg.model.modalities:
         return TokenSpace.from_vocab(cfg.model.modalities), "model.modalities"
     if manifest:
+        from ulysses_mm.core.storage import Location
         from ulysses_mm.shards.manifest import Manifest
 
-        return Manifest.load(manifest, cfg.data.storage_options).token_space, manifest
+        where = Location(manifest, cfg.data.storage_options)
+        return Manifest.load(where).token_space, manifest
     from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES
 
     return TokenSpace.from_vocab(DEFAULT_MODALITIES), "the shipped tokenizer specs"

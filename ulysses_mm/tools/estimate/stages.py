@@ -12,14 +12,14 @@ stage and the peak stage's breakdown (:func:`run_staged_cli`); the train pre-fli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ulysses_mm.config import RunConfig, Stage, run_stages, to_dict
 from ulysses_mm.core.errors import ConfigError, UserError
 from ulysses_mm.core.layout import LayoutError, valid_head_chunks, valid_sp_sizes
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tools.estimate.result import Estimate, estimate
+from ulysses_mm.tools.estimate.result import Estimate, EstimateOptions, estimate
 from ulysses_mm.tools.estimate.shape import token_space
 from ulysses_mm.tools.estimate.units import GiB
 
@@ -76,13 +76,13 @@ def estimate_stages(
     world: int,
     seq_len: int = 0,
     head_chunks: int | str | None = None,
-    **kw: Any,
+    opts: EstimateOptions | None = None,
 ) -> list[StageEstimate]:
     """Every stage of ``cfg`` estimated on ``world`` GPUs with its own sp (dp = world / sp);
     a stage whose data.seq_len is 0 takes ``seq_len``. ``head_chunks``: None = each stage's
     parallel.head_chunks, a count for every stage, or ``auto`` (per stage, the count with the
-    lowest total, the fewest among equals). ``kw`` as for :func:`estimate` (not gpus, sp,
-    head_chunks). A layout a stage cannot run is refused naming the stage."""
+    lowest total, the fewest among equals). ``opts``: the rest of the estimate's options
+    (its gpus, sp and head_chunks are the stage's). A layout a stage cannot run is refused naming the stage."""
     from ulysses_mm.tools.estimate.search import head_chunk_choices
 
     stages = run_stages(cfg)
@@ -94,16 +94,17 @@ def estimate_stages(
                 f"{stage.describe()}: data.seq_len is 0 (the manifest's); give --seq-len N"
             )
         sp = stage.cfg.parallel.sp
+        at = replace(opts or EstimateOptions(), gpus=world, sp=sp)
         try:
             if head_chunks == "auto":
                 tried = [
-                    estimate(stage.cfg, n, gpus=world, sp=sp, head_chunks=c, **kw)
+                    estimate(stage.cfg, n, replace(at, head_chunks=c))
                     for c in head_chunk_choices(stage.cfg, world, sp)
                 ]
                 est = min(tried, key=lambda e: (e.total, e.step.head_chunks))
             else:
                 assert not isinstance(head_chunks, str), head_chunks
-                est = estimate(stage.cfg, n, gpus=world, sp=sp, head_chunks=head_chunks, **kw)
+                est = estimate(stage.cfg, n, replace(at, head_chunks=head_chunks))
         except LayoutError as e:
             raise LayoutError(f"{stage.describe()}: {e}") from None
         out.append(StageEstimate(stage, est, bool(cfg.train.stages)))
@@ -183,9 +184,8 @@ def check_stages_fit(
     if space is None:
         space, _ = token_space(cfg)
     try:
-        rows = estimate_stages(
-            cfg, world, manifest_seq_len, device=dev, space=space, gpu_mem_gib=budget
-        )
+        opts = EstimateOptions(device=dev, space=space, gpu_mem_gib=budget)
+        rows = estimate_stages(cfg, world, manifest_seq_len, opts=opts)
     except LayoutError as e:
         raise ConfigError(str(e)) from None
     line = over_budget(rows, f"train.gpu_mem_gib={budget:g} GiB")
@@ -229,11 +229,11 @@ def render_stages(rows: list[StageEstimate], config: str = "") -> str:
     return "\n".join(out)
 
 
-def run_staged_cli(args: Any, cfg: RunConfig, kw: dict[str, Any]) -> int:
+def run_staged_cli(args: Any, cfg: RunConfig, opts: EstimateOptions) -> int:
     """``ulysses-mm estimate`` on a config with train.stages: the per-stage table, then the
     peak stage's breakdown (or the JSON of it with ``stages`` and ``peak_stage``); with
-    --gpu-mem, a plan whose peak stage does not fit is refused after them. ``kw`` is the
-    command's keyword arguments for :func:`estimate`.
+    --gpu-mem, a plan whose peak stage does not fit is refused after them. ``opts`` are the
+    command's options for :func:`estimate`.
 
     Each stage sets its own layout, so --sp and --max (one length) are refused; --seq-len
     gives the length of the stages whose data.seq_len is 0 (else --manifest's seq_len), and
@@ -262,17 +262,16 @@ def run_staged_cli(args: Any, cfg: RunConfig, kw: dict[str, Any]) -> int:
             "this config sets its own; drop --seq-len"
         )
     if unset and not seq_len and args.manifest:
+        from ulysses_mm.core.storage import Location
         from ulysses_mm.shards.manifest import Manifest
 
-        seq_len = Manifest.load(args.manifest, cfg.data.storage_options).seq_len
-    kw = {k: v for k, v in kw.items() if k not in ("gpus", "sp", "head_chunks")}
+        seq_len = Manifest.load(Location(args.manifest, cfg.data.storage_options)).seq_len
     rows = estimate_stages(
         cfg,
         stage_world(cfg, args.gpus),
         seq_len,
         head_chunks_arg(getattr(args, "head_chunks", None)),
-        gpu_mem_gib=args.gpu_mem,
-        **kw,
+        opts,
     )
     peak = peak_stage(rows)
     host_over = next((r for r in rows if r.est.host_fits is False), None)

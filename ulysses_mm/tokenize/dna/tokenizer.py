@@ -41,9 +41,9 @@ from __future__ import annotations
 
 import gzip
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,13 +51,18 @@ from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.tokenize.base import (
     DecodeError,
+    Entry,
     TokenBlock,
     TokenDocument,
     Tokenizer,
     TokenizerSpec,
+    TokenUnit,
 )
 from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
 from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
+
+if TYPE_CHECKING:
+    from ulysses_mm.tokenize.write import Media
 
 BASES = "ACGTN"
 AMBIGUITY = "RYSWKMBDHV"  # IUPAC nucleotide ambiguity codes besides N
@@ -193,6 +198,7 @@ class DnaTokenizer(Tokenizer):
     """kind ``dna-base``: one token per base under the spec's case/IUPAC/invalid policy."""
 
     streams = True
+    fidelity_measure = "exact"
 
     def __init__(self, spec: TokenizerSpec) -> None:
         super().__init__(spec)
@@ -219,7 +225,7 @@ class DnaTokenizer(Tokenizer):
 
     def _load_text(self, cfg: dict[str, Any]) -> tuple[Any, str]:
         from ulysses_mm.tokenize.registry import load_tokenizer
-        from ulysses_mm.tokenize.text import TextTokenizer
+        from ulysses_mm.tokenize.text.tokenizer import TextTokenizer
 
         where = self.spec.where
         place = cfg.get("place", "document")
@@ -300,8 +306,8 @@ class DnaTokenizer(Tokenizer):
 
     def encode_stream(self, f: IO[bytes], source: str, space: TokenSpace) -> Iterator[TokenBlock]:
         """The documents of ``f`` (plain or gzip) as blocks, the tokens :meth:`encode_file`
-        gives, read in bounded blocks (:mod:`ulysses_mm.tokenize.dna_stream`)."""
-        from ulysses_mm.tokenize.dna_stream import stream_blocks
+        gives, read in bounded blocks (:mod:`ulysses_mm.tokenize.dna.stream`)."""
+        from ulysses_mm.tokenize.dna.stream import stream_blocks
 
         return stream_blocks(self, f, source, space)
 
@@ -319,3 +325,54 @@ class DnaTokenizer(Tokenizer):
     def normalise(self, seq: str) -> str:
         """What ``decode(encode(seq))`` gives under this policy (DecodeError if rejected)."""
         return self.decode_local(self.encode_sequence(seq))
+
+    # ------------------------------------------------------------------ contract
+    @classmethod
+    def token_labels(
+        cls, entry: Mapping[str, Any], size: int, vocabulary: Sequence[str] | None = None
+    ) -> list[str]:
+        """The base letter of each id (``A``, ``n``)."""
+        params = entry.get("params") or {}
+        letters = alphabet(params.get("case", "keep"), params.get("iupac", "to_n"))
+        if len(letters) == size:
+            return list(letters)
+        return super().token_labels(entry, size, vocabulary)
+
+    @classmethod
+    def unit(
+        cls, entry: Mapping[str, Any], size: int, load: Callable[[], Tokenizer]
+    ) -> TokenUnit | None:
+        """Bits per base: every id is one."""
+        return TokenUnit("base", np.ones(size))
+
+    def media(
+        self,
+        space: TokenSpace,
+        prompt: Sequence[int],
+        new: Sequence[int],
+        with_prompt: bool = False,
+    ) -> Media:
+        """The bases as a FASTA record."""
+        from ulysses_mm.tokenize.dna.output import FastaMedia
+        from ulysses_mm.tokenize.write import continuation
+
+        return FastaMedia(continuation(self, space, prompt, new, with_prompt))
+
+    def fidelity(self, path: str, damage: Sequence[float] = (), seeds: int = 5) -> Entry:
+        """Whether every record's bases come back exactly (see
+        :func:`~ulysses_mm.tokenize.dna.fidelity.eval_dna`)."""
+        from ulysses_mm.tokenize.dna.fidelity import eval_dna
+
+        return eval_dna(self, path)
+
+    @classmethod
+    def fidelity_line(cls, entry: Entry) -> str:
+        from ulysses_mm.tokenize.dna.fidelity import dna_line
+
+        return dna_line(entry)
+
+    def picture(self, fig: Any, cell: Any, data: Any, name: str) -> None:
+        """The GC fraction along the sample's bases."""
+        from ulysses_mm.tokenize.dna.output import draw_gc
+
+        draw_gc(fig, cell, data, name)

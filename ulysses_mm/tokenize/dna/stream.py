@@ -1,7 +1,7 @@
 """DNA read as a byte stream, in blocks: FASTA and FASTQ at the speed of gzip, in bounded memory.
 
-:meth:`DnaTokenizer.encode_stream <ulysses_mm.tokenize.dna.DnaTokenizer.encode_stream>` gives
-the tokens :meth:`~ulysses_mm.tokenize.dna.DnaTokenizer.encode_file` gives (Biopython's
+:meth:`DnaTokenizer.encode_stream <ulysses_mm.tokenize.dna.tokenizer.DnaTokenizer.encode_stream>` gives
+the tokens :meth:`~ulysses_mm.tokenize.dna.tokenizer.DnaTokenizer.encode_file` gives (Biopython's
 ``SimpleFastaParser`` / ``FastqGeneralIterator`` over latin-1 text, ``newline=None``), read
 from a binary file object (a local file or an object in a bucket, plain or gzip) a few MiB
 at a time:
@@ -39,7 +39,7 @@ import numpy as np
 
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
 from ulysses_mm.tokenize.base import DecodeError, TokenBlock
-from ulysses_mm.tokenize.dna import (
+from ulysses_mm.tokenize.dna.tokenizer import (
     READ_ERRORS,
     DnaTokenizer,
     parse_records,

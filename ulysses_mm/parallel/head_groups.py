@@ -1,4 +1,4 @@
-"""Attention in groups of heads (``parallel.head_chunks`` = C > 1).
+"""Attention in groups of heads (``parallel.head_chunks`` = C > 1: C head groups).
 
 Each Ulysses rank runs attention on hq/U query heads; here it runs them in C groups of
 hg = hq/(U·C), one after another: group g's q, k, v go through their own all-to-all
@@ -55,15 +55,15 @@ class HeadGroups:
     are views of k, v; replicated ones are gathered by ``kv_index[g]``, the ORIGINAL kv
     head of each in send order [U × eg]."""
 
-    ulysses: int
+    ulysses_size: int
     num_heads: int
     num_kv_heads: int
     kv_expanded: int
-    chunks: int
+    count: int  # C: the number of groups
     kv_index: list[Tensor | None] = field(init=False)
 
     def __post_init__(self) -> None:
-        U, C, e = self.ulysses, self.chunks, self.kv_expanded
+        U, C, e = self.ulysses_size, self.count, self.kv_expanded
         self.el = el = e // U
         self.hg, self.eg = head_group_sizes(self.num_heads, self.num_kv_heads, U, C)
         # the rank's kv heads group g reads: its own share, or the one its queries share
@@ -82,7 +82,7 @@ class HeadGroups:
     def q_part(self, t: Tensor, g: int) -> Tensor:
         """[b, n, hq, d] -> group g's [b, n, U, hg, d] (a view)."""
         b, n, _, d = t.shape
-        return t.view(b, n, self.ulysses, self.chunks, self.hg, d)[:, :, :, g]
+        return t.view(b, n, self.ulysses_size, self.count, self.hg, d)[:, :, :, g]
 
     def kv_part(self, t: Tensor, g: int) -> Tensor:
         """[b, n, hk, d] -> group g's [b, n, U, eg, d] (a view, or gathered by index)."""
@@ -90,8 +90,8 @@ class HeadGroups:
         idx = self.kv_index[g]
         if idx is None:
             a, z = self.kv_slots[g]
-            return t.view(b, n, self.ulysses, self.el, d)[:, :, :, a:z]
-        return t.index_select(2, idx.to(t.device)).view(b, n, self.ulysses, self.eg, d)
+            return t.view(b, n, self.ulysses_size, self.el, d)[:, :, :, a:z]
+        return t.index_select(2, idx.to(t.device)).view(b, n, self.ulysses_size, self.eg, d)
 
     def q_put(self, dst: Tensor, src: Tensor, g: int) -> None:
         """Write group g's [b, n, U, hg, d] into its slots of ``dst`` [b, n, hq, d]."""
@@ -185,7 +185,7 @@ class GroupRun:
 class _GroupedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: GroupRun, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # type: ignore[override]
-        G, C = run.groups, run.groups.chunks
+        G, C = run.groups, run.groups.count
         sched = _Schedule(q.device)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # each group writes its heads
@@ -222,7 +222,7 @@ class _GroupedAttention(torch.autograd.Function):
         # see _OwnGrad): group g's dq goes into its heads once their dout has been read.
         run: GroupRun = ctx.run
         q, k, v = ctx.saved_tensors
-        G, C = run.groups, run.groups.chunks
+        G, C = run.groups, run.groups.count
         dq = dout.contiguous()
         new = torch.zeros if G.kv_shared else torch.empty  # shared kv heads' gradients add up
         dk = new(k.shape, dtype=k.dtype, device=k.device)
@@ -267,13 +267,16 @@ def grouped_attention(run: GroupRun, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     return _OwnGrad.apply(_GroupedAttention.apply(run, q, k, v))
 
 
-def exchange_heads(num_heads: int, num_kv_heads: int, ulysses: int, chunks: int) -> tuple[int, int]:
+def exchange_heads(
+    num_heads: int, num_kv_heads: int, ulysses_size: int, groups: int
+) -> tuple[int, int]:
     """Heads (of head_dim values each, per token of the sequence) one layer's all-to-alls
     carry, forward and backward: q, k, v in and the output back; backward the output
-    gradient in and the q, k, v gradients back and, with ``chunks`` > 1, q, k, v again
+    gradient in and the q, k, v gradients back and, with ``groups`` > 1, q, k, v again
     for the recomputation. A kv head shared by several groups travels with each."""
     # every group's kv heads on every rank: e = lcm(hk, U) at C = 1
-    kv = ulysses * chunks * head_group_sizes(num_heads, num_kv_heads, ulysses, chunks)[1]
-    if chunks == 1:
+    U, C = ulysses_size, groups
+    kv = U * C * head_group_sizes(num_heads, num_kv_heads, U, C)[1]
+    if C == 1:
         return 2 * num_heads + 2 * kv, 2 * num_heads + 2 * kv
     return 2 * num_heads + 2 * kv, 3 * num_heads + 4 * kv

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -39,7 +39,13 @@ import numpy as np
 
 from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.base import DecodeError, TokenDocument, Tokenizer, TokenizerSpec
+from ulysses_mm.tokenize.base import (
+    DecodeError,
+    TokenDocument,
+    Tokenizer,
+    TokenizerSpec,
+    TokenUnit,
+)
 from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
 from ulysses_mm.tokenize.params import ParamSchema, spec_params
 
@@ -188,6 +194,63 @@ class TextTokenizer(Tokenizer):
     def decode(self, tokens: np.ndarray, space: TokenSpace) -> str:
         """Unified ids (specials dropped) back to the text."""
         return self.decode_local(local_ids(tokens, space, self.modality))
+
+    # ------------------------------------------------------------------ contract
+    @classmethod
+    def token_labels(
+        cls, entry: Mapping[str, Any], size: int, vocabulary: Sequence[str] | None = None
+    ) -> list[str]:
+        """The tokenizer's own tokens when the caller has them (whitespace escaped), the
+        byte for the shipped ``text-bytes`` spec (``A``, ``<0x0A>``), else the id."""
+        if vocabulary is not None:
+            return [_escape(t) for t in vocabulary[:size]] + [
+                str(k) for k in range(len(vocabulary), size)
+            ]
+        if entry.get("name") == "text-bytes" and size == 256:
+            return [_byte(b) for b in range(256)]
+        return super().token_labels(entry, size, vocabulary)
+
+    @classmethod
+    def unit(
+        cls, entry: Mapping[str, Any], size: int, load: Callable[[], Tokenizer]
+    ) -> TokenUnit | None:
+        """Bits per UTF-8 byte: each id counts the bytes it decodes to; None when the
+        tokenizer is not here."""
+        try:
+            return TokenUnit("byte", token_bytes(load(), size))
+        except (LookupError, OSError, ValueError):
+            return None
+
+
+def _escape(token: str) -> str:
+    """A token without whitespace (hf names are split on it), still readable."""
+    return "".join(f"<0x{ord(c):02X}>" if c.isspace() or not c.isprintable() else c for c in token)
+
+
+def _byte(b: int) -> str:
+    return chr(b) if 33 <= b <= 126 else f"<0x{b:02X}>"
+
+
+def token_bytes(tokenizer: Any, size: int) -> np.ndarray:
+    """UTF-8 bytes each local id of a transformers tokenizer decodes to (a byte-level
+    token's characters are bytes, ``<0xNN>`` is one byte, an added special is none)."""
+    hf = tokenizer.hf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = set(bytes_to_unicode().values())
+    special = set(getattr(hf, "all_special_ids", []) or [])
+    out = np.zeros(size, dtype=np.float64)
+    n = min(size, len(hf))
+    for i, t in enumerate(hf.convert_ids_to_tokens(list(range(n)))):
+        if i in special or t is None:
+            continue
+        if t.startswith("<0x") and t.endswith(">") and len(t) == 6:
+            out[i] = 1
+        elif all(c in byte_chars for c in t):
+            out[i] = len(t)
+        else:
+            out[i] = len(hf.decode([i]).encode("utf-8"))
+    return out
 
 
 def _utf8(raw: bytes, source: str) -> str:

@@ -1,4 +1,4 @@
-"""Audio: any container PyAV (FFmpeg) decodes -> mono waveform at the spec's rate -> mu-law ids.
+"""Audio in: any container PyAV (FFmpeg) decodes -> mono float32 waveform at a given rate.
 
 Decoding goes through PyAV for every format (wav, flac, ogg/vorbis/opus, mp3, and the audio
 track of mp4/webm/mkv …) so there is one code path and one set of failure modes.
@@ -16,11 +16,6 @@ than any mu-law code. The rate change is, by param ``resampler``,
 
 The README's resampling row measures them against an ideal band-limited resample.
 
-Tokens are WaveNet-style mu-law codes: ``mu = 2**bits - 1``,
-``y = sign(x)·ln(1 + mu|x|)/ln(1 + mu)``, ``q = round((y + 1)/2 · mu)``, one token per
-sample, ``2**bits`` ids: mu-law trades resolution at loud levels for range, so quiet
-passages keep their detail.
-
 A bad input raises :class:`DecodeError` with the reason that was actually observed:
 
 - empty file; not a media file FFmpeg can open; no audio stream (listing what streams
@@ -36,17 +31,13 @@ A bad input raises :class:`DecodeError` with the reason that was actually observ
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ulysses_mm.core.errors import DataError
-from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.base import DecodeError, TokenDocument, Tokenizer, TokenizerSpec
-from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
+from ulysses_mm.tokenize.base import DecodeError
 from ulysses_mm.tokenize.media import (
     check_file,
     ffmpeg_log,
@@ -54,33 +45,6 @@ from ulysses_mm.tokenize.media import (
     open_media,
     stream_summary,
 )
-from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
-
-_SCHEMA: ParamSchema = {
-    "sample_rate": ((int,), 16000),
-    "bits": ((int,), 8),
-    "max_seconds": ((int, float, type(None)), None),  # decode at most this much (null: all)
-    # sharp | soxr (libsoxr's VHQ filter alone) | swr (FFmpeg's): see the module docstring
-    "resampler": ((str,), "sharp"),
-}
-
-
-# --------------------------------------------------------------------------- mu-law
-def mulaw_encode(x: np.ndarray, bits: int = 8) -> np.ndarray:
-    """float waveform in [-1, 1] (clipped) -> codes 0 .. 2**bits - 1 (uint8/uint16)."""
-    mu = float(2**bits - 1)
-    x = np.clip(np.asarray(x, dtype=np.float32), -1.0, 1.0)
-    y = np.sign(x) * (np.log1p(mu * np.abs(x)) / np.float32(np.log1p(mu)))
-    q = np.floor((y + 1.0) * (0.5 * mu) + 0.5)
-    return q.astype(np.uint8 if bits <= 8 else np.uint16)
-
-
-def mulaw_decode(q: np.ndarray, bits: int = 8) -> np.ndarray:
-    """codes 0 .. 2**bits - 1 -> float32 waveform in [-1, 1]."""
-    mu = 2**bits - 1
-    y = np.asarray(q, dtype=np.float32) * np.float32(2.0 / mu) - 1.0
-    x = np.sign(y) * np.expm1(np.abs(y) * np.float32(np.log1p(mu))) / np.float32(mu)
-    return x.astype(np.float32, copy=False)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -370,52 +334,3 @@ def load_waveform(
     if limit is not None:
         samples = samples[:limit]
     return Waveform(samples, rate, start_time or 0.0, declared)
-
-
-# --------------------------------------------------------------------------- tokenizer
-class MulawTokenizer(Tokenizer):
-    """kind ``audio-mulaw``: one document per file, one mu-law token per sample."""
-
-    def __init__(self, spec: TokenizerSpec) -> None:
-        super().__init__(spec)
-        p = spec_params(spec, _SCHEMA)
-        where = spec.where
-        if not 2 <= p["bits"] <= 16:
-            raise DataError(f"{where}: param 'bits' must be 2..16, got {p['bits']}")
-        if not 1000 <= p["sample_rate"] <= 192000:
-            raise DataError(f"{where}: param 'sample_rate' must be 1000..192000")
-        if p["max_seconds"] is not None and p["max_seconds"] <= 0:
-            raise DataError(f"{where}: param 'max_seconds' must be > 0 or null")
-        if spec.vocab_size != 2 ** p["bits"]:
-            raise DataError(
-                f"{where}: vocab_size {spec.vocab_size} must be 2**bits = {2 ** p['bits']}"
-            )
-        check_choice(spec, "resampler", p["resampler"], RESAMPLERS)
-        self.params: dict[str, Any] = p
-        self.rate: int = p["sample_rate"]
-        self.bits: int = p["bits"]
-
-    def load(self, path: str) -> Waveform:
-        return load_waveform(path, self.rate, self.params["max_seconds"], self.params["resampler"])
-
-    def encode_waveform(self, samples: np.ndarray) -> np.ndarray:
-        """float32 mono at the spec's rate -> local ids."""
-        return mulaw_encode(samples, self.bits)
-
-    def decode_waveform(self, ids: np.ndarray) -> np.ndarray:
-        """local ids -> float32 waveform at the spec's rate."""
-        return mulaw_decode(ids, self.bits)
-
-    def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
-        frame = DocumentFramer(space, self.modality)
-        wave = self.load(str(path))
-        yield TokenDocument(
-            str(path),
-            f"{path}#{self.modality}",
-            self.modality,
-            frame(self.encode_waveform(wave.samples)),
-        )
-
-    def decode(self, tokens: np.ndarray, space: TokenSpace) -> np.ndarray:
-        """Unified ids (specials dropped) -> float32 waveform at ``self.rate``."""
-        return mulaw_decode(local_ids(tokens, space, self.modality), self.bits)

@@ -31,8 +31,8 @@ from tqdm import tqdm
 from ulysses_mm.core.errors import ConfigError, DataError
 from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec
-from ulysses_mm.tokenize.kmeans import kmeans
 from ulysses_mm.tokenize.video.frames import decord_or_none, sample_frames
+from ulysses_mm.tokenize.video.kmeans import kmeans
 from ulysses_mm.tokenize.video.vq import patchify
 
 

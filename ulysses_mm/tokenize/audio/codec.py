@@ -21,7 +21,7 @@ checked against the model, so a spec says what a second of audio costs in tokens
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +29,9 @@ import numpy as np
 
 from ulysses_mm.core.errors import DataError
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.audio import RESAMPLERS, Waveform, load_waveform
-from ulysses_mm.tokenize.base import TokenDocument, Tokenizer, TokenizerSpec
-from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
+from ulysses_mm.tokenize.audio.base import AudioTokenizer
+from ulysses_mm.tokenize.audio.waveform import RESAMPLERS
+from ulysses_mm.tokenize.base import Layout, Tokenizer, TokenizerSpec, TokenUnit
 from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
 
 _SCHEMA: ParamSchema = {
@@ -68,7 +68,7 @@ def resolve_model_dir(spec: TokenizerSpec, name: str) -> Path:
     )
 
 
-class CodecAudioTokenizer(Tokenizer):
+class CodecAudioTokenizer(AudioTokenizer):
     """kind ``audio-codec``: one document per file, ``n_q`` ids per codec frame."""
 
     def __init__(self, spec: TokenizerSpec) -> None:
@@ -133,9 +133,6 @@ class CodecAudioTokenizer(Tokenizer):
         )
 
     # ------------------------------------------------------------------ encode
-    def load(self, path: str) -> Waveform:
-        return load_waveform(path, self.rate, self.params["max_seconds"], self.params["resampler"])
-
     def encode_waveform(self, samples: np.ndarray) -> np.ndarray:
         """float32 mono at the model's rate -> local ids [frames·n_q] (frame-major)."""
         import torch
@@ -156,12 +153,6 @@ class CodecAudioTokenizer(Tokenizer):
             )
         offsets = (np.arange(self.n_q, dtype=np.int64) * self.codebook_size)[:, None]
         return (codes + offsets).T.reshape(-1)
-
-    def encode_file(self, path: str, space: TokenSpace) -> Iterator[TokenDocument]:
-        frame = DocumentFramer(space, self.modality)
-        wave = self.load(str(path))
-        ids = self.encode_waveform(wave.samples)
-        yield TokenDocument(str(path), f"{path}#{self.modality}", self.modality, frame(ids))
 
     # ------------------------------------------------------------------ decode
     def codes_of(self, ids: np.ndarray) -> np.ndarray:
@@ -186,6 +177,34 @@ class CodecAudioTokenizer(Tokenizer):
                 wav = self.model.decode(audio_codes=codes).audio_values
         return wav.reshape(-1).float().numpy()
 
-    def decode(self, tokens: np.ndarray, space: TokenSpace) -> np.ndarray:
-        """Unified ids (specials dropped) -> float32 waveform at the model's rate."""
-        return self.decode_waveform(local_ids(tokens, space, self.modality))
+    # ------------------------------------------------------------------ contract
+    @property
+    def ids_per_second(self) -> float:
+        return float(self.tokens_per_second)
+
+    def damage_alphabet(self) -> tuple[int, int]:
+        """A damaged id stays within its quantizer's codebook, so the ids still decode."""
+        return self.spec.vocab_size, self.codebook_size
+
+    @classmethod
+    def token_labels(
+        cls, entry: Mapping[str, Any], size: int, vocabulary: Sequence[str] | None = None
+    ) -> list[str]:
+        """Quantizer and code of each id (``q1:17``)."""
+        n_q = int((entry.get("params") or {}).get("num_quantizers", 0))
+        if n_q <= 0:
+            return super().token_labels(entry, size, vocabulary)
+        book = size // n_q
+        return [f"q{k // book}:{k % book}" for k in range(size)]
+
+    @classmethod
+    def unit(
+        cls, entry: Mapping[str, Any], size: int, load: Callable[[], Tokenizer]
+    ) -> TokenUnit | None:
+        """Bits per second: each id is 1/tokens_per_second of one."""
+        tps = float((entry.get("params") or {}).get("tokens_per_second") or 0)
+        return TokenUnit("second", np.full(size, 1.0 / tps)) if tps > 0 else None
+
+    def layout(self, space: TokenSpace) -> Layout:
+        """Each frame runs quantizer 0..n_q-1, each id from its quantizer's codebook."""
+        return Layout(groups=self.n_q, group_size=self.codebook_size)
