@@ -53,6 +53,7 @@ _KINDS: dict[str, Kind] = {
     ),
     "video-vq": Kind("ulysses_mm.tokenize.video.vq:VqVideoTokenizer", _VIDEO),
     "video-h264": Kind("ulysses_mm.tokenize.video.h264:H264VideoTokenizer", _VIDEO),
+    "video-codec": Kind("ulysses_mm.tokenize.video.codec.tokenizer:CodecVideoTokenizer", _VIDEO),
     "text": Kind("ulysses_mm.tokenize.text.tokenizer:TextTokenizer", (".txt", ".jsonl")),
 }
 
