@@ -89,19 +89,27 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096, help="tokens N")
     ap.add_argument("--hidden", type=int, default=256, help="model width D")
     ap.add_argument("--layers", type=int, default=2, help="decoder layers")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    cases = CASES[:1] if args.smoke else CASES
+    if args.smoke:
+        args.seq_len, args.hidden, args.layers = 256, 64, 1
     N, D, L = args.seq_len, args.hidden, args.layers
     print(f"all-to-all bytes sent per rank per layer, N={N}, D={D}, fp32 (4 bytes)")
     print(
         f"{'P':>2} {'heads':>5} {'kv':>3} {'e':>3} {'measured fwd':>13} {'measured bwd':>13} {'counter fwd':>12} {'theory':>11} {'4ND/P(P-1)/P':>13} {'fwd/theory':>10} {'bwd/theory':>10}"
     )
-    for P, heads, kv in CASES:
+    ratios = []
+    for P, heads, kv in cases:
         res = launch_local(worker, P, args, P, heads, kv)
         r = max(res.values(), key=lambda x: x["fwd"])
         d = D // heads
         e = math.lcm(kv, P)
         theory = N * (2 * heads * d + 2 * e * d) // P * (P - 1) // P * 4
         mha = 4 * N * D // P * (P - 1) // P * 4
+        ratios += [r["fwd"] / L / theory, r["bwd"] / L / theory]
         print(
             f"{P:>2} {heads:>5} {kv:>3} {e:>3} {r['fwd'] / L:>13,.0f} {r['bwd'] / L:>13,.0f} "
             f"{r['counter_fwd'] / L:>12,.0f} {theory:>11,} {mha:>13,} {r['fwd'] / L / theory:>10.4f} {r['bwd'] / L / theory:>10.4f}"
@@ -109,6 +117,11 @@ def main() -> None:
     print(
         "theory = N·(2·H·d + 2·e·d)/P·(P−1)/P·4 bytes (equals 4·N·D/P·(P−1)/P·4 when e = H); goal: within 1 %"
     )
+    from _results import key_values, record
+
+    line = f"min_over_theory={min(ratios):.4f} max_over_theory={max(ratios):.4f}"
+    print(line)
+    record("bench_a2a_bytes", key_values(line), smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -79,12 +79,17 @@ def per_frame_resample(path: str, rate: int) -> np.ndarray:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3, help="runs per method; the best is kept")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     tok = load_tokenizer(REPO / "tokenizers" / "audio-mulaw-16k.json")
     space = TokenSpace.from_vocab({"audio": tok.spec.vocab_size})
     rate = tok.spec.params["sample_rate"]
     paths = [SHARED / f for f in FILES if (SHARED / f).is_file()]
+    if args.smoke:  # the short sample this repository ships, once
+        paths, args.repeats = [REPO / "tests" / "data" / "ljspeech_LJ001-0001.wav"], 1
     if not paths:
         raise SystemExit(f"no shared audio files under {SHARED}")
     print(f"Audio tokenizer (audio-mulaw-16k), 1 core, best of {args.repeats}; x real time (CPU)")
@@ -106,6 +111,11 @@ def main() -> None:
             f"{seconds / (decode_cpu + loop_cpu):9.0f}x {seconds / frame_cpu:9.0f}x"
         )
     print(f"all files: {tot_audio / tot_tok:.0f}x real time per core (goal >= 300x)")
+    from _results import key_values, record
+
+    line = f"x_real_time={tot_audio / tot_tok:.1f} audio_s={tot_audio:.1f}"
+    print(line)
+    record("bench_audio", key_values(line), smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -149,7 +149,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2, help="trainings at a time (2)")
     ap.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the figures here")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes and steps (smoke test)")
+    ap.add_argument(
+        "--quick", "--smoke", action="store_true", help="tiny sizes and steps (smoke test)"
+    )
     args = ap.parse_args()
     if args.quick:
         args.length, args.factor, args.steps, args.extend_steps = 8, 2, 4, 2
@@ -256,6 +258,9 @@ def bench(args: argparse.Namespace, ways: list[str], out: Path) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     print(" ".join(f"{k}={v:.4f}" if math.isfinite(v) else f"{k}={v}" for k, v in figures.items()))
+    from _results import record
+
+    record("bench_context_extension", figures, smoke=args.quick)
 
 
 if __name__ == "__main__":

@@ -90,7 +90,7 @@ def best(fn, repeats: int) -> float:
     return min(runs)
 
 
-def throughput(path: Path, fmt: str, repeats: int, goal: float) -> None:
+def throughput(path: Path, fmt: str, repeats: int, goal: float) -> dict[str, float]:
     from Bio.SeqIO.FastaIO import SimpleFastaParser
     from Bio.SeqIO.QualityIO import FastqGeneralIterator
 
@@ -157,6 +157,11 @@ def throughput(path: Path, fmt: str, repeats: int, goal: float) -> None:
         f"with prepare's checks and staging; {stream_rate / (mbp / rows[1][1]):.0f}x the naive "
         f"loop; identical={'true' if identical else 'false'}"
     )
+    return {
+        f"{fmt}_mbp_s": stream_rate,
+        f"{fmt}_prepare_mbp_s": step_rate,
+        f"{fmt}_identical": identical,
+    }
 
 
 _MEASURE = """
@@ -216,19 +221,33 @@ def main() -> None:
     ap.add_argument("--fasta", default=None, help="FASTA(.gz) to read (default: E. coli)")
     ap.add_argument("--fastq", default=None, help="FASTQ(.gz) to read (default: Illumina reads)")
     ap.add_argument("--memory", action="store_true", help="also measure prepare's peak RSS")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:  # small generated files, once each
+        args.repeats, args.memory = 1, False
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         fasta = Path(args.fasta) if args.fasta else FASTA
-        if not fasta.is_file():
-            fasta = write_fasta(scratch / "generated.fa.gz", [4_641_652])
+        if args.smoke or not fasta.is_file():
+            fasta = write_fasta(scratch / "generated.fa.gz", [200_000 if args.smoke else 4_641_652])
         fastq = Path(args.fastq) if args.fastq else FASTQ
-        if not fastq.is_file():
-            fastq = write_fastq(scratch / "generated.fastq.gz")
-        throughput(fasta, "fasta", args.repeats, 80)
-        throughput(fastq, "fastq", args.repeats, 40)
+        if args.smoke or not fastq.is_file():
+            fastq = write_fastq(scratch / "generated.fastq.gz", 2_000 if args.smoke else 200_000)
+        figures = throughput(fasta, "fasta", args.repeats, 80)
+        figures |= throughput(fastq, "fastq", args.repeats, 40)
         if args.memory:
             memory(scratch)
+    from _results import record
+
+    print(
+        " ".join(
+            f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={str(v).lower()}"
+            for k, v in figures.items()
+        )
+    )
+    record("bench_dna", figures, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -65,11 +65,21 @@ def main() -> None:
     ap.add_argument("--modes", action="store_true", help="compare the memory modes (SP=1)")
     ap.add_argument("--tile", type=int, default=1024, help="layer tile for --modes (1024)")
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    from _results import record
+
     if args.modes:
-        modes(args)
+        figures = modes(args)
+        print(" ".join(f"{k}={v:.3f}" for k, v in figures.items()))
+        record("bench_estimate", figures, smoke=args.smoke, extra={"modes": True})
         return
     cases = [(args.config, args.seq_len or 8192)] if args.config else DEFAULT
+    if args.smoke:  # debug-tiny, one process, 1,024 tokens
+        cases, args.sp, args.doc_len = [("configs/debug-tiny.yaml", 1024)], [1], 256
+    ratios = {}
     print(
         f"{'config':<28s}{'N':>7s}{'SP':>4s}  {'estimated MiB':>14s}{'measured MiB':>14s}"
         f"{'ratio':>7s}  {'above the step start: est.':>27s}{'meas.':>9s}{'ratio':>7s}  phase"
@@ -86,9 +96,18 @@ def main() -> None:
                 f"{m_above / mib:>9.2f}{e_above / m_above:>7.3f}  {est.peak_phase}",
                 flush=True,
             )
+            ratios[f"{Path(path).stem}_n{seq_len}_sp{sp}"] = est.peak / m["peak"]
+    line = f"min_est_over_measured={min(ratios.values()):.3f} max_est_over_measured={max(ratios.values()):.3f}"
+    print(line)
+    record(
+        "bench_estimate",
+        {**ratios, "min": min(ratios.values()), "max": max(ratios.values())},
+        smoke=args.smoke,
+    )
 
 
-def modes(args) -> None:
+def modes(args) -> dict[str, float]:
+    """The memory modes side by side; returns each mode's estimate / measured ratio."""
     from ulysses_mm.config import RunConfig, load_config
 
     path = args.config or "configs/small.yaml"
@@ -107,6 +126,7 @@ def modes(args) -> None:
         f"{'est. ×':>8s}{'host MiB':>10s}{'tokens/s':>10s}{'cost':>8s}  estimate's peak phase"
     )
     first: dict[str, float] = {}
+    ratios = {}
     for name, ov in variants.items():
         cfg = load_config(RunConfig, REPO / path, [*args.overrides, *ov, "parallel.sp=1"])
         m, est, e_above = measured_and_estimated(cfg, 1, seq_len, args.doc_len)
@@ -114,6 +134,7 @@ def modes(args) -> None:
         est_pt = e_above / seq_len
         tps = m["tokens_per_s"]
         first = first or {"meas": meas, "est": est_pt, "tps": tps}
+        ratios[f"{name}_est_over_measured"] = est_pt / meas
         print(
             f"{name:<9s}{meas:>10,.0f}{est_pt:>11,.0f}{est_pt / meas:>7.3f}"
             f"{first['meas'] / meas:>9.2f}{first['est'] / est_pt:>8.2f}"
@@ -121,6 +142,7 @@ def modes(args) -> None:
             f"{est.peak_phase}",
             flush=True,
         )
+    return ratios
 
 
 if __name__ == "__main__":

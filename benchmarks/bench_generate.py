@@ -101,7 +101,12 @@ def main() -> None:
     ap.add_argument("--recompute-new", type=int, default=4, help="ids decoded by recomputing")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=list(PRECISION_DTYPES), default="fp32")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.configs, args.contexts, args.new, args.recompute_new = "debug-tiny", "256", 8, 2
     if min(args.new, args.recompute_new) < 2:
         ap.error("--new and --recompute-new must be at least 2 (the first id needs no step)")
     device = torch.device(args.device)
@@ -114,14 +119,26 @@ def main() -> None:
         f"{'config':<11} {'params':>7} {'context':>8} {'prefill s':>10} "
         f"{'cached tok/s':>13} {'recompute tok/s':>16} {'ratio':>7}"
     )
+    rows = []
     for config in args.configs.split(","):
         for context in (int(c) for c in args.contexts.split(",")):
             r = measure(config, context, args.new, args.recompute_new, device, dtype)
+            rows.append(r)
             print(
                 f"{config:<11} {r['params_m']:>6.1f}M {context:>8,} {r['cached_prefill_s']:>10.2f} "
                 f"{r['cached_tok_s']:>13.1f} {r['recompute_tok_s']:>16.2f} {r['ratio']:>6.1f}×",
                 flush=True,
             )
+    from _results import record
+
+    line = " ".join(f"ratio_{r['config']}_{r['context']}={r['ratio']:.1f}" for r in rows)
+    print(line)
+    record(
+        "bench_generate",
+        {f"{r['config']}_{r['context']}": r for r in rows},
+        smoke=args.smoke,
+        gpu=device.type == "cuda",
+    )
 
 
 if __name__ == "__main__":

@@ -284,7 +284,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="timed fwd+bwd steps per configuration")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     ap.add_argument("--probe", type=int, default=0, help="also try this sp on 4 heads (0: no)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:  # one short packed sample, timed only (no fresh worlds for memory)
+        args.seq_lens, args.steps, args.warmup = [512], 1, 0
+    figures = {}
     m = MODEL
     print(
         f"transformers Llama ({m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
@@ -296,10 +302,13 @@ def main() -> None:
         f"{'rise MiB':>9} {'loss':>9} {'crosses docs':>13}"
     )
     for n in args.seq_lens:
-        for packed in (False, True):
+        for packed in (True,) if args.smoke else (False, True):
             res = launch_local(timing_worker, 2, n, packed, args.steps, args.warmup)[0]
             for b in ("deepspeed", "ours"):
-                res[b].update(launch_local(memory_worker, 2, b, n, packed)[0])
+                if args.smoke:
+                    res[b].update(peak_mib=float("nan"), rise_mib=float("nan"))
+                else:
+                    res[b].update(launch_local(memory_worker, 2, b, n, packed)[0])
             for b in ("deepspeed", "ours"):
                 r = res[b]
                 cross = "-" if r["cross"] != r["cross"] else ("yes" if r["cross"] > 0 else "no")
@@ -311,6 +320,10 @@ def main() -> None:
                     flush=True,
                 )
             o, d = res["ours"], res["deepspeed"]
+            key = f"n{n}_{'packed' if packed else 'one_doc'}"
+            figures[f"{key}_tokens_s_ratio"] = o["tokens_per_s"] / d["tokens_per_s"]
+            figures[f"{key}_peak_ratio"] = o["peak_mib"] / d["peak_mib"]
+            figures[f"{key}_ours_crosses"] = o["cross"]
             print(
                 f"{'':>6} {'':>7} {'ours/DS':>10} {o['tokens_per_s'] / d['tokens_per_s']:>9.2f} "
                 f"{o['peak_mib'] / d['peak_mib']:>13.2f} {o['rise_mib'] / max(d['rise_mib'], 1):>9.2f}",
@@ -337,6 +350,10 @@ def main() -> None:
         print(f"\nsp={args.probe}, 4 heads / 4 kv heads, world of {args.probe} processes:")
         print(f"  DeepSpeed: {res['deepspeed']}")
         print(f"  ours: {res['ours']} (match: {res['ours_matches']})")
+    from _results import record
+
+    print(" ".join(f"{k}={v:.4g}" for k, v in figures.items()))
+    record("bench_hf_backend", figures, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -263,7 +263,12 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, default=50.0, help="HTTP delay per response")
     ap.add_argument("--seq-len", type=int, default=1024, help="tokens per sample")
     ap.add_argument("--records", type=int, default=100, help="FASTA records per dataset")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:  # HTTP only, a few steps
+        args.ranks, args.steps, args.step_ms, args.latency_ms, args.records = 2, 10, 5.0, 5.0, 8
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         a = make_dataset(root, "a", args.records, args.seq_len, 1)
@@ -279,7 +284,7 @@ def main() -> None:
             f"{args.step_ms} ms"
         )
         results = {"http": bench_http(sources, args, root)}
-        s3 = bench_s3(sources, args, root)
+        s3 = None if args.smoke else bench_s3(sources, args, root)
         if s3 is not None:
             results["s3"] = s3
         for name, r in results.items():
@@ -294,12 +299,16 @@ def main() -> None:
                 f"mix error {r['mix_error']:.4f} (manifests), {r['modality_error']:.4f} "
                 f"(modalities of mixed) over {r['samples']} samples"
             )
-        tps = loader_alone(sources, args.seq_len, 800)
+        tps = loader_alone(sources, args.seq_len, 40 if args.smoke else 800)
         print(f"loader alone: {tps:,.0f} tokens/s")
         amp = max(r["amp"] for r in results.values())
         hidden = min(r["hidden"] for r in results.values())
         err = max(max(r["mix_error"], r["modality_error"]) for r in results.values())
-        print(f"fetch_amplification={amp:.3f} hidden_fraction={hidden:.3f} mix_error={err:.4f}")
+        line = f"fetch_amplification={amp:.3f} hidden_fraction={hidden:.3f} mix_error={err:.4f}"
+        print(line)
+    from _results import key_values, record
+
+    record("bench_loader", {**key_values(line), "loader_tokens_s": tps}, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -174,7 +174,12 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1 << 20, help="tokens per sample (1Mi)")
     ap.add_argument("--naive-tokens", type=int, default=1 << 20, help="tokens for the naive loop")
     ap.add_argument("--repeat", type=int, default=3, help="best of N for the fast paths")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.tokens, args.seq_len, args.naive_tokens, args.repeat = 1 << 18, 1 << 14, 1 << 14, 1
 
     print(f"seq_len {args.seq_len:,}, dtype {SPACE.dtype()}, one process")
     header = (
@@ -183,13 +188,23 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header))
-    for name, mean_len in [("short docs (~150 tok)", 150), ("long docs (~3M tok)", 3_000_000)]:
+    figures = {}
+    for key, name, mean_len in [
+        ("short", "short docs (~150 tok)", 150),
+        ("long", "long docs (~3M tok)", 3_000_000),
+    ]:
         total, r_pack, r_write, r_naive = bench(mean_len, args)
+        figures |= {f"{key}_pack_tok_s": r_pack, f"{key}_write_tok_s": r_write}
+        figures[f"{key}_x_naive"] = r_write / r_naive
         print(
             f"{name:<24} {total:>12,} {r_pack / 1e6:>10.1f} M {r_write / 1e6:>10.1f} M "
             f"{r_naive / 1e6:>10.2f} M {r_write / r_naive:>7.0f}x"
         )
     print("tok/s in millions; 'x naive' = pack+write over the naive loop (which also writes).")
+    from _results import record
+
+    print(" ".join(f"{k}={v:.4g}" for k, v in figures.items()))
+    record("bench_pack", figures, smoke=args.smoke)
 
 
 if __name__ == "__main__":

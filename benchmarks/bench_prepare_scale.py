@@ -120,7 +120,14 @@ def main() -> None:
     ap.add_argument("--partitions", type=int, default=8, help="shards.partitions")
     ap.add_argument("--many", type=int, default=2000, help="inputs of the driver-memory run")
     ap.add_argument("--repeats", type=int, default=3, help="runs per engine; the fastest counts")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    engines = [("local", 1), ("ray", 1), ("ray", 2)]
+    if args.smoke:  # a tiny corpus, the local engine and one Ray of 2 workers, once
+        args.fasta, args.bases, args.audio, args.seconds = 2, 2000, 1, 0.5
+        args.partitions, args.repeats, engines = 2, 1, [("local", 1), ("ray", 2)]
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name)
     corpus = make_corpus(root, args.fasta, args.audio, args.bases, args.seconds)
@@ -142,7 +149,7 @@ def main() -> None:
     )
     results = {}
     reference = ""
-    for engine, workers in [("local", 1), ("ray", 1), ("ray", 2)]:
+    for engine, workers in engines:
         out = root / f"out-{engine}-{workers}"
         r = run(engine, workers, out, [*common, *sources], args.repeats)
         d = digest(out)
@@ -154,20 +161,27 @@ def main() -> None:
             f"{r['rss']:9.0f} {str(d == reference).lower()}{note}"
         )
     # the driver's memory against the number of inputs: many small FASTA files
-    many = make_corpus(root / "many", args.many, 0, 200, 0)
-    small = run("ray", 2, root / "out-many", [*common, f"sources=[{many}/*]"])
     r2 = results[("ray", 2)][0]
+    if args.smoke:
+        small = r2
+    else:
+        many = make_corpus(root / "many", args.many, 0, 200, 0)
+        small = run("ray", 2, root / "out-many", [*common, f"sources=[{many}/*]"])
     print(
         f"driver peak RSS: {r2['rss']:.0f} MB at {inputs} inputs, {small['rss']:.0f} MB at "
         f"{args.many} inputs (Ray, 2 workers)"
     )
-    speedup = results[("ray", 1)][0]["wall"] / r2["wall"]
+    speedup = results[engines[-2]][0]["wall"] / r2["wall"]  # ray x1 (local x1 in a smoke run)
     identical = all(same for _, same in results.values())
     tmp.cleanup()
-    print(
+    line = (
         f"ray_speedup_2w={speedup:.2f} driver_rss_mb={small['rss']:.0f} "
         f"identical={'true' if identical else 'false'}"
     )
+    print(line)
+    from _results import key_values, record
+
+    record("bench_prepare_scale", key_values(line), smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -92,7 +92,12 @@ def main() -> None:
         default=ZERO1,
         help="section.key=value config overrides (default: fp32 ZeRO-1, small buckets)",
     )
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.seq_len, args.sp, args.text_vocab = 1024, [2], 1000
     print(
         f"per-rank peak above the step's start, one training step of {args.config} "
         f"{' '.join(args.overrides)}, "
@@ -119,7 +124,15 @@ def main() -> None:
             f"    max/min over ranks: unbalanced {ratios['unbalanced', P]:.3f}, balanced "
             f"{ratios['balanced', P]:.3f}"
         )
-    print(" ".join(f"max_over_min_sp{P}={ratios['balanced', P]:.3f}" for P in args.sp))
+    line = " ".join(f"max_over_min_sp{P}={ratios['balanced', P]:.3f}" for P in args.sp)
+    print(line)
+    from _results import record
+
+    record(
+        "bench_rank_balance",
+        {f"{name}_max_over_min_sp{P}": r for (name, P), r in ratios.items()},
+        smoke=args.smoke,
+    )
 
 
 if __name__ == "__main__":

@@ -82,7 +82,8 @@ def worker(args: argparse.Namespace, P: int, ring: int) -> dict:
     return {"fwd": f_bytes, "bwd": b_bytes, "t_fwd": t1 - t0, "t_bwd": t2 - t1}
 
 
-def measured(args: argparse.Namespace) -> None:
+def measured(args: argparse.Namespace) -> dict[str, float]:
+    """The measured table; returns measured / theory bytes per layout."""
     from ulysses_mm.parallel.launch import launch_local
 
     N, L, H, kv = args.seq_len, args.layers, args.heads, args.kv
@@ -92,16 +93,21 @@ def measured(args: argparse.Namespace) -> None:
         f"{'P':>2} {'layout':>14} {'fwd bytes':>11} {'theory':>11} {'bwd bytes':>11} "
         f"{'theory':>11} {'fwd s':>7} {'bwd s':>7}"
     )
-    for P in (2, 4):
+    figures = {}
+    for P in (2,) if args.smoke else (2, 4):
         layouts = [("ulysses", P, 1), ("ring", 1, P)] + ([("hybrid", 2, 2)] if P == 4 else [])
+        layouts = layouts[1:2] if args.smoke else layouts  # the ring alone
         for name, U, R in layouts:
             res = launch_local(worker, P, args, P, R)
             r = max(res.values(), key=lambda x: x["fwd"] + x["bwd"])
             tf, tb = theory(N, H, kv, d, U, R)
+            figures[f"{name}_p{P}_fwd_over_theory"] = r["fwd"] / L / tf
+            figures[f"{name}_p{P}_bwd_over_theory"] = r["bwd"] / L / tb
             print(
                 f"{P:>2} {name + f' {U}×{R}':>14} {r['fwd'] / L:>11,.0f} {tf:>11,} "
                 f"{r['bwd'] / L:>11,.0f} {tb:>11,} {r['t_fwd']:>7.3f} {r['t_bwd']:>7.3f}"
             )
+    return figures
 
 
 def theory_table(args: argparse.Namespace) -> None:
@@ -180,11 +186,22 @@ def main() -> None:
     ap.add_argument("--ib", type=float, default=50.0, help="GB/s inter-node per GPU")
     ap.add_argument("--balance-len", type=int, default=8192, help="tokens N (balance part)")
     ap.add_argument("--theory-only", action="store_true", help="skip the measured part")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.seq_len, args.balance_len = 256, 1024
+    figures = {}
     if not args.theory_only:
-        measured(args)
+        figures = measured(args)
         balance_table(args)
     theory_table(args)
+    from _results import record
+
+    ratios = list(figures.values()) or [float("nan")]
+    print(f"min_over_theory={min(ratios):.4f} max_over_theory={max(ratios):.4f}")
+    record("bench_ring_vs_ulysses", figures, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -82,7 +82,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2, help="decoder layers")
     ap.add_argument("--doc-len", type=int, default=2048, help="packed document length")
     ap.add_argument("--sp", type=int, nargs="+", default=[1, 2, 4], help="SP sizes")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.seq_len, args.hidden, args.layers, args.doc_len, args.sp = 1024, 64, 1, 256, [2]
     print(
         f"per-rank peak memory, one forward+backward, N={args.seq_len}, D={args.hidden}, {args.layers} layers, fp32"
     )
@@ -90,6 +95,7 @@ def main() -> None:
         f"{'SP':>3} {'peak MiB':>10} {'ratio to SP=1':>14} {'goal 1.15/P':>12} {'params+grads MiB':>17}"
     )
     base = None
+    ratios = {}
     for P in args.sp:
         args.P = P
         res = launch_local(worker, P, args) if P > 1 else {0: worker(args)}
@@ -97,6 +103,11 @@ def main() -> None:
         base = base or peak
         fixed = 2 * res[0]["params"] / 2**20
         print(f"{P:>3} {peak / 2**20:>10.1f} {peak / base:>14.3f} {1.15 / P:>12.3f} {fixed:>17.1f}")
+        ratios[f"peak_ratio_sp{P}"] = peak / base
+    from _results import record
+
+    print(" ".join(f"{k}={v:.3f}" for k, v in ratios.items()))
+    record("bench_sp_memory", ratios, smoke=args.smoke)
 
 
 if __name__ == "__main__":

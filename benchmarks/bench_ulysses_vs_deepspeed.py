@@ -118,7 +118,12 @@ def main() -> None:
         default="sdpa",
         help="local kernel both wrap: SDPA per document, or none (times the all-to-all machinery alone)",
     )
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.seq_len, args.doc_len, args.iters, args.warmup, args.sp = 512, 128, 2, 0, [2]
     print(
         f"Ulysses vs deepspeed.sequence.layer.DistributedAttention, gloo on CPU, fwd+bwd; "
         f"b=1 N={args.seq_len} heads={args.heads} d={args.head_dim}, documents of {args.doc_len} tokens, "
@@ -127,6 +132,7 @@ def main() -> None:
     print(
         f"{'SP':>3} {'wall ours':>10} {'wall DS':>9} {'ratio':>6}   {'CPU ours':>9} {'CPU DS':>8} {'ratio':>6}   {'max |diff|':>10}"
     )
+    figures = {}
     for P in args.sp:
         res = launch_local(worker, P, args)[0]
         w_ours, w_ds = (statistics.median(res["times"][k]) for k in ("ours", "deepspeed"))
@@ -135,8 +141,14 @@ def main() -> None:
             f"{P:>3} {w_ours:>10.4f} {w_ds:>9.4f} {w_ours / w_ds:>6.3f}   {c_ours:>9.4f} {c_ds:>8.4f} "
             f"{c_ours / c_ds:>6.3f}   {res['max_diff']:>10.2e}"
         )
+        figures |= {f"wall_ratio_sp{P}": w_ours / w_ds, f"cpu_ratio_sp{P}": c_ours / c_ds}
+        figures[f"max_diff_sp{P}"] = res["max_diff"]
     print("ratio = median ours / median DeepSpeed over interleaved iterations (goal <= 0.9);")
     print("wall = slowest rank's elapsed seconds, CPU = seconds of CPU all ranks used")
+    from _results import record
+
+    print(" ".join(f"{k}={v:.4g}" for k, v in figures.items()))
+    record("bench_ulysses_vs_deepspeed", figures, smoke=args.smoke)
 
 
 if __name__ == "__main__":

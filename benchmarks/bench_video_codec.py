@@ -60,7 +60,12 @@ def main() -> None:
     ap.add_argument("--fps", type=float, default=8.0)
     ap.add_argument("--max-frames", type=int, default=16)
     ap.add_argument("--json", default=None, help="also write the figures here")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.size, args.max_frames = 64, 4
 
     from ulysses_mm.tokenize.registry import load_tokenizer
 
@@ -97,7 +102,9 @@ def main() -> None:
                 "encode_fps": entry["encode_fps"],
                 "frames": entry["frames"],
             }
-    print(f"clip {Path(args.clip).name}, {args.size}² at {args.fps:g} fps, {args.max_frames} frames")
+    print(
+        f"clip {Path(args.clip).name}, {args.size}² at {args.fps:g} fps, {args.max_frames} frames"
+    )
     print(f"{'spec':34s} {'PSNR dB':>8s} {'ids/frame':>10s} {'1% wrong':>9s} {'enc fps':>8s}")
     for name, r in rows.items():
         print(
@@ -112,6 +119,9 @@ def main() -> None:
         f"ids_per_frame_codec_emu3={rows[codec]['tokens_per_frame']} "
         f"ids_per_frame_h264={rows['video-h264']['tokens_per_frame']}"
     )
+    from _results import record
+
+    record("bench_video_codec", rows, smoke=args.smoke)
 
 
 if __name__ == "__main__":

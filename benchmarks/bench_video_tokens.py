@@ -90,8 +90,13 @@ RENDERED = "held out, rendered"
 TUNED = "tuned on"
 
 
-def clips(root: Path, tuned: bool) -> list[tuple[str, str, str]]:
-    """(name, path, group) of every clip to measure: held out, held out rendered, tuned on."""
+def clips(root: Path, tuned: bool, smoke: bool = False) -> list[tuple[str, str, str]]:
+    """(name, path, group) of every clip to measure: held out, held out rendered, tuned on
+    (``smoke``: the clip this repository ships alone)."""
+    if smoke:
+        return [
+            ("rabbit_toy_320x240.webm", str(REPO / "tests" / "data" / HELD_OUT_FILES[1]), HELD_OUT)
+        ]
     mf = _media_factory()
     out = []
     for f in HELD_OUT_FILES + (TUNED_FILES if tuned else []):
@@ -132,9 +137,15 @@ def main() -> None:
     ap.add_argument(
         "--tuned", action="store_true", help="also the clips video-h264's params were chosen on"
     )
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
+    )
     args = ap.parse_args()
+    if args.smoke:
+        args.seeds = 1
+    figures = {}
     with tempfile.TemporaryDirectory() as tmp:
-        todo = clips(Path(tmp), args.tuned)
+        todo = clips(Path(tmp), args.tuned, args.smoke)
         print(
             "Video specs, 256x256 at 8 fps; PSNR in dB (wrong ids: mean of "
             f"{args.seeds} seeds); encode frames/s per core (CPU time, one thread)"
@@ -144,7 +155,10 @@ def main() -> None:
             f"{'PSNR':>6s} {'0.1 %':>6s} {'1 %':>6s} {'mid-clip':>8s} {'enc fps':>7s}"
         )
         print(head)
-        for label, spec in specs():
+        chosen = specs()
+        if args.smoke:  # the default spec alone
+            chosen = chosen[:1]
+        for label, spec in chosen:
             tok = load_tokenizer(spec)
             rows = []
             for name, path, group in todo:
@@ -166,6 +180,16 @@ def main() -> None:
                 (TUNED, {TUNED}),
             ):
                 _summary(label, title, [r for r in rows if r[5] in groups])
+            if not label.startswith(" "):  # a shipped spec, not a variant
+                key = label.removesuffix(".json").replace("-", "_")
+                figures[f"{key}_psnr_db"] = float(np.mean([r[0]["psnr_db"] for r in rows]))
+                figures[f"{key}_ids_per_frame"] = float(
+                    np.mean([float(r[0]["tokens_per_frame"]) for r in rows])
+                )
+    from _results import record
+
+    print(" ".join(f"{k}={v:.2f}" for k, v in figures.items()))
+    record("bench_video_tokens", figures, smoke=args.smoke)
 
 
 def _summary(label: str, title: str, rows: list[tuple[Any, ...]]) -> None:

@@ -8,6 +8,7 @@ import io
 import os
 import socket
 import tarfile
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,13 +23,36 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# benchmarks run by tests write their result files here, never into benchmarks/results
+os.environ.setdefault("ULYSSES_MM_BENCH_RESULTS", tempfile.mkdtemp(prefix="ulysses-mm-bench-"))
+
+
+# `make test-fast` (pytest -m "not slow") is the unit tests and these end-to-end modules;
+# everything else under e2e/ and distributed/ (training runs, forked gloo worlds, launched
+# processes, wheel builds) is marked slow here, so a new module there is slow until listed.
+FAST_E2E = {
+    "test_cli.py",
+    "test_cli_sweep.py",
+    "test_faults_new_commands.py",
+    "test_hf_tokenizer.py",
+    "test_inspect.py",
+    "test_prepare.py",
+    "test_video_samples.py",
+}
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU-only tests skip themselves where no CUDA device is (the CPU suite is the contract)."""
+    """Slow tests get the ``slow`` marker (see FAST_E2E); GPU-only tests skip themselves
+    where no CUDA device is (the CPU suite is the contract)."""
     import pytest
     import torch
 
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.parent.name == "distributed" or (
+            path.parent.name == "e2e" and path.name not in FAST_E2E
+        ):
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

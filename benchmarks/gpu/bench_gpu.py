@@ -575,12 +575,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="attention in C groups of heads (parallel.head_chunks; default: the config's)",
     )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a run of seconds on the CPU: --device cpu --sp 1 --seq-lens 256 --steps 1, no probes",
+    )
     ap.add_argument("overrides", nargs="*", help="section.key=value config overrides")
     return ap
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Defaults that depend on the device: a GPU model and lengths, or tiny CPU ones."""
+    if args.smoke:
+        args.device, args.sp, args.seq_lens, args.steps, args.max_probes = "cpu", [1], [256], 1, 0
+        args.overrides = ["train.peak_tflops=0.1", *args.overrides]  # MFU needs a peak
     cpu = args.device == "cpu"
     args.config = Path(
         args.config or REPO / "configs" / ("debug-tiny.yaml" if cpu else "llama-1b.yaml")
@@ -684,6 +692,18 @@ def main(argv: list[str] | None = None) -> int:
     png = out_dir / "bench_gpu.png"
     plot(result, png)
     print(f"wrote {js} and {png} in {result['wall_s']:.0f} s")
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from _results import record
+
+    figures = {f"longest_trained_sp{sp}": v.get("trained") for sp, v in result["longest"].items()}
+    best = max(
+        (p for p in result["points"] if p["status"] == "ok"),
+        key=lambda p: p.get("mfu", 0),
+        default={},
+    )
+    figures |= {"best_mfu": best.get("mfu"), "best_tokens_per_s": best.get("tokens_per_s")}
+    record("bench_gpu", figures, smoke=args.smoke, gpu=not cpu, extra={"points": result["points"]})
+    print(" ".join(f"{k}={v}" for k, v in figures.items()))
     return 0
 
 

@@ -57,3 +57,20 @@ def test_prepare_print_config_takes_overrides_after_the_flag(capsys):
     assert main(["prepare", pipeline, "--print-config", "pack.seq_len=64", "workers=3"]) == 0
     out = capsys.readouterr().out
     assert "seq_len: 64" in out and "workers: 3" in out
+
+
+@pytest.mark.parametrize(
+    "argv,says",
+    [
+        ([], "ulysses-mm: the following arguments are required: COMMAND"),
+        (["bogus"], "ulysses-mm: COMMAND: invalid choice: 'bogus'"),
+        (["train"], "ulysses-mm train: the following arguments are required: config"),
+        (["tokenizer", "fit", "video"], "ulysses-mm tokenizer fit: the following arguments"),
+        (["train", TINY, "--bogus"], "ulysses-mm train: unrecognized arguments: --bogus"),
+        (["estimate", TINY, "--headroom", "nan"], "ulysses-mm estimate: --headroom must be a"),
+    ],
+)
+def test_a_parse_error_is_one_line_without_the_usage(argv, says, capsys):
+    assert main(argv) == 2  # main returns the parsers' exit code
+    err = capsys.readouterr().err
+    assert err.startswith(says) and err.count("\n") == 1, err

@@ -134,7 +134,7 @@ def test_all_inputs_bad_is_an_error(tmp_path):
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert (
         "every input failed" in proc.stderr
         and "b.seq: line 1: illegal character 'O'" in proc.stderr
@@ -171,7 +171,7 @@ def test_all_inputs_bad_leaves_nothing_behind(tmp_path):
         text=True,
         timeout=120,
     )
-    assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not kept.with_suffix(".staging").exists() and not any(kept.iterdir())
 
 

@@ -9,13 +9,15 @@ CLI ``section.key=value`` > the YAML file > the schema's defaults.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
 
 from ulysses_mm.cli import data, model, setup
+from ulysses_mm.cli.common import Parser
 from ulysses_mm.core.errors import UserError
-from ulysses_mm.core.launch_env import in_launched_world
+from ulysses_mm.core.launch_env import LAUNCH_ENV, in_launched_world
 
 # One entry per subcommand, in the order `--help` lists them.
 _SUBCOMMANDS = [
@@ -37,11 +39,13 @@ _SUBCOMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ulysses-mm",
         description="Train one transformer on million-token streams of video, audio and DNA.",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=Parser
+    )
     for add in _SUBCOMMANDS:
         add(sub)
     return parser
@@ -77,22 +81,46 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
         takes = isinstance(getattr(args, "overrides", None), list)
         rest = [a for a in extras if not (takes and _OVERRIDE.match(a))]
         if rest:
-            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+            _chosen(parser, args).error(f"unrecognized arguments: {' '.join(rest)}")
         args.overrides = [*args.overrides, *extras]
     return args
 
 
+def _chosen(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)parser of the command ``args`` ran, so its errors name the command."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name is None:
+            return parser
+        parser = subs[0].choices[name]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
+    try:  # a refused argument is one line (the parsers' error); --help is exit 0
+        args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
+    except SystemExit as e:
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     # a rank of a world a launcher made leaves it when the command is done; a group the
     # caller made is the caller's to end, and a lone process keeps its one-rank group for
     # the commands it may still run (DeepSpeed holds on to it)
     launched = in_launched_world() and not _in_world()
+    # a lone process describes a one-rank world in its environment for DeepSpeed; put the
+    # caller's environment back after the command, so a process started later by the same
+    # caller (a test, a notebook) is not taken for a launched rank
+    env = {k: os.environ.get(k) for k in (*LAUNCH_ENV, "LOCAL_RANK")}
     try:
         code = int(args.func(args))
     except UserError as e:  # what the user can fix: one line; anything else keeps its traceback
         print(f"ulysses-mm {args.command}: {e.prefix}{e}", file=sys.stderr)
         return e.exit_code
+    finally:
+        if not launched:
+            for k, v in env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     if launched and _in_world():
         from ulysses_mm.parallel.mesh import close_world
 

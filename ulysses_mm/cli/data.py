@@ -4,10 +4,24 @@ hf-tokenizer). Nothing here imports torch until a command runs."""
 from __future__ import annotations
 
 import argparse
-import sys
 
-from ulysses_mm.cli.common import overrides_help
+from ulysses_mm.cli.common import Parser, overrides_help
 from ulysses_mm.config.pipeline import ENGINES
+from ulysses_mm.core.checks import (
+    INT64_SAFE,
+    MAX_PROCESSES,
+    MAX_TOKENS,
+    count_arg,
+    in_dir_arg,
+    in_file_arg,
+    in_path_arg,
+    int_list_arg,
+    integer_arg,
+    number_arg,
+    out_dir_arg,
+    out_file_arg,
+    seed_arg,
+)
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
@@ -47,7 +61,9 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
             "directory."
         ),
     )
-    p.add_argument("pipeline", help="pipeline spec YAML (e.g. pipelines/dna.yaml)")
+    p.add_argument(
+        "pipeline", type=in_file_arg(), help="pipeline spec YAML (e.g. pipelines/dna.yaml)"
+    )
     p.add_argument(
         "overrides",
         nargs="*",
@@ -70,17 +86,24 @@ def add_prepare(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_prepare)
 
 
-def _cmd_inspect(args: argparse.Namespace) -> int:
+def _mapping(text: str) -> dict:
+    """``--storage-options``: a JSON (or YAML) mapping."""
     import yaml
 
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON mapping, got {text!r}")
+    return value
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
     from ulysses_mm.core.storage import Location
     from ulysses_mm.shards.inspect import run_inspect
 
-    options = yaml.safe_load(args.storage_options) if args.storage_options else {}
-    if not isinstance(options, dict):
-        print("ulysses-mm inspect: --storage-options must be a mapping", file=sys.stderr)
-        return 2
-    where = Location(args.target, options)
+    where = Location(args.target, args.storage_options or {})
     return run_inspect(where, sample=args.sample, png=args.png)
 
 
@@ -97,18 +120,26 @@ def add_inspect(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "target",
+        type=in_path_arg(),
         help="manifest.json, a dataset directory, or one shard .tar (path or fsspec URL)",
     )
     p.add_argument(
         "--sample",
-        type=int,
+        type=integer_arg(ge=0, le=INT64_SAFE),
         default=0,
         help="sample to show: global index for a manifest/directory, position inside the "
         "shard for a .tar (default 0)",
     )
-    p.add_argument("--png", default=None, metavar="FILE", help="also render the sample to FILE")
+    p.add_argument(
+        "--png",
+        type=out_file_arg(),
+        default=None,
+        metavar="FILE",
+        help="also render the sample to FILE",
+    )
     p.add_argument(
         "--storage-options",
+        type=_mapping,
         default=None,
         metavar="JSON",
         help='fsspec options for a remote target, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
@@ -130,7 +161,9 @@ def add_tokenizer(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "tokenizer", help="fit learned tokenizers (video codebooks); measure any tokenizer"
     )
-    tsub = p.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    tsub = p.add_subparsers(
+        dest="tokenizer_command", required=True, metavar="ACTION", parser_class=Parser
+    )
     f = tsub.add_parser(
         "fit",
         help="fit a tokenizer on data; write its spec JSON and artifact",
@@ -141,24 +174,57 @@ def add_tokenizer(sub: argparse._SubParsersAction) -> None:
         ),
     )
     f.add_argument("modality", choices=["video"], help="what to fit (only video has one)")
-    f.add_argument("sources", nargs="*", help="media files to fit on")
-    f.add_argument("--out", required=True, help="spec to write, e.g. tokenizers/video-vq.json")
+    f.add_argument("sources", nargs="*", type=in_file_arg(), help="media files to fit on")
+    f.add_argument(
+        "--out",
+        type=out_file_arg(),
+        required=True,
+        help="spec to write, e.g. tokenizers/video-vq.json",
+    )
     f.add_argument("--name", default=None, help="spec name (default: OUT's file stem)")
     f.add_argument("--description", default=None, help="spec description (default: generated)")
-    f.add_argument("--fps", type=float, default=8.0, help="frames sampled per second (default 8)")
-    f.add_argument("--size", type=int, default=256, help="square crop side in pixels (default 256)")
-    f.add_argument("--patch", type=int, default=16, help="patch side in pixels (default 16)")
     f.add_argument(
-        "--codebook-size", type=int, default=256, help="codewords = vocab_size (default 256)"
+        "--fps",
+        type=number_arg(gt=0, le=1000),
+        default=8.0,
+        help="frames sampled per second, in (0, 1000] (default 8)",
     )
     f.add_argument(
-        "--max-frames", type=int, default=None, help="frames per source to fit on (default all)"
+        "--size",
+        type=count_arg(1 << 16),
+        default=256,
+        help="square crop side in pixels, 1..65536 (default 256)",
     )
-    f.add_argument("--seed", type=int, default=0, help="seed of sampling and k-means (default 0)")
-    f.add_argument("--iters", type=int, default=20, help="k-means iterations at most (default 20)")
+    f.add_argument(
+        "--patch",
+        type=count_arg(1 << 16),
+        default=16,
+        help="patch side in pixels, 1..65536 (default 16)",
+    )
+    f.add_argument(
+        "--codebook-size",
+        type=count_arg(1 << 24),
+        default=256,
+        help="codewords = vocab_size, 1..2^24 (default 256)",
+    )
+    f.add_argument(
+        "--max-frames",
+        type=count_arg(1 << 31),
+        default=None,
+        help="frames per source to fit on (default all)",
+    )
+    f.add_argument(
+        "--seed", type=seed_arg(), default=0, help="seed of sampling and k-means (default 0)"
+    )
+    f.add_argument(
+        "--iters",
+        type=count_arg(10**6),
+        default=20,
+        help="k-means iterations at most, 1..10^6 (default 20)",
+    )
     f.add_argument(
         "--max-patches",
-        type=int,
+        type=count_arg(10**9),
         default=200_000,
         help="patches k-means sees at most, a seeded subsample (default 200000)",
     )
@@ -170,17 +236,19 @@ def add_tokenizer(sub: argparse._SubParsersAction) -> None:
     )
     f.add_argument(
         "--audio-spec",
+        type=in_file_arg(),
         default=None,
         help="audio spec JSON to interleave with the frames (makes a video+audio spec)",
     )
     f.add_argument(
         "--chunk-frames",
-        type=int,
+        type=count_arg(10**6),
         default=None,
         help="frames per interleaving chunk, with --audio-spec (default 8)",
     )
     f.add_argument(
         "--codebook",
+        type=in_file_arg(),
         default=None,
         help="reuse this fitted codebook .npy instead of fitting (SOURCES not needed)",
     )
@@ -195,8 +263,10 @@ def add_tokenizer(sub: argparse._SubParsersAction) -> None:
             "against the sampled, cropped frames. Exit 1 if a file cannot be read."
         ),
     )
-    e.add_argument("spec", help="tokenizer spec JSON, e.g. tokenizers/video-vq.json")
-    e.add_argument("files", nargs="+", help="files to measure")
+    e.add_argument(
+        "spec", type=in_file_arg(), help="tokenizer spec JSON, e.g. tokenizers/video-vq.json"
+    )
+    e.add_argument("files", nargs="+", type=in_file_arg(), help="files to measure")
     e.add_argument(
         "--json",
         action="store_true",
@@ -204,7 +274,7 @@ def add_tokenizer(sub: argparse._SubParsersAction) -> None:
     )
     e.add_argument(
         "--damage",
-        type=float,
+        type=number_arg(gt=0, le=1, says="0 < RATE <= 1"),
         action="append",
         metavar="RATE",
         help="also decode after a fraction RATE of the ids was replaced by random ids of "
@@ -212,7 +282,7 @@ def add_tokenizer(sub: argparse._SubParsersAction) -> None:
     )
     e.add_argument(
         "--seeds",
-        type=int,
+        type=count_arg(10**4),
         default=5,
         help="random draws per --damage rate, seeds 0..N-1 (default 5): mean and worst",
     )
@@ -221,15 +291,9 @@ def add_tokenizer(sub: argparse._SubParsersAction) -> None:
 
 def add_probe(sub: argparse._SubParsersAction) -> None:
     def run_write(args: argparse.Namespace) -> int:
-        from ulysses_mm.core.errors import ConfigError
         from ulysses_mm.tools.probe import halves, write_probe
 
-        try:
-            lengths = [int(x) for x in args.eval_lengths.split(",")] if args.eval_lengths else []
-        except ValueError:
-            raise ConfigError(
-                f"--eval-lengths must be lengths like 64,128, got {args.eval_lengths!r}"
-            ) from None
+        lengths = args.eval_lengths or []
         d = write_probe(
             args.out,
             args.length,
@@ -273,34 +337,62 @@ def add_probe(sub: argparse._SubParsersAction) -> None:
             "first stays at 2, the second falls to 0 once the model copies from L back)."
         ),
     )
-    psub = p.add_subparsers(dest="probe_command", required=True, metavar="ACTION")
+    psub = p.add_subparsers(
+        dest="probe_command", required=True, metavar="ACTION", parser_class=Parser
+    )
     w = psub.add_parser("write", help="write the probe's train and held-out datasets")
-    w.add_argument("out", help="output directory (train/, eval/, src/)")
-    w.add_argument("--length", type=int, required=True, metavar="L", help="bases per half")
-    w.add_argument("--documents", type=int, default=2048, help="training documents (2048)")
-    w.add_argument("--eval-documents", type=int, default=64, help="held-out documents (64)")
-    w.add_argument("--seed", type=int, default=0, help="seed of the bases (held out: seed+1)")
+    w.add_argument("out", type=out_dir_arg(), help="output directory (train/, eval/, src/)")
+    w.add_argument(
+        "--length",
+        type=count_arg(MAX_TOKENS),
+        required=True,
+        metavar="L",
+        help=f"bases per half, 1..{MAX_TOKENS:,}",
+    )
+    w.add_argument(
+        "--documents",
+        type=count_arg(10**7),
+        default=2048,
+        help="training documents, 1..10^7 (2048)",
+    )
+    w.add_argument(
+        "--eval-documents",
+        type=count_arg(10**7),
+        default=64,
+        help="held-out documents, 1..10^7 (64)",
+    )
+    w.add_argument(
+        "--seed", type=seed_arg(), default=0, help="seed of the bases (held out: seed+1)"
+    )
     w.add_argument(
         "--eval-lengths",
+        type=int_list_arg(ge=1, lt=MAX_TOKENS + 1),
         default=None,
         metavar="L1,L2,...",
         help="also write held-out documents of these lengths, one dataset each (eval-L<n>/)",
     )
     w.add_argument(
         "--pack",
-        type=int,
+        type=count_arg(10**6),
         default=1,
         metavar="K",
         help="documents per packed sample, K·(2L+4) tokens, in every dataset (default 1)",
     )
     w.set_defaults(func=run_write)
     s = psub.add_parser("score", help="bits per base of each half on a probe dataset")
-    s.add_argument("checkpoint", help="a run dir, its checkpoints/ dir or a step_* dir")
-    s.add_argument("manifest", help="the probe's held-out manifest.json")
-    s.add_argument("--nproc", type=int, default=None, help="processes (default: the sp)")
+    s.add_argument(
+        "checkpoint", type=in_dir_arg(), help="a run dir, its checkpoints/ dir or a step_* dir"
+    )
+    s.add_argument("manifest", type=in_path_arg(), help="the probe's held-out manifest.json")
+    s.add_argument(
+        "--nproc",
+        type=count_arg(MAX_PROCESSES),
+        default=None,
+        help="processes (default: the sp)",
+    )
     s.add_argument(
         "--length",
-        type=int,
+        type=integer_arg(ge=0, le=MAX_TOKENS),
         default=0,
         metavar="L",
         help="the L of the documents to score, on windows of 2L+4 tokens, one document each "
@@ -308,7 +400,7 @@ def add_probe(sub: argparse._SubParsersAction) -> None:
     )
     s.add_argument(
         "--sp",
-        type=int,
+        type=integer_arg(ge=0, le=MAX_PROCESSES),
         default=0,
         metavar="N",
         help="N Ulysses ranks instead of the run's layout (default 0: the run's parallel.sp)",
@@ -334,10 +426,19 @@ def add_hf_tokenizer(sub: argparse._SubParsersAction) -> None:
         "hf-tokenizer",
         help="write a transformers tokenizer whose vocabulary is a manifest's token space",
     )
-    p.add_argument("manifest", help="manifest.json (path or URL) or its dataset directory")
-    p.add_argument("out", help="new output directory (tokenizer.json + tokenizer_config.json)")
+    p.add_argument(
+        "manifest",
+        type=in_path_arg(),
+        help="manifest.json (path or URL) or its dataset directory",
+    )
+    p.add_argument(
+        "out",
+        type=out_dir_arg(),
+        help="new output directory (tokenizer.json + tokenizer_config.json)",
+    )
     p.add_argument(
         "--text-tokenizer",
+        type=in_dir_arg(exist=True),
         default=None,
         help="the text modality's transformers tokenizer directory, to name text ids by its "
         "tokens (default: bytes for the shipped text-bytes spec, else the local id)",

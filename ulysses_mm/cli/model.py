@@ -4,14 +4,44 @@ export, generate, evaluate, report)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from ulysses_mm.cli.common import overrides_help
 from ulysses_mm.config import RunConfig, load_config
+from ulysses_mm.core.checks import (
+    INT64_SAFE,
+    MAX_PROCESSES,
+    MAX_TOKENS,
+    count_arg,
+    in_dir_arg,
+    in_file_arg,
+    in_path_arg,
+    int_list_arg,
+    integer_arg,
+    number_arg,
+    out_dir_arg,
+    out_file_arg,
+    seed_arg,
+)
+
+_VERBOSE_HELP = (
+    "also show DeepSpeed's log on the terminal (it always goes to the run's "
+    "logs/deepspeed-rank-N.log)"
+)
+
+
+def _verbose(args: argparse.Namespace) -> None:
+    """DeepSpeed's log to the run's logs/ (``-v``: and the terminal), in every rank: they
+    inherit the environment."""
+    from ulysses_mm.parallel.mesh import DEEPSPEED_LOG_ENV
+
+    os.environ[DEEPSPEED_LOG_ENV] = "run+terminal" if args.verbose else "run"
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from ulysses_mm.tools.demo import run_demo
 
+    _verbose(args)
     return run_demo(args.out, args.steps)
 
 
@@ -25,14 +55,23 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
             "write the loss curves and one packed sample as PNGs."
         ),
     )
-    p.add_argument("--out", default="build/demo", help="output directory (default build/demo)")
-    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    p.add_argument(
+        "--out",
+        type=out_dir_arg(),
+        default="build/demo",
+        help="output directory (default build/demo)",
+    )
+    p.add_argument(
+        "--steps", type=count_arg(10**6), default=40, help="training steps, 1..10^6 (default 40)"
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     p.set_defaults(func=_cmd_demo)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ulysses_mm.train.loop import run_train
 
+    _verbose(args)
     cfg = load_config(RunConfig, args.config, args.overrides)
     if cfg.train.gpu_mem_gib:  # every stage against the budget, before any process starts
         from ulysses_mm.tools.estimate.stages import check_stages_fit
@@ -62,14 +101,18 @@ def add_train(sub: argparse._SubParsersAction) -> None:
             "launcher it joins the world it is given."
         ),
     )
-    p.add_argument("config", help="run config YAML (see configs/)")
+    p.add_argument("config", type=in_file_arg(), help="run config YAML (see configs/)")
     p.add_argument("overrides", nargs="*", help=overrides_help())
     p.add_argument(
-        "--nproc", type=int, default=None, help="start N local processes (torch elastic launcher)"
+        "--nproc",
+        type=count_arg(MAX_PROCESSES),
+        default=None,
+        help="start N local processes (torch elastic launcher)",
     )
     p.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint of train.out_dir"
     )
+    p.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     p.set_defaults(func=_cmd_train)
 
 
@@ -88,9 +131,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def add_export(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a transformers (safetensors) model")
     p.add_argument(
-        "checkpoint", help="a run dir, its checkpoints/ dir, or one checkpoint (step_*) dir"
+        "checkpoint",
+        type=in_dir_arg(),
+        help="a run dir, its checkpoints/ dir, or one checkpoint (step_*) dir",
     )
-    p.add_argument("out", help="output directory (config.json + model.safetensors)")
+    p.add_argument(
+        "out", type=out_dir_arg(), help="output directory (config.json + model.safetensors)"
+    )
     p.set_defaults(func=_cmd_export)
 
 
@@ -139,37 +186,65 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
             "--nproc N prefills a long prompt with N sequence-parallel processes."
         ),
     )
-    p.add_argument("checkpoint", help="a run dir, a checkpoint (step_*) dir or an export dir")
+    p.add_argument(
+        "checkpoint",
+        type=in_dir_arg(),
+        help="a run dir, a checkpoint (step_*) dir or an export dir",
+    )
     p.add_argument(
         "--modality", required=True, help="the modality to write (dna, audio, video, text, …)"
     )
     p.add_argument(
         "--prompt",
+        type=in_file_arg(),
         default=None,
         metavar="FILE",
         help="a file of that modality (FASTA, audio, video, .txt); none: start a document",
     )
     g = p.add_mutually_exclusive_group()
     g.add_argument(
-        "--prompt-tokens", type=int, default=None, metavar="N", help="keep the first N ids"
+        "--prompt-tokens",
+        type=count_arg(MAX_TOKENS),
+        default=None,
+        metavar="N",
+        help="keep the first N ids",
     )
     g.add_argument(
         "--prompt-seconds",
-        type=float,
+        type=number_arg(gt=0, le=10**6),
         default=None,
         metavar="S",
         help="keep the first S seconds (audio, video)",
     )
-    p.add_argument("--new-tokens", type=int, required=True, metavar="N", help="ids to generate")
-    p.add_argument("--out", required=True, metavar="FILE", help="the file to write")
     p.add_argument(
-        "--temperature", type=float, default=1.0, help="softmax temperature (0: greedy; default 1)"
+        "--new-tokens",
+        type=count_arg(MAX_TOKENS),
+        required=True,
+        metavar="N",
+        help=f"ids to generate, 1..{MAX_TOKENS:,}",
     )
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest (0: all)")
     p.add_argument(
-        "--top-p", type=float, default=1.0, help="nucleus: the likeliest ids of mass p (1: all)"
+        "--out", type=out_file_arg(), required=True, metavar="FILE", help="the file to write"
     )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--temperature",
+        type=number_arg(ge=0),
+        default=1.0,
+        help="softmax temperature, >= 0 (0: greedy; default 1)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=integer_arg(ge=0, le=INT64_SAFE),
+        default=0,
+        help="sample among the k likeliest (0: all)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=number_arg(gt=0, le=1),
+        default=1.0,
+        help="nucleus: the likeliest ids of mass p, in (0, 1] (1: all)",
+    )
+    p.add_argument("--seed", type=seed_arg(), default=0, help="sampling seed (default 0)")
     p.add_argument(
         "--with-prompt",
         action="store_true",
@@ -183,6 +258,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tokenizer",
         default=None,
+        type=in_file_arg(),
         metavar="SPEC",
         help="tokenizer spec to use instead of the one recorded with the model",
     )
@@ -197,7 +273,7 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--nproc",
-        type=int,
+        type=count_arg(MAX_PROCESSES),
         default=None,
         help="prefill with N local sequence-parallel processes (a prompt too long for one)",
     )
@@ -207,9 +283,8 @@ def add_generate(sub: argparse._SubParsersAction) -> None:
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from ulysses_mm.tools.evaluate import EvaluateOptions, cli
 
-    edges = [int(x) for x in args.edges.split(",")] if args.edges else None
     opts = EvaluateOptions(
-        args.nproc, args.batches, args.micro_batch, edges, seq_len=args.seq_len, sp=args.sp
+        args.nproc, args.batches, args.micro_batch, args.edges, seq_len=args.seq_len, sp=args.sp
     )
     return cli(args.checkpoint, args.manifest, opts, args.json, args.png)
 
@@ -228,26 +303,35 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
             "match the periodic eval of `ulysses-mm train` on the same batches."
         ),
     )
-    p.add_argument("checkpoint", help="a run dir, its checkpoints/ dir or a step_* dir")
-    p.add_argument("manifest", help="manifest.json of held-out shards (path or fsspec URL)")
+    p.add_argument(
+        "checkpoint", type=in_dir_arg(), help="a run dir, its checkpoints/ dir or a step_* dir"
+    )
+    p.add_argument(
+        "manifest",
+        type=in_path_arg(),
+        help="manifest.json of held-out shards (path or fsspec URL)",
+    )
     p.add_argument(
         "--nproc",
-        type=int,
+        type=count_arg(MAX_PROCESSES),
         default=None,
         help="local processes (default: the run's parallel.sp; dp = nproc / sp)",
     )
     p.add_argument(
         "--batches",
-        type=int,
+        type=integer_arg(ge=0, le=INT64_SAFE),
         default=0,
         help="micro-batches per DP rank (default 0: every sample once)",
     )
     p.add_argument(
-        "--micro-batch", type=int, default=0, help="samples per DP rank (default: the run's)"
+        "--micro-batch",
+        type=integer_arg(ge=0, le=1 << 20),
+        default=0,
+        help="samples per DP rank (default 0: the run's)",
     )
     p.add_argument(
         "--seq-len",
-        type=int,
+        type=integer_arg(ge=0, le=1 << 40),
         default=0,
         metavar="L",
         help="evaluate on windows of L tokens cut out of the samples, each keeping its "
@@ -255,7 +339,7 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--sp",
-        type=int,
+        type=integer_arg(ge=0, le=MAX_PROCESSES),
         default=0,
         metavar="N",
         help="N Ulysses ranks instead of the run's layout (default 0: the run's parallel.sp; "
@@ -263,12 +347,19 @@ def add_evaluate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--edges",
+        type=int_list_arg(ge=0, lt=INT64_SAFE, increasing=True, min_items=2),
         default=None,
         metavar="P0,P1,...",
         help="position bin edges instead of log-spaced ones, e.g. 2,1026,2050",
     )
     p.add_argument("--json", action="store_true", help="print every figure as JSON")
-    p.add_argument("--png", default=None, metavar="FILE", help="plot loss against position")
+    p.add_argument(
+        "--png",
+        type=out_file_arg(),
+        default=None,
+        metavar="FILE",
+        help="plot loss against position",
+    )
     p.set_defaults(func=_cmd_evaluate)
 
 
@@ -281,6 +372,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="plot a run's loss curves per modality")
-    p.add_argument("run_dir", help="the run directory (train.out_dir)")
-    p.add_argument("--png", required=True, help="where to write the plot")
+    p.add_argument("run_dir", type=in_dir_arg(), help="the run directory (train.out_dir)")
+    p.add_argument("--png", type=out_file_arg(), required=True, help="where to write the plot")
     p.set_defaults(func=_cmd_report)

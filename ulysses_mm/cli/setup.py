@@ -6,6 +6,24 @@ import argparse
 
 from ulysses_mm.cli.common import overrides_help
 from ulysses_mm.config import RunConfig, describe, load_config
+from ulysses_mm.core.checks import (
+    MAX_PROCESSES,
+    count_arg,
+    count_or_arg,
+    in_dir_arg,
+    in_file_arg,
+    in_path_arg,
+    integer_arg,
+    number_arg,
+    seed_arg,
+)
+
+# estimate's sizes are arithmetic, not processes: bounds where a figure stops meaning a
+# machine (2^20 GPUs, 2^20 GiB per GPU, 2^30 GiB per node, 2^40 tokens)
+_MAX_GPUS = 1 << 20
+_MAX_GIB = float(1 << 20)
+_MAX_HOST_GIB = float(1 << 30)
+_MAX_EST_TOKENS = 1 << 40
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -36,28 +54,56 @@ def add_verify(sub: argparse._SubParsersAction) -> None:
             "processes, or joins the world of torchrun / the DeepSpeed launcher."
         ),
     )
-    p.add_argument("--sp", type=int, default=None, help="sequence-parallel size P (parallel.sp=P)")
+    p.add_argument(
+        "--sp",
+        type=count_arg(MAX_PROCESSES),
+        default=None,
+        help="sequence-parallel size P (parallel.sp=P)",
+    )
     p.add_argument(
         "--dp",
-        type=int,
+        type=integer_arg(ge=0, le=MAX_PROCESSES),
         default=None,
         help="data-parallel size D (parallel.dp=D; default: 1, or the launched world / P)",
     )
     p.add_argument(
         "--ring",
-        type=int,
+        type=count_arg(MAX_PROCESSES),
         default=None,
         help="ring size R inside sp (parallel.ring=R): Ulysses over sp/R ranks × a ring of R",
     )
     p.add_argument(
-        "--config", default=None, help="run config YAML (default: the schema's defaults)"
+        "--config",
+        type=in_file_arg(),
+        default=None,
+        help="run config YAML (default: the schema's defaults)",
     )
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sample N (default 1024)")
-    p.add_argument("--micro-batch", type=int, default=1, help="samples per DP rank (default 1)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random batch (default 0)")
-    p.add_argument("--atol", type=float, default=1e-5, help="absolute tolerance (default 1e-5)")
     p.add_argument(
-        "--rtol", type=float, default=1e-4, help="tolerance relative to max |ref| (default 1e-4)"
+        "--seq-len",
+        type=count_arg(1 << 24),
+        default=1024,
+        help="tokens per sample N, 1..2^24 (default 1024)",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=count_arg(1 << 10),
+        default=1,
+        help="samples per DP rank, 1..1024 (default 1)",
+    )
+    p.add_argument(
+        "--seed", type=seed_arg(), default=0, help="seed of the random batch (default 0)"
+    )
+    p.add_argument(
+        "--atol",
+        type=number_arg(ge=0),
+        default=1e-5,
+        help="absolute tolerance, >= 0 (default 1e-5)",
+    )
+    p.add_argument(
+        "--rtol",
+        type=number_arg(ge=0),
+        default=1e-4,
+        help="tolerance relative to max |ref|, >= 0 (default 1e-4)",
     )
     p.add_argument("overrides", nargs="*", help=overrides_help())
     p.set_defaults(func=_cmd_verify)
@@ -85,25 +131,25 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
             "stage; with --gpu-mem, a stage that does not fit is refused (exit 2)."
         ),
     )
-    p.add_argument("config", help="run config YAML (see configs/)")
+    p.add_argument("config", type=in_file_arg(), help="run config YAML (see configs/)")
     p.add_argument("overrides", nargs="*", help=overrides_help())
     p.add_argument(
         "--gpus",
-        type=int,
+        type=count_arg(_MAX_GPUS),
         default=None,
         help="GPUs in all (world size; default parallel.sp × parallel.dp; with train.stages "
         "and parallel.dp 0, the largest stage sp)",
     )
     p.add_argument(
         "--sp",
-        type=int,
+        type=count_arg(_MAX_GPUS),
         default=None,
         help="sequence-parallel size (default: --gpus when given, else parallel.sp); dp = "
         "gpus/sp. Refused with train.stages: each stage sets its own",
     )
     p.add_argument(
         "--gpu-mem",
-        type=float,
+        type=number_arg(gt=0, le=_MAX_GIB),
         default=None,
         metavar="GB",
         help="memory of one GPU in GiB as nvidia-smi reports it (24, 40, 80, 141)",
@@ -111,7 +157,7 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
     n = p.add_mutually_exclusive_group()
     n.add_argument(
         "--seq-len",
-        type=int,
+        type=count_arg(_MAX_EST_TOKENS),
         default=None,
         help="tokens per sample N (default data.seq_len); with train.stages, the length of "
         "the stages whose data.seq_len is 0 (default: --manifest's seq_len)",
@@ -124,19 +170,20 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--manifest",
+        type=in_path_arg(),
         default=None,
         help="take the token space from this manifest when model.modalities is empty "
         "(default: the shipped tokenizer specs' space)",
     )
     p.add_argument(
         "--headroom",
-        type=float,
+        type=number_arg(ge=0, lt=1),
         default=0.10,
-        help="allocator headroom as a fraction of the tensor peak (default 0.10)",
+        help="allocator headroom as a fraction of the tensor peak, in [0, 1) (default 0.10)",
     )
     p.add_argument(
         "--reserve",
-        type=float,
+        type=number_arg(ge=0, le=_MAX_GIB),
         default=None,
         metavar="GB",
         help="flat runtime reserve per GPU in GiB, replacing the computed one (default: 1.0 "
@@ -144,7 +191,7 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--nccl-reserve",
-        type=float,
+        type=number_arg(ge=0, le=_MAX_GIB),
         default=0.5,
         metavar="GB",
         help="NCCL memory per communicator in GiB (world, SP and DP groups of more than one "
@@ -159,6 +206,7 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--head-chunks",
+        type=count_or_arg("auto", MAX_PROCESSES),
         default=None,
         metavar="C|auto",
         help="attention in C groups of heads (default parallel.head_chunks); auto: every C the "
@@ -167,7 +215,7 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--host-mem",
-        type=float,
+        type=number_arg(gt=0, le=_MAX_HOST_GIB),
         default=2048.0,
         metavar="GB",
         help="host memory of one node in GiB, shared by its GPUs' offloaded states and "
@@ -176,7 +224,7 @@ def add_estimate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--gpus-per-node",
-        type=int,
+        type=count_arg(MAX_PROCESSES),
         default=8,
         help="GPUs of one node, sharing --host-mem (default 8)",
     )
@@ -225,7 +273,7 @@ def _set_only(section: dict) -> dict:
 
 def add_config(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config", help="print a resolved run config, or every key with --keys")
-    p.add_argument("config", nargs="?", default=None, help="run config YAML")
+    p.add_argument("config", nargs="?", type=in_file_arg(), default=None, help="run config YAML")
     p.add_argument("overrides", nargs="*", help=overrides_help())
     p.add_argument(
         "--keys",
@@ -234,6 +282,7 @@ def add_config(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--from-hf",
+        type=in_dir_arg(),
         default=None,
         metavar="DIR",
         help="fill the model section from a transformers Llama/Qwen2/Qwen3 checkpoint "

@@ -7,6 +7,7 @@ from typing import Any
 
 from ulysses_mm.config.parse import ConfigError, check_ranges
 from ulysses_mm.config.parse import option as _help
+from ulysses_mm.core.checks import CheckError, out_dir
 from ulysses_mm.core.storage import Location
 
 ENGINES = ("local", "ray")
@@ -71,8 +72,9 @@ class PipelineConfig:
         factory=list,
     )
     tokenizers: list[str] = _help(
-        "Tokenizer spec files (tokenizers/*.json), one per modality; their order is the "
-        "token space's modality order.",
+        "Tokenizer spec files (tokenizers/*.json), or the name of a spec the package ships "
+        "(dna-base) where no such file is; one per modality; their order is the token "
+        "space's modality order.",
         factory=list,
     )
     suffixes: dict[str, list[str]] = _help(
@@ -125,6 +127,11 @@ class PipelineConfig:
             raise ConfigError(f"workers must be >= 0, got {self.workers}")
         if self.engine not in ENGINES:
             raise ConfigError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.output:  # a place to write, checked before any input is read
+            try:
+                out_dir(self.output, "output")
+            except CheckError as e:
+                raise ConfigError(str(e)) from None
 
     def location(self, url: str) -> Location:
         """``url`` (an input, the output) reached with the pipeline's storage_options."""

@@ -378,16 +378,27 @@ def read_bytes_capped(
         if location.startswith(("http://", "https://")):
             # One streamed GET: fsspec's HTTP open would first ask for the size (a HEAD,
             # then a GET), each waiting out a stalled server's read timeout; the answer's
-            # Content-Length is checked instead.
+            # Content-Length is checked instead. The response is released however the
+            # read ends (fsspec's stream file leaves an error status's connection open,
+            # which aiohttp reports on stderr when it is collected).
             from fsspec.asyn import sync
-            from fsspec.implementations.http import HTTPStreamFile
 
-            session = sync(fs.loop, fs.set_session)
-            with HTTPStreamFile(fs, path, session=session, loop=fs.loop) as f:
-                length = f.r.headers.get("Content-Length", "")
-                if length.isdigit() and int(length) > max_bytes:
-                    raise over(int(length))
-                return bounded(f)
+            async def get() -> bytes:
+                session = await fs.set_session()
+                async with session.get(fs.encode_url(path), **fs.kwargs) as r:
+                    fs._raise_not_found_for_status(r, path)
+                    length = r.headers.get("Content-Length", "")
+                    if length.isdigit() and int(length) > max_bytes:
+                        raise over(int(length))
+                    parts, total = [], 0
+                    async for chunk in r.content.iter_chunked(_CHUNK):
+                        parts.append(chunk)
+                        total += len(chunk)
+                        if total > max_bytes:
+                            raise over(None)
+                    return b"".join(parts)
+
+            return bytes(sync(fs.loop, get))
         size = fs.info(path).get("size")
         if isinstance(size, int) and size > max_bytes:
             raise over(size)
@@ -672,14 +683,17 @@ def _expand_one(pattern: str, options: Mapping[str, Any] | None) -> list[InputFi
         return [_local_input(p)] if os.path.isfile(p) else []
     fs, path = url_to_fs(pattern, options)
     infos: dict[str, Any]
-    if _glob.has_magic(path):
-        infos = fs.glob(path, detail=True)
-    elif fs.isdir(path):
-        infos = fs.find(path, detail=True)
-    elif fs.exists(path):
-        infos = {path: fs.info(path)}
-    else:
-        infos = {}
+    try:
+        if _glob.has_magic(path):
+            infos = fs.glob(path, detail=True)
+        elif fs.isdir(path):
+            infos = fs.find(path, detail=True)
+        elif fs.exists(path):
+            infos = {path: fs.info(path)}
+        else:
+            infos = {}
+    except Exception as e:  # a transport's faults have no common base: name the source
+        raise StorageError(f"cannot list {pattern}: {remote_error(e, pattern)}") from None
     return [
         InputFile(fs.unstrip_protocol(q), int(info.get("size") or 0), _identity(info))
         for q, info in infos.items()
@@ -696,7 +710,7 @@ def fetch(location: str, dest_dir: Path, options: Mapping[str, Any] | None = Non
     fs, path = url_to_fs(location, options)
     dest_dir.mkdir(parents=True, exist_ok=True)
     dest = dest_dir / path.rstrip("/").rsplit("/", 1)[-1]
-    with fs.open(path, "rb") as src, open(dest, "wb") as out:
+    with fs.open(path, "rb") as src, atomic_local_file(dest) as out:  # whole or absent
         shutil.copyfileobj(src, out, _CHUNK)
     return dest
 

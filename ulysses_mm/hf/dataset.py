@@ -47,7 +47,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ulysses_mm.config import DataConfig, RunConfig, from_dict
-from ulysses_mm.core.errors import DataError, UnsupportedError
+from ulysses_mm.core.errors import ConfigError, DataError, UnsupportedError
 from ulysses_mm.core.format import IGNORE, PackedSample, segments_to_ids
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader import state as loader_state
@@ -119,7 +119,7 @@ class ShardDataset(IterableDataset):
         storage options); its ``train`` is not read."""
         super().__init__()
         if readers < 1 or micro_batch < 1:
-            raise ValueError(f"readers and micro_batch must be >= 1, got {readers}, {micro_batch}")
+            raise ConfigError(f"readers and micro_batch must be >= 1, got {readers}, {micro_batch}")
         if reader is not None and not 0 <= reader < readers:
             raise ValueError(f"reader {reader} is outside readers={readers}")
         d = data or DataConfig()
@@ -186,15 +186,48 @@ class ShardDataset(IterableDataset):
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
         """Continue from ``saved`` (refused in one line if it belongs to other shards,
         seed, shuffle or weights, or to another split)."""
-        if int(saved.get("batch_items", self.batch_items)) != self.batch_items:
+        taken = self._check_state(saved)
+        try:
+            self.stream.load_state_dict(dict(saved["loader"]))
+        except DataError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as e:  # a malformed loader state
+            raise DataError(f"the saved data state's loader is not a loader state: {e!r}") from None
+        self._pending, self._before = [], None
+        self._taken = taken  # skipped in the next stream batch
+        self._base = (self.stream.cursor, self._taken)
+
+    def _check_state(self, saved: Any) -> int:
+        """``saved``'s ``taken``, once ``saved`` has this dataset's schema: a mapping of
+        ``loader`` (a mapping), ``taken`` (0 <= taken < batch_items: items of the next
+        stream batch already yielded) and ``batch_items`` (this dataset's); else one
+        :class:`DataError` line."""
+        if not isinstance(saved, Mapping):
+            raise DataError(f"the saved data state is a {type(saved).__name__}, not a mapping")
+        missing = [k for k in ("loader", "taken") if k not in saved]
+        if missing:
             raise DataError(
-                f"the saved data state steps {saved['batch_items']} items at a time, this "
+                f"the saved data state lacks {', '.join(missing)} (it has: "
+                f"{', '.join(map(str, saved)) or 'nothing'})"
+            )
+        items = saved.get("batch_items", self.batch_items)
+        if not _is_int(items) or items != self.batch_items:
+            raise DataError(
+                f"the saved data state steps {items!r} items at a time, this "
                 f"dataset {self.batch_items} (readers × micro_batch differ)"
             )
-        self.stream.load_state_dict(dict(saved["loader"]))
-        self._pending, self._before = [], None
-        self._taken = int(saved["taken"])  # skipped in the next stream batch
-        self._base = (self.stream.cursor, self._taken)
+        if not isinstance(saved["loader"], Mapping):
+            raise DataError(
+                f"the saved data state's loader is a {type(saved['loader']).__name__}, "
+                "not a mapping"
+            )
+        taken = saved["taken"]
+        if not _is_int(taken) or not 0 <= taken < self.batch_items:
+            raise DataError(
+                f"the saved data state's taken is {taken!r}: it must be an integer in "
+                f"[0, {self.batch_items}) (items of a stream batch of {self.batch_items})"
+            )
+        return int(taken)
 
     def state_after(self, items: int) -> dict[str, Any]:
         """The state after ``items`` items from the construction or the last
@@ -208,6 +241,10 @@ class ShardDataset(IterableDataset):
             cursor = order.span(cursor, n)[2]
             left -= n
         return self._state(loader_state.state_dict(order, cursor), taken)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
 
 def _generate(
@@ -234,6 +271,8 @@ def hf_dataset(
     shards a datasets stream by process), give process r what ``ShardDataset(...,
     reader=r)`` gives. Unsplit, it is reader 0's endless stream. Resuming uses datasets'
     own ``state_dict`` (it replays the shard up to its example)."""
+    if readers < 1 or micro_batch < 1:  # as ShardDataset refuses them
+        raise ValueError(f"readers and micro_batch must be >= 1, got {readers}, {micro_batch}")
     import datasets
 
     ints = datasets.Sequence(datasets.Value("int64"))

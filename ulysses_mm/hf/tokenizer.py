@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ulysses_mm.core.errors import DataError
+from ulysses_mm.core.errors import DataError, NotFoundError, first_line
 from ulysses_mm.core.storage import atomic_local_dir
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 from ulysses_mm.shards.manifest import Manifest
@@ -52,12 +52,7 @@ def token_names(
     text_tokenizer: str | Path | None = None,
 ) -> list[str]:
     """One unique, whitespace-free name per id of ``space`` (index = id)."""
-    text_tokens: list[str] | None = None
-    if text_tokenizer is not None:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(text_tokenizer), local_files_only=True)
-        text_tokens = [str(t) for t in tok.convert_ids_to_tokens(list(range(len(tok))))]
+    text_tokens = None if text_tokenizer is None else text_tokenizer_tokens(text_tokenizer)
     names = list(space.specials)
     for r in space.ranges:
         labels = modality_labels(tokenizers.get(r.name, {}), r.size, text_tokens)
@@ -69,6 +64,26 @@ def token_names(
         seen[names[i]] = i
     assert len(names) == space.vocab_size and len(set(names)) == len(names)
     return names
+
+
+def text_tokenizer_tokens(path: str | Path) -> list[str]:
+    """The tokens of the transformers tokenizer saved in the directory ``path``, by id; a
+    directory that is missing, a file, or whose files transformers cannot read is one
+    :class:`DataError` line."""
+    p = Path(path)
+    if not p.is_dir():
+        what = "is a file" if p.exists() else "does not exist"
+        raise NotFoundError(f"--text-tokenizer {p}: {what}; give a tokenizer directory")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+        return [str(t) for t in tok.convert_ids_to_tokens(list(range(len(tok))))]
+    # what transformers raises on unreadable files has no common base beyond these
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, ImportError) as e:
+        raise DataError(
+            f"--text-tokenizer {p}: not a transformers tokenizer directory ({first_line(e)})"
+        ) from None
 
 
 def build_tokenizer(

@@ -71,4 +71,18 @@ def restore(order: GlobalOrder, state: dict[str, Any]) -> Cursor:
             f"with {state['weights']}"
         )
     counts = np.asarray(state["counts"], dtype=np.int64)
-    return Cursor(int(state["epoch"]), int(state["position"]), counts)
+    epoch, position = state["epoch"], state["position"]
+    if not all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v >= 0
+        for v in (epoch, position)
+    ):
+        raise DataError(
+            f"the loader state's epoch and position must be integers >= 0, got {epoch!r}, "
+            f"{position!r}"
+        )
+    if counts.shape != (len(order.weights),) or (counts < 0).any():
+        raise DataError(
+            f"the loader state's counts must be {len(order.weights)} integers >= 0, got "
+            f"{state['counts']!r}"
+        )
+    return Cursor(int(epoch), int(position), counts)

@@ -17,10 +17,12 @@ members ``*_members``.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -245,6 +247,58 @@ def _group_env() -> None:
     os.environ.setdefault("WORLD_SIZE", str(dist.get_world_size()))
 
 
+# Where DeepSpeed's log goes, set by the ``train`` / ``demo`` commands (the ranks inherit
+# it): "run" (the run's logs/deepspeed-rank-N.log) or "run+terminal" (``-v``: there and on
+# the terminal). Unset (a library caller, a test, a benchmark): DeepSpeed's own handler.
+DEEPSPEED_LOG_ENV = "ULYSSES_MM_DEEPSPEED_LOG"
+
+
+class _RankLogFile(logging.FileHandler):
+    """A file handler that makes its directory and file only when something is logged."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path, delay=True)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        Path(self.baseFilename).parent.mkdir(parents=True, exist_ok=True)
+        super().emit(record)
+
+
+def _quiet_deepspeed(backend: str, log_dir: Path) -> Any:
+    """Import DeepSpeed for ``backend`` with its output where it belongs: in a ``train`` or
+    ``demo`` run its logger goes to ``log_dir/deepspeed-rank-N.log`` (and to the terminal
+    too under ``-v``), not between our progress lines (see ``DEEPSPEED_LOG_ENV``).
+
+    Off NCCL the accelerator is named (``DS_ACCELERATOR=cpu``, unless the user set one):
+    the device is the CPU then, and DeepSpeed would otherwise warn on every rank that it
+    fell back to it. On gloo its shared-memory communication op is marked not wanted:
+    DeepSpeed compiles it (a minute of C++ on a first run) when its CPU backend starts, for
+    ``inference_all_reduce`` (tensor-parallel inference), which training never calls; its
+    own gloo ``all_reduce`` is what runs. That op table is DeepSpeed's cached compatibility
+    probe (``deepspeed.ops.__compatible_ops__``), kept in its module to be edited so."""
+    if backend != "nccl":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.utils import logger
+
+    if backend == "gloo":
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    mode = os.environ.get(DEEPSPEED_LOG_ENV, "")
+    if not mode:
+        return deepspeed
+    rank = os.environ.get("RANK", "0")
+    for h in list(logger.handlers):  # its stdout handler; ours from an earlier open_world
+        if isinstance(h, _RankLogFile) or "terminal" not in mode:
+            logger.removeHandler(h)
+            h.close()
+    to_file = _RankLogFile(log_dir / f"deepspeed-rank-{rank}.log")
+    to_file.setFormatter(logging.Formatter("[%(asctime)s] [%(levelname)s] %(message)s"))
+    logger.addHandler(to_file)
+    logger.setLevel(logging.INFO)  # the terminal handler (-v) keeps its own WARNING level
+    return deepspeed
+
+
 def open_world(cfg: RunConfig, engine: bool = True, device: str | None = None) -> World:
     """Join the launched world (or the process group already made), build the mesh of
     ``parallel.sp`` × ``parallel.dp`` and pick the device: this rank's GPU under NCCL,
@@ -260,8 +314,7 @@ def open_world(cfg: RunConfig, engine: bool = True, device: str | None = None) -
         _single_process_env()
         init_distributed(backend, cfg.parallel.timeout_s)
     if engine:
-        import deepspeed
-
+        deepspeed = _quiet_deepspeed(backend, Path(cfg.train.out_dir) / "logs")
         deepspeed.init_distributed(backend, verbose=False)
     mesh = Mesh.build(cfg.parallel.sp, cfg.parallel.dp, cfg.parallel.ring)
     if device is None:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ulysses_mm.core import REPO, storage
+from ulysses_mm.core import storage
+from ulysses_mm.core.resources import resource
 from ulysses_mm.tokenize import registry
 from ulysses_mm.tokenize.base import Tokenizer, TokenizerSpec
 
@@ -98,7 +99,7 @@ class TokenizerTable:
         self._register_kinds()
         want = entry.get("spec_sha256")
         candidates = [Path(p) for p in self.spec_paths if not storage.is_url(p)]
-        for d in dict.fromkeys([Path.cwd() / "tokenizers", REPO / "tokenizers"]):
+        for d in dict.fromkeys([Path.cwd() / "tokenizers", resource("tokenizers")]):
             if d.is_dir():
                 candidates += sorted(d.glob("*.json"))
         for path in candidates:

@@ -24,11 +24,12 @@ import time
 from pathlib import Path
 
 from ulysses_mm.config import RunConfig, load_config
-from ulysses_mm.core import REPO
 from ulysses_mm.core.errors import NotFoundError
+from ulysses_mm.core.resources import resource, shipped_root
+from ulysses_mm.core.storage import atomic_write_local
 
-PIPELINE = REPO / "pipelines" / "mixed.yaml"
-CONFIG = REPO / "configs" / "debug-tiny.yaml"
+PIPELINE = resource("pipelines/mixed.yaml")
+CONFIG = resource("configs/debug-tiny.yaml")
 # every modality: DNA with its headers as text, speech, the clip with its audio, text
 TOKENIZERS = ("dna-annotated.json", "audio-mulaw-16k.json", "video-vq-av.json", "text-bytes.json")
 
@@ -50,23 +51,24 @@ def run_demo(
     from ulysses_mm.tools.report import plot
     from ulysses_mm.train.loop import run_train
 
-    for needed in (PIPELINE, CONFIG, REPO / "tests" / "data"):
+    for needed in (PIPELINE, CONFIG, _DATA):
         if not needed.exists():
             raise NotFoundError(
-                f"the demo runs from a clone of the repository; {needed} is missing"
+                f"{needed} is missing: the demo needs the files the package ships "
+                "(reinstall ulysses-mm, or run it from a clone)"
             )
     out_dir = Path(out).resolve()
     shards = out_dir / "shards"
     t0 = time.perf_counter()
-    print(f"[1/3] prepare {PIPELINE.relative_to(REPO)} -> {shards}")
-    specs = ",".join(str(REPO / "tokenizers" / t) for t in TOKENIZERS)
+    print(f"[1/3] prepare {PIPELINE.relative_to(shipped_root())} -> {shards}")
+    specs = ",".join(str(resource("tokenizers") / t) for t in TOKENIZERS)
     pipe = load_pipeline_config(
         PIPELINE, [f"output={shards}", f"pack.seq_len={seq_len}", f"tokenizers=[{specs}]"]
     )
     prepare(pipe)
 
     print(
-        f"\n[2/3] train {CONFIG.relative_to(REPO)}: SP={nproc} on {nproc} CPU processes, {steps} steps"
+        f"\n[2/3] train {CONFIG.relative_to(shipped_root())}: SP={nproc} on {nproc} CPU processes, {steps} steps"
     )
     cfg: RunConfig = load_config(
         RunConfig,
@@ -98,7 +100,9 @@ def run_demo(
         result["checkpoint"], str(shards / "manifest.json"), EvaluateOptions(batches=eval_batches)
     )
     plot_positions(evaluated, position_png, "demo: loss by position (its training shards)")
-    position_png.with_suffix(".json").write_text(json.dumps(evaluated.to_json(), indent=1))
+    atomic_write_local(
+        position_png.with_suffix(".json"), json.dumps(evaluated.to_json(), indent=1).encode()
+    )
     print(
         f"\ndemo done in {time.perf_counter() - t0:.0f} s; final loss {result['final_loss']:.3f}\n"
         f"  shards:     {shards}/manifest.json\n"
@@ -118,7 +122,7 @@ def run_demo(
     return 0
 
 
-_DATA = REPO / "tests" / "data"
+_DATA = resource("tests/data")
 # what to generate from the demo's checkpoint: (modality, prompt, new ids, file suffix)
 _GENERATE = [
     ("dna", f"--prompt {_DATA / 'human_mt.fa'} --prompt-tokens 500 ", 1000, "fa"),

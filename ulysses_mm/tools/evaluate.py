@@ -111,17 +111,25 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
     options = StreamOptions.from_config(cfg.data).in_order()
     d = cfg.data
     stream = WindowStream(manifest, mesh.dp_rank, mesh.dp, d.micro_batch_size, d.seq_len, options)
+    bar = None
     try:
         per_epoch = stream.order.batches_per_epoch
         count = min(opts.batches, per_epoch) if opts.batches else per_epoch
         batches = (samples_batch(stream.next_batch(), trained.space) for _ in range(count))
         if mesh.rank == 0:  # one bar: a long evaluation shows where it is
             tqdm.set_lock(threading.RLock())  # not a multiprocessing lock (see train/loop.py)
-            batches = tqdm(batches, total=count, desc="evaluate", unit="batch", leave=False)
+            # on a terminal only (disable=None), and cleared however the loop ends, so an
+            # error line stands alone
+            bar = tqdm(
+                batches, total=count, desc="evaluate", unit="batch", leave=False, disable=None
+            )
+            batches = bar
         result = evaluate_batches(
             rt, batches, units_for(trained.space, trained.tokenizers), opts.edges
         )
     finally:
+        if bar is not None:
+            bar.close()
         stream.close()
     return result
 

@@ -17,8 +17,10 @@ prompt longer than one device holds.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -141,7 +143,8 @@ def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str
         decoder, agree = sp, sp.agree
     else:
         decoder, agree = CachedDecoder(rt.model, len(prompt) + opts.new_tokens), agree_local
-    result = generate(rt.model, decoder, grammar, prompt, opts.new_tokens, opts.sampling, agree)
+    with _prefill_progress(rt.model, world.mesh.rank == 0):
+        result = generate(rt.model, decoder, grammar, prompt, opts.new_tokens, opts.sampling, agree)
     if world.device.type == "cuda":
         torch.cuda.synchronize(world.device)
     seconds = time.perf_counter() - t0
@@ -152,6 +155,83 @@ def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str
         "seconds": seconds,
         "device": str(world.device),
     }
+
+
+@contextlib.contextmanager
+def _prefill_progress(model: Any, shown: bool) -> Iterator[None]:
+    """A bar on stderr of the prompt's prefill, layer by layer (each layer's attention
+    core is called once by a prefill, never by a step), shown when the prefill takes more
+    than a second and cleared when it ends: a long prompt takes minutes."""
+    if not shown:
+        yield
+        return
+    import sys
+
+    from tqdm import tqdm
+
+    layers = list(model.model.layers)
+    bar = tqdm(total=len(layers), desc="prefill", unit="layer", leave=False, delay=1.0,
+               file=sys.stderr)  # fmt: skip
+
+    def done_one(*_: Any) -> None:
+        bar.update(1)
+        if bar.n >= len(layers):  # the prefill is done: the steps that follow show nothing
+            bar.close()
+
+    hooks = [layer.self_attn.core.register_forward_hook(done_one) for layer in layers]
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+        bar.close()
+
+
+def kv_cache_bytes(cfg: Any, tokens: int, itemsize: int) -> int:
+    """Bytes of the keys and values of ``tokens`` positions: layers × 2 × kv heads × head
+    dim × tokens × bytes per element (what :class:`~ulysses_mm.model.kv_cache.KVCache`
+    allocates, split or not over the ranks)."""
+    m = cfg.model
+    return m.num_hidden_layers * 2 * m.num_key_value_heads * m.head_dim * tokens * itemsize
+
+
+def check_cache_fits(trained: Trained, opts: GenerateOptions, prompt: int, world: int) -> None:
+    """Refuse, in one line, a prompt + ``--new-tokens`` whose KV cache is larger than the
+    memory it would be allocated in (the free memory of the GPUs, or this host's available
+    RAM) before anything is allocated."""
+    import torch
+
+    itemsize = trained.dtype(opts.dtype).itemsize
+    tokens = prompt + opts.new_tokens
+    need = kv_cache_bytes(trained.cfg, tokens, itemsize)
+    cuda = opts.device == "cuda" or (opts.device == "auto" and torch.cuda.is_available())
+    if cuda:
+        ranks = max(1, min(world, torch.cuda.device_count()))
+        have, where = torch.cuda.mem_get_info()[0] * ranks, f"free on {ranks} GPU(s)"
+    else:
+        have, where = available_ram(), "of RAM available on this host"
+    if need > have:
+        per_token = need // tokens
+        fits = max(0, have // per_token - prompt)
+        raise ConfigError(
+            f"--new-tokens {opts.new_tokens:,}: a KV cache of {prompt:,} + "
+            f"{opts.new_tokens:,} tokens needs {_gib(need)}, more than the {_gib(have)} {where}"
+            f" (at most about {fits:,} new tokens fit)"
+        )
+
+
+def available_ram() -> int:
+    """Bytes of memory this host can still give (psutil's ``available``, else free pages)."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except ImportError:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.1f} GiB"
 
 
 def run_generate(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
@@ -170,6 +250,7 @@ def run_generate(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
     world = world_size(opts.nproc)
     m = trained.cfg.model
     check_layout(world, num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads)
+    check_cache_fits(trained, opts, len(prompt), world)
     payload = {
         "checkpoint": str(checkpoint),
         "options": asdict(opts),

@@ -32,17 +32,21 @@ a sample as packed with others.
 from __future__ import annotations
 
 import io
+import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
-from ulysses_mm.core import REPO
 from ulysses_mm.core.errors import ConfigError, DataError
+from ulysses_mm.core.resources import resource
+from ulysses_mm.core.storage import atomic_local_file
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.train.metrics import LN2
 
-PIPELINE = REPO / "pipelines" / "dna.yaml"
+PIPELINE = resource("pipelines/dna.yaml")
 HEADER = 2  # <doc> <|dna|>: the first base is at position 2
 
 
@@ -69,23 +73,56 @@ def halves(length: int) -> list[int]:
     return [HEADER, HEADER + length, HEADER + 2 * length]
 
 
-def write_fasta(path: Path, length: int, documents: int, seed: int) -> Path:
-    from Bio import SeqIO
-    from Bio.Seq import Seq
-    from Bio.SeqRecord import SeqRecord
+# Bases drawn, translated and written at a time: a few MiB whatever L is.
+CHUNK_BASES = 1 << 20
+LINE = 60  # bases per FASTA line
 
+
+def write_fasta(path: Path, length: int, documents: int, seed: int) -> Path:
+    """``documents`` records of ``length`` random bases, the same bases again and an ``N``,
+    in lines of :data:`LINE`, written through a temporary sibling renamed at the end (a
+    failed run leaves no file). Streamed in chunks of :data:`CHUNK_BASES`: the copy is
+    drawn again from the generator's saved state, never held, so memory does not grow
+    with L."""
     rng = np.random.default_rng(seed)
     letters = np.frombuffer(b"ACGT", dtype=np.uint8)
 
-    def records():
+    with atomic_local_file(path) as f:
+        out = _Lines(f)
         for i in range(documents):
-            half = letters[rng.integers(0, 4, length)].tobytes().decode("ascii")
-            yield SeqRecord(Seq(half + half + "N"), id=f"probe{i}", description=f"L={length}")
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        SeqIO.write(records(), f, "fasta")
+            f.write(f">probe{i} L={length}\n".encode())
+            state = rng.bit_generator.state
+            for copy in (False, True):
+                if copy:
+                    rng.bit_generator.state = state  # the same draws: the same bases
+                for start in range(0, length, CHUNK_BASES):
+                    n = min(CHUNK_BASES, length - start)
+                    out.write(letters[rng.integers(0, 4, n)])
+            out.write(np.frombuffer(b"N", dtype=np.uint8))
+            out.end()
     return path
+
+
+class _Lines:
+    """Bases written to ``f`` in lines of :data:`LINE`, across the chunks they come in."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.carry = np.empty(0, dtype=np.uint8)
+
+    def write(self, bases: np.ndarray) -> None:
+        data = np.concatenate([self.carry, bases]) if self.carry.size else bases
+        full = data.size // LINE * LINE
+        if full:
+            rows = data[:full].reshape(-1, LINE)
+            newline = np.full((rows.shape[0], 1), ord("\n"), dtype=np.uint8)
+            self.f.write(np.hstack([rows, newline]).tobytes())
+        self.carry = data[full:].copy()
+
+    def end(self) -> None:
+        if self.carry.size:
+            self.f.write(self.carry.tobytes() + b"\n")
+        self.carry = np.empty(0, dtype=np.uint8)
 
 
 def write_probe(
@@ -98,9 +135,8 @@ def write_probe(
     pack: int = 1,
 ) -> ProbeData:
     """The training set at ``length`` and a held-out set at ``length`` and at each of
-    ``eval_lengths``, ``pack`` documents to a sample."""
-    from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
-
+    ``eval_lengths``, ``pack`` documents to a sample. A run that fails removes what it
+    made (files are written under temporary names and renamed when whole)."""
     lengths = sorted({length, *(eval_lengths or [])})
     if lengths[0] < 1:
         raise ConfigError(f"--length and --eval-lengths must be >= 1, got {lengths[0]}")
@@ -113,26 +149,43 @@ def write_probe(
     sets += [
         ("eval" if n == length else f"eval-L{n}", n, eval_documents, seed + 1) for n in lengths
     ]
-    manifests: dict[str, Path] = {}
-    for name, n, count, s in sets:
-        fasta = write_fasta(out / "src" / f"{name}.fa", n, count, s)
-        cfg = load_pipeline_config(
-            PIPELINE,
-            [
-                f"name=probe-{name}-L{n}",
-                f"sources=[{fasta}]",
-                f"output={out / name}",
-                f"pack.seq_len={pack * document_tokens(n)}",
-                "progress=false",
-            ],
-        )
-        prepare(cfg, out=io.StringIO())
-        m = Manifest.load(str(out / name / "manifest.json"))
-        if m.num_samples != -(-count // pack) or m.num_documents != count:
-            raise DataError(f"{m.location}: expected {pack} documents per sample")
-        manifests[name] = out / name / "manifest.json"
+    made = [p for p in (out, out / "src", *(out / name for name, *_ in sets)) if not p.exists()]
+    made += [
+        out / "src" / f"{name}.fa" for name, *_ in sets if not (out / "src" / f"{name}.fa").exists()
+    ]
+    try:
+        manifests = {name: _write_set(out, name, n, count, s, pack) for name, n, count, s in sets}
+    except BaseException:  # a failed run leaves nothing of its own: what it made goes
+        for p in reversed(made):
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                p.unlink(missing_ok=True)
+        raise
     evals = {n: manifests["eval" if n == length else f"eval-L{n}"] for n in lengths}
     return ProbeData(manifests["train"], manifests["eval"], length, evals, pack)
+
+
+def _write_set(out: Path, name: str, n: int, count: int, seed: int, pack: int) -> Path:
+    """One probe dataset, ``out/name/manifest.json``, from its FASTA ``out/src/name.fa``."""
+    from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
+
+    fasta = write_fasta(out / "src" / f"{name}.fa", n, count, seed)
+    cfg = load_pipeline_config(
+        PIPELINE,
+        [
+            f"name=probe-{name}-L{n}",
+            f"sources=[{fasta}]",
+            f"output={out / name}",
+            f"pack.seq_len={pack * document_tokens(n)}",
+            "progress=false",
+        ],
+    )
+    prepare(cfg, out=io.StringIO())
+    m = Manifest.load(str(out / name / "manifest.json"))
+    if m.num_samples != -(-count // pack) or m.num_documents != count:
+        raise DataError(f"{m.location}: expected {pack} documents per sample")
+    return out / name / "manifest.json"
 
 
 def copy_length(manifest: Manifest) -> int:
@@ -146,7 +199,16 @@ def copy_length(manifest: Manifest) -> int:
             f"in samples of {manifest.seq_len}; a probe's are 2L + 4 tokens each, a whole "
             "number of them to a sample)"
         )
-    return (per - 4) // 2
+    length = (per - 4) // 2
+    named = re.fullmatch(r"probe-.+-L(\d+)", manifest.name or "")
+    other = sorted(m for m, n in manifest.tokens.items() if n and m != "dna")
+    if named is None or int(named.group(1)) != length or other:
+        raise DataError(
+            f"{manifest.location}: not a probe dataset (named {manifest.name or 'nothing'!r}, "
+            f"{', '.join(other) or 'dna'} tokens; `ulysses-mm probe write` names its "
+            "datasets probe-<set>-L<n> and writes DNA copy documents of 2L + 4 tokens)"
+        )
+    return length
 
 
 def score(

@@ -9,6 +9,7 @@ each stage's first step marked, with its length.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from collections.abc import Sequence
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ulysses_mm.core.errors import DataError, NotFoundError
+from ulysses_mm.core.storage import atomic_write_local
 
 SMOOTHING = 0.9  # EMA factor of the smoothed total: about the last 10 steps count
 
@@ -133,7 +135,8 @@ def plot(run_dir: str | Path, png: str | Path) -> Path:
     ax_lr.grid(alpha=0.3)
     fig.tight_layout()
     png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(png, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
+    atomic_write_local(png, buf.getvalue())  # the old file or the whole new one
     return png

@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 
 from ulysses_mm.config import RunConfig, from_dict, read_yaml
-from ulysses_mm.core.errors import DataError, NotFoundError
+from ulysses_mm.core.errors import DataError, NotFoundError, first_line
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.model import MultimodalLM
 from ulysses_mm.model.attention import PRECISION_DTYPES
@@ -104,7 +104,27 @@ class Trained:
 
 
 def open_trained(path: str | Path) -> Trained:
-    """A checkpoint (run dir, checkpoints dir or step dir) or an export directory."""
+    """A checkpoint (run dir, checkpoints dir or step dir) or an export directory, its
+    weights files checked to be whole."""
+    trained = _open(path)
+    for f in sorted(trained.path.glob("*.safetensors")):
+        check_weights(f)
+    return trained
+
+
+def check_weights(f: Path) -> None:
+    """A safetensors file whose header reads and whose data it covers is all there (a
+    truncated or overwritten file fails here, in one line, not when it is loaded)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(f), "pt"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise DataError(f"{f}: not a whole safetensors file ({first_line(e)})") from None
+
+
+def _open(path: str | Path) -> Trained:
     p = Path(path)
     if not p.exists():
         raise NotFoundError(f"{p}: no such checkpoint or export directory")

@@ -46,7 +46,10 @@ from ulysses_mm.shards.prepare.route import (
 
 class PartitionError(PrepareError):
     """A partition failed for a reason that is not one of its inputs (the output cannot be
-    written, a bug): the run stops; the message names the partition, one line."""
+    written, a bug): the run stops; the message names the partition, one line. Exit 1, as
+    for a failed worker rank: its traceback is in a log file."""
+
+    exit_code = 1
 
 
 def partition_failed(

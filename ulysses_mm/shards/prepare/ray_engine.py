@@ -18,38 +18,92 @@ and the next run skips them.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import socket
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ulysses_mm.core.errors import StorageError, UnsupportedError, first_line
+from ulysses_mm.core.errors import ConfigError, StorageError, UnsupportedError, first_line
 from ulysses_mm.shards.prepare.engine import Progress, partition_failed, run_partition
 from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask
 
 MAX_RETRIES = 3  # attempts after a worker process dies, per partition
 CONNECT_S = 10.0  # seconds a cluster's head may take to accept a connection
+HANDSHAKE_S = 3.0  # seconds it may take to answer that connection as a gRPC server
 
 
 def check_ready(address: str) -> None:
-    """What a run can know before it starts: Ray is installed, and a ``HOST:PORT`` (or
-    ``ray://HOST:PORT``) head accepts connections within :data:`CONNECT_S` (Ray's own
-    client retries for minutes). ``auto`` is left to Ray, which finds a running cluster on
-    this node or says there is none."""
+    """What a run can know before it writes anything: Ray is installed, the address is
+    ``auto``, ``HOST:PORT`` or ``ray://HOST:PORT``, ``auto`` finds a cluster, and the head
+    accepts a connection within :data:`CONNECT_S` and answers it as a gRPC server (HTTP/2,
+    what Ray's GCS and client server speak) within :data:`HANDSHAKE_S`. Ray's own client
+    retries for minutes, printing warnings, whatever listens there."""
     _import_ray()
-    hostport = address.split("://", 1)[-1]
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not port.isdigit():
+    if not address:
         return
+    if address == "auto":
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+
+        try:
+            address = canonicalize_bootstrap_address_or_die("auto")
+        except (ConnectionError, ValueError) as e:
+            raise StorageError(f"cannot join a Ray cluster at auto: {_one_line(e)}") from None
+    scheme, sep, hostport = address.rpartition("://")
+    host, _, port = hostport.rpartition(":")
+    if (sep and scheme != "ray") or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--address must be auto, HOST:PORT or ray://HOST:PORT, got {address!r}")
     try:
-        socket.create_connection((host, int(port)), timeout=CONNECT_S).close()
+        sock = socket.create_connection((host, int(port)), timeout=CONNECT_S)
     except OSError as e:
         raise StorageError(
             f"cannot join a Ray cluster at {address}: nothing accepts connections there "
             f"({e.strerror or type(e).__name__}); start it with `ray start --head` or fix "
             "--address"
         ) from None
+    with sock:
+        if os.environ.get("RAY_USE_TLS", "0") in ("0", ""):  # a TLS head is left to Ray
+            answer = _http2_answer(sock)
+            if answer is not None:
+                raise StorageError(
+                    f"cannot join a Ray cluster at {address}: what listens there is not a Ray "
+                    f"head ({answer}); give the head's GCS address (`ray start --head` prints "
+                    "it, port 6379 by default), not the dashboard's"
+                )
+
+
+# HTTP/2's client connection preface and an empty SETTINGS frame: a gRPC server answers
+# with a SETTINGS frame (9-byte header, type 4, stream 0); an HTTP/1 server with text.
+_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+
+
+def _http2_answer(sock: socket.socket) -> str | None:
+    """``None`` if the peer answers the HTTP/2 preface with a SETTINGS frame within
+    :data:`HANDSHAKE_S`, else what it did instead, in a few words."""
+    sock.settimeout(HANDSHAKE_S)
+    got = b""
+    try:
+        sock.sendall(_PREFACE)
+        while len(got) < 9:
+            chunk = sock.recv(9 - len(got))
+            if not chunk:
+                break
+            got += chunk
+    except TimeoutError:
+        return f"no HTTP/2 answer within {HANDSHAKE_S:g} s"
+    except OSError as e:
+        return f"the connection failed: {e.strerror or type(e).__name__}"
+    if len(got) == 9 and got[3] == 4 and got[5:9] == bytes(4):
+        return None
+    if not got:
+        return "it closed the connection"
+    text = got.split(b"\r\n")[0].decode("ascii", "replace")
+    return f"it answered {text!r}, not HTTP/2" if text.isprintable() else "not HTTP/2"
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def _import_ray() -> Any:

@@ -27,6 +27,7 @@ from typing import Any
 from ulysses_mm.config import PipelineConfig
 from ulysses_mm.core import storage
 from ulysses_mm.core.errors import UserError
+from ulysses_mm.core.resources import shipped_tokenizer_names
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.prepare import staged
 from ulysses_mm.tokenize import registry
@@ -37,8 +38,6 @@ STAGED_VERSION = 2
 
 class PrepareError(UserError, RuntimeError):
     """The run cannot produce a dataset (every input failed, no inputs, bad spec ...)."""
-
-    exit_code = 1
 
 
 # ------------------------------------------------------------------------ routing
@@ -79,6 +78,11 @@ def load_specs(cfg: PipelineConfig) -> tuple[list[TokenizerSpec], TokenSpace]:
         registry.register_kind(kind, target)
     specs = []
     for p in cfg.tokenizers:
+        if not storage.is_url(p) and not Path(p).exists():
+            raise PrepareError(
+                f"tokenizer spec {p}: no such file, nor a shipped spec of that name "
+                f"(shipped: {', '.join(shipped_tokenizer_names())})"
+            )
         try:
             spec = TokenizerSpec.load(p)
         except (OSError, ValueError) as e:

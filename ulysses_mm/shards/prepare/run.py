@@ -54,6 +54,7 @@ from ulysses_mm.config import (
     to_dict,
 )
 from ulysses_mm.core import storage
+from ulysses_mm.core.resources import shipped_tokenizer
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.manifest import (
     MANIFEST_NAME,
@@ -105,14 +106,25 @@ def _resolve_path(value: str, base: Path) -> str:
     return os.path.normpath(p if p.is_absolute() else (base / p))
 
 
+def _resolve_spec(value: str, base: Path) -> str:
+    """A tokenizer spec path, or the shipped spec a bare NAME / NAME.json means when no such
+    file is at ``base`` (``tokenizers=[dna-base]``)."""
+    path = _resolve_path(value, base)
+    if storage.is_url(path) or Path(path).exists():
+        return path
+    shipped = shipped_tokenizer(value)
+    return str(shipped) if shipped is not None else path
+
+
 def _resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
     out = dict(data)
     for key in _PATH_KEYS:
+        resolve = _resolve_spec if key == "tokenizers" else _resolve_path
         value = out.get(key)
         if isinstance(value, str):
-            out[key] = _resolve_path(value, base)
+            out[key] = resolve(value, base)
         elif isinstance(value, list):
-            out[key] = [_resolve_path(v, base) if isinstance(v, str) else v for v in value]
+            out[key] = [resolve(v, base) if isinstance(v, str) else v for v in value]
     return out
 
 
