@@ -272,7 +272,7 @@ def hf_dataset(
     reader=r)`` gives. Unsplit, it is reader 0's endless stream. Resuming uses datasets'
     own ``state_dict`` (it replays the shard up to its example)."""
     if readers < 1 or micro_batch < 1:  # as ShardDataset refuses them
-        raise ValueError(f"readers and micro_batch must be >= 1, got {readers}, {micro_batch}")
+        raise ConfigError(f"readers and micro_batch must be >= 1, got {readers}, {micro_batch}")
     import datasets
 
     ints = datasets.Sequence(datasets.Value("int64"))

@@ -91,7 +91,10 @@ class Progress:
             0 if inputs_counted else len(result.entries), 0 if inputs_counted else result.tokens
         )
 
-    def close(self) -> None:
+    def close(self, keep: bool = True) -> None:
+        """End the bar; ``keep=False`` (the run failed) erases it, so the error line that
+        follows stands alone."""
+        self.bar.leave = keep
         self.bar.close()
 
 

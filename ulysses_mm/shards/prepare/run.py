@@ -188,6 +188,9 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
         run_key=_run_key(cfg, specs, space),
     )
     tasks = [PartitionTask(p, a, inputs[a:b]) for p, (a, b) in enumerate(ranges)]
+    unmatched_entries = [InputEntry(p, "skipped", reason="matches no file") for p in unmatched]
+    if not inputs:  # before any folder or bar
+        raise PrepareError(_nothing_written(unmatched_entries))
     engine = _engine(cfg)  # an engine that cannot start fails here, before anything is written
     dest.makedirs()
     dest.remove_stale_temps()
@@ -195,11 +198,13 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
     progress = Progress(len(inputs), len(tasks), cfg.progress)
     try:
         results = engine.run(job, tasks, progress) if tasks else []
-    finally:
-        progress.close()
-    entries = [e for r in results for e in r.entries]
-    entries += [InputEntry(p, "skipped", reason="matches no file") for p in unmatched]
-    if not any(e.status == "ok" for e in entries):  # nothing to write: leave nothing behind
+    except BaseException:
+        progress.close(keep=False)
+        raise
+    entries = [e for r in results for e in r.entries] + unmatched_entries
+    written = any(e.status == "ok" for e in entries)
+    progress.close(keep=written)
+    if not written:  # nothing to write: leave nothing behind
         _remove_traces(cfg, staging, new_dirs)
         raise PrepareError(_nothing_written(entries))
     manifest = _manifest(cfg, specs, space, tasks, results, entries)
