@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import http.server
-import importlib.util
 import io
 import logging
 import os
@@ -63,13 +62,9 @@ MODALITIES = {"video": 0.5, "audio": 0.3, "dna": 0.2}  # inside mixed, shares of
 
 def _proxy_class():
     """tests/helpers/byte_proxy.py's ByteCountingProxy (standard library only)."""
-    spec = importlib.util.spec_from_file_location(
-        "byte_proxy", REPO / "tests" / "helpers" / "byte_proxy.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.ByteCountingProxy
+    from _helpers import helper_module
+
+    return helper_module("byte_proxy").ByteCountingProxy
 
 
 def _prepare(root: Path, name: str, sources: list[str], seq_len: int) -> Manifest:

@@ -16,7 +16,6 @@ mean something:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import tempfile
@@ -29,13 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _helpers() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "video_codecs", REPO / "tests" / "helpers" / "video_codecs.py"
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from _helpers import helper_module
+
+    return helper_module("video_codecs")
 
 
 def _shipped(name: str, out: Path, frames: dict[str, Any]) -> Path:

@@ -28,7 +28,6 @@ summary lines average each group of held-out clips.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import tempfile
 import time
@@ -54,13 +53,9 @@ RATES = (0.001, 0.01)
 
 
 def _media_factory() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "media_factory", REPO / "tests" / "helpers" / "media_factory.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from _helpers import helper_module
+
+    return helper_module("media_factory")
 
 
 def specs() -> list[tuple[str, TokenizerSpec]]:
