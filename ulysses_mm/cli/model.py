@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from ulysses_mm.cli.common import overrides_help
 from ulysses_mm.config import RunConfig, load_config
@@ -69,26 +70,77 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from ulysses_mm.train.loop import run_train
+    import time
 
+    from ulysses_mm.train.loop import run_train
+    from ulysses_mm.train.plan import resolve_resume
+
+    started = time.time()
     _verbose(args)
-    cfg = load_config(RunConfig, args.config, args.overrides)
+    overrides = list(args.overrides)
+    if args.resume:
+        overrides.append("train.resume=always")
+    if args.max_minutes is not None:
+        overrides.append(f"train.max_minutes={args.max_minutes}")
+    cfg = load_config(RunConfig, args.config, overrides)
     if cfg.train.gpu_mem_gib:  # every stage against the budget, before any process starts
         from ulysses_mm.tools.estimate.stages import check_stages_fit
         from ulysses_mm.train.plan import plan_run, world_size
 
         world = world_size(args.nproc)
-        plan = plan_run(cfg, world, args.resume)
+        plan = plan_run(cfg, world, resolve_resume(cfg))
         check_stages_fit(cfg, world, plan.manifest.seq_len, space=plan.space)
-    result = run_train(cfg, args.nproc, args.resume)
+    result = run_train(cfg, args.nproc, started)
+    if os.environ.get("RANK", "0") != "0":
+        return 75 if result.get("stopped") else 0
+    if result.get("complete"):
+        print(
+            f"the run in {result['run_dir']} is complete: step {result['steps']} of "
+            f"{cfg.train.steps} ({result['checkpoint']}); raise train.steps to train on"
+        )
+        return 0
+    if result.get("stopped"):
+        from ulysses_mm.train.stop import EXIT_STOPPED, StopRecord
+
+        record = StopRecord(**result["stopped"])
+        print(f"ulysses-mm train: {record.line(_same_command())}", file=sys.stderr)
+        return EXIT_STOPPED
     print(
         f"trained {result['steps']} steps; final loss {result['final_loss']:.4f}\n"
         f"  run dir:    {result['run_dir']}\n"
         f"  metrics:    {result['run_dir']}/metrics.jsonl\n"
         f"  checkpoint: {result['checkpoint']}\n"
         + (f"  wandb:      {result['wandb_dir']}\n" if result["wandb_dir"] else "")
+        + _save_line(result, cfg.train.checkpoint_every)
     )
     return 0
+
+
+def _same_command() -> str:
+    """The command that continues a stopped run: this one, less what starts afresh."""
+    import shlex
+
+    argv = sys.argv[1:]
+    if not argv or argv[0] != "train":
+        return "the same command (train.resume=auto)"
+    fresh = ("train.resume=never", "train.resume=restart")
+    return "ulysses-mm " + shlex.join(a for a in argv if a not in fresh)
+
+
+def _save_line(result: dict, every: int) -> str:
+    """The measured save time and Young's checkpoint interval for a failure a day."""
+    from ulysses_mm.train.stop import young_interval_s
+
+    save_s, step_s = result.get("save_s", 0.0), result.get("step_s", 0.0)
+    if not save_s or not step_s:
+        return ""
+    cost = max(result.get("blocked_s", 0.0), 1e-3)  # what a save costs the run: its blocking part
+    interval = young_interval_s(cost, 24 * 3600.0)
+    return (
+        f"  saves:      {cost:.2f} s blocking, {save_s:.2f} s to complete; Young's interval "
+        f"for a failure a day: {interval / 60:.1f} min ≈ {interval / step_s:,.0f} steps "
+        f"(train.checkpoint_every={every})\n"
+    )
 
 
 def add_train(sub: argparse._SubParsersAction) -> None:
@@ -110,7 +162,18 @@ def add_train(sub: argparse._SubParsersAction) -> None:
         help="start N local processes (torch elastic launcher)",
     )
     p.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint of train.out_dir"
+        "--resume",
+        action="store_true",
+        help="require a checkpoint to continue from (train.resume=always; the default, auto, "
+        "continues when the run directory has one)",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=number_arg(ge=0, le=10**7),
+        default=None,
+        metavar="M",
+        help="time budget (train.max_minutes): stop with a checkpoint, exit 75, before M "
+        "minutes from now run out",
     )
     p.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
     p.set_defaults(func=_cmd_train)

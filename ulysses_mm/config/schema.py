@@ -582,9 +582,63 @@ class TrainConfig:
         "([] = one stage: the run as configured).",
         factory=list,
     )
+    resume: Literal["auto", "always", "never", "restart"] = _help(
+        "auto: continue from the run directory's latest complete checkpoint when it has "
+        "one, else start fresh (a requeued job reruns the same command); always: a "
+        "checkpoint must be there (what --resume sets); never: start fresh, refused when "
+        "the run directory holds a run; restart: start fresh after moving the run "
+        "directory's run to RUN_DIR/previous/<time>/ (nothing is deleted).",
+        "auto",
+    )
+    max_minutes: float = _help(
+        "Time budget in minutes from the command's start (0 = none): the run stops with "
+        "a checkpoint (exit 75) when the next step and a save would not fit in what is left.",
+        0.0,
+        ge=0,
+    )
+    stop_signals: list[str] = _help(
+        "Signals that stop the run at the next step boundary with a checkpoint (exit 75); "
+        "a second one more than 2 s later ends it at once.",
+        factory=lambda: ["SIGTERM", "SIGINT", "SIGUSR1"],
+    )
+    stop_grace_s: int = _help(
+        "Seconds the --nproc launcher waits for its ranks to save and leave after it "
+        "forwarded a signal, before it kills them.",
+        600,
+        ge=1,
+    )
+    async_save: bool = _help(
+        "Write checkpoints on a background thread: a save stops training only while the "
+        "state is copied to host memory.",
+        True,
+    )
+    save_timeout_s: float = _help(
+        "A checkpoint still being written after this many seconds fails the run (a "
+        "stalled file system or object store).",
+        1800.0,
+        gt=0,
+    )
+    checkpoint_dir: str = _help(
+        "Where checkpoints go ('' = RUN_DIR/checkpoints); an fsspec URL such as "
+        "s3://bucket/prefix for clusters without a shared file system (each rank writes "
+        "locally and uploads in the background; latest is written last).",
+        "",
+    )
 
     def __post_init__(self) -> None:
         check_ranges("train", self)
+        import signal
+
+        for name in self.stop_signals:
+            if not isinstance(name, str) or not isinstance(
+                getattr(signal, name, None), signal.Signals
+            ):
+                raise ConfigError(
+                    f"train.stop_signals: {name!r} is not a signal name (SIGTERM, SIGINT, "
+                    "SIGUSR1, SIGUSR2, SIGHUP, ...)"
+                )
+            if name in ("SIGKILL", "SIGSTOP"):
+                raise ConfigError(f"train.stop_signals: {name} cannot be caught")
         for i, stage in enumerate(self.stages):
             where = f"train.stages[{i}]"
             if stage.steps < 1:

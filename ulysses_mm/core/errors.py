@@ -60,3 +60,14 @@ def first_line(e: BaseException) -> str:
     as a timeout's often is)."""
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+class Interrupted(UserError):
+    """A signal ended the command before it could stop cleanly (the launcher was
+    signalled, or a second signal came): exit 128 + the signal's number, as a shell
+    reports a process a signal ended."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+        self.exit_code = 128 + signum

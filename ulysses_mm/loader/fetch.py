@@ -33,6 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from ulysses_mm.core import storage
@@ -84,8 +85,15 @@ def _why(e: BaseException) -> str:
     return str(e) if isinstance(e, storage.ReadError) else first_line(e)
 
 
+class FetchInterrupted(Exception):
+    """A wait for a shard was given up because :attr:`Prefetcher.interrupt` said so (a
+    signal asked the run to stop)."""
+
+
 class Prefetcher:
-    """Loads keys on one background thread, ahead of need, within a byte budget."""
+    """Loads keys on one background thread, ahead of need, within a byte budget. While the
+    caller waits for a key, ``interrupt`` (when set) is asked every fraction of a second
+    whether to give up (:class:`FetchInterrupted`)."""
 
     def __init__(self, load: Callable[[Any], Any], max_bytes: int, keep: int = 3) -> None:
         self._load = load
@@ -99,6 +107,7 @@ class Prefetcher:
         self._closed = False
         self.waited_s = 0.0  # time the caller spent blocked on a result
         self.loaded_s = 0.0  # time the worker spent loading
+        self.interrupt: Callable[[], bool] | None = None
 
     def _work(self) -> None:
         while (item := self._queue.get()) is not None and not self._closed:
@@ -141,13 +150,24 @@ class Prefetcher:
             fut = self._submit(key)
         t0 = time.perf_counter()
         try:
-            result = fut.result()
+            result = self._wait(fut, key)
         finally:
             self.waited_s += time.perf_counter() - t0
         self._recent[key] = fut
         while len(self._recent) > self._keep:
             self._recent.popitem(last=False)
         return result
+
+    def _wait(self, fut: Future, key: Hashable) -> Any:
+        if self.interrupt is None:
+            return fut.result()
+        while True:
+            try:
+                return fut.result(timeout=0.1)
+            except FutureTimeout:
+                if self.interrupt():
+                    self._futures[key] = fut  # still wanted when the run goes on
+                    raise FetchInterrupted(f"gave up waiting for {key}") from None
 
     def schedule(self, upcoming: Sequence[tuple[Hashable, int]]) -> None:
         """``upcoming``: the next keys in the order they will be asked for, with sizes."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import io
 import tarfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -234,6 +234,11 @@ class ShardStream:
     def close(self) -> None:
         if self._prefetch is not None:
             self._prefetch.close()
+
+    def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None:
+        """Give up a wait for a shard when ``interrupt()`` is true (``FetchInterrupted``)."""
+        if self._prefetch is not None:
+            self._prefetch.interrupt = interrupt
 
     @property
     def waited_s(self) -> float:

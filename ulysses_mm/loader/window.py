@@ -29,7 +29,7 @@ a sample boundary.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,6 +206,9 @@ class WindowStream:
 
     def close(self) -> None:
         self.base.close()
+
+    def set_interrupt(self, interrupt: Callable[[], bool] | None) -> None:
+        self.base.set_interrupt(interrupt)
 
     @property
     def waited_s(self) -> float:

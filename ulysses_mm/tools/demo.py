@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -87,7 +88,8 @@ def run_demo(
             f"logging.sample_tokens={samples or 1}",
         ],
     )
-    result = run_train(cfg, nproc, resume=False)
+    shutil.rmtree(out_dir / "run", ignore_errors=True)  # the demo's own run: a fresh one each time
+    result = run_train(cfg, nproc)
 
     print("\n[3/3] plots")
     run_dir = Path(result["run_dir"])

@@ -11,12 +11,16 @@ Layout under ``RUN_DIR/checkpoints``::
         token_space.json      the model's token space
         tokenizers.json       the tokenizer specs of its training data (what ``generate``
                               and ``evaluate`` tokenize and decode with)
+        resume.json           the step, its stage and the stages trained so far (what a
+                              resumed run must keep)
     latest                    the tag of the newest COMPLETE checkpoint
 
-Every rank writes its DeepSpeed files, then all ranks meet at a barrier, and only then
-rank 0 replaces ``latest`` atomically (temporary file + rename). A crash at any point
-leaves ``latest`` on the previous complete checkpoint; DeepSpeed reads ``latest`` too,
-so its own ``load_checkpoint(dir)`` agrees. :func:`check_complete` checks that a
+Every rank writes its files (:mod:`~ulysses_mm.train.saver`, in the background), and only
+once every rank's are complete rank 0 replaces ``latest`` atomically (temporary file +
+rename). A crash at any point leaves ``latest`` on the previous complete checkpoint;
+DeepSpeed reads ``latest`` too, so its own ``load_checkpoint(dir)`` agrees. The directory
+may be an fsspec URL (:class:`CheckpointDir`): files are written locally, uploaded, and
+``latest`` is written last. :func:`check_complete` checks that a
 resumed checkpoint has those files, for the run's ZeRO stage, before any process
 starts. Loading goes through the engine's safe (``weights_only``) reader; nothing here
 unpickles.
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +38,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ulysses_mm.core.errors import DataError
+from ulysses_mm.core import storage
+from ulysses_mm.core.errors import DataError, StorageError
 from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 
@@ -41,6 +47,7 @@ LATEST = "latest"
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "run_config.yaml"
 TOKENIZERS_FILE = "tokenizers.json"
+RESUME_FILE = "resume.json"  # the run's stage table as trained so far (what a resume must keep)
 # DeepSpeed's optimizer partitions, one per rank (ZeRO >= 1; bf16_ before them in bf16)
 _OPTIM_PARTITIONS = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"
 
@@ -53,11 +60,6 @@ def _atomic_text(path: Path, text: str) -> None:
     atomic_write_local(path, text.encode())
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """Full model weights on rank 0 (None elsewhere); collective under ZeRO-3."""
     if engine.zero_optimization_stage() == 3:
@@ -67,46 +69,6 @@ def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-
-
-def save(
-    engine,
-    ckpt_dir: Path,
-    *,
-    step: int,
-    client_state: dict[str, Any],
-    config: dict[str, Any],
-    space: TokenSpace,
-    keep: int,
-    tokenizers: dict[str, Any] | None = None,
-) -> Path:
-    from safetensors.torch import save as save_safetensors
-
-    tag = tag_for(step)
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    if rank0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-    _barrier()
-    engine.save_checkpoint(
-        str(ckpt_dir), tag=tag, client_state={"step": step, **client_state}, save_latest=False
-    )
-    weights = consolidated_state_dict(engine)
-    if rank0:
-        path = ckpt_dir / tag
-        assert weights is not None
-        atomic_write_local(
-            path / MODEL_FILE, save_safetensors(weights, metadata={"step": str(step)})
-        )
-        _atomic_text(path / CONFIG_FILE, yaml.safe_dump(config, sort_keys=False))
-        _atomic_text(path / SPACE_FILE, json.dumps(space.to_dict(), indent=1) + "\n")
-        if tokenizers is not None:
-            _atomic_text(path / TOKENIZERS_FILE, json.dumps(tokenizers, indent=1) + "\n")
-    _barrier()  # every rank's files are on disk
-    if rank0:
-        _atomic_text(ckpt_dir / LATEST, tag + "\n")
-        prune(ckpt_dir, keep)
-    _barrier()
-    return ckpt_dir / tag
 
 
 def latest_tag(ckpt_dir: Path) -> str | None:
@@ -141,67 +103,84 @@ def model_states(zero_stage: int) -> str:
     return "mp_rank_00_model_states.pt"
 
 
-def _saved_zero_stage(path: Path) -> int | None:
-    """The ZeRO stage in the checkpoint's run_config.yaml (None when it records none)."""
-    f = path / CONFIG_FILE
-    if not f.is_file():
+def _saved_zero_stage(text: str | None, where: str) -> int | None:
+    """The ZeRO stage in a checkpoint's run_config.yaml text (None when it records none)."""
+    if text is None:
         return None
     try:
-        data = yaml.safe_load(f.read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise DataError(f"--resume: {f} is not readable YAML: {type(e).__name__}") from None
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise DataError(f"--resume: {where} is not readable YAML: {type(e).__name__}") from None
     ds = data.get("deepspeed") if isinstance(data, dict) else None
     stage = ds.get("zero_stage") if isinstance(ds, dict) else None
     return stage if isinstance(stage, int) else None
 
 
 def check_complete(path: Path, zero_stage: int, ranks: int | None = None) -> None:
-    """Checkpoint ``path`` (a tag directory) holds what resuming reads: DeepSpeed's model
-    states for ``deepspeed.zero_stage`` (each a readable torch zip archive), its
-    optimizer partitions under ZeRO >= 1, and the consolidated weights this module adds.
-    With ``ranks`` (this run's dp × sp), partitioned states must come from as many ranks:
-    DeepSpeed partitions them over dp × sp and does not re-partition them on load.
-    A :class:`DataError` names the path and the first missing file."""
+    """Local checkpoint ``path`` (a tag directory) is complete (:func:`check_files`), and
+    DeepSpeed's states are readable torch zip archives."""
     import zipfile
 
-    saved = _saved_zero_stage(path)
+    config = path / CONFIG_FILE
+    try:
+        text = config.read_text() if config.is_file() else None
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"--resume: {config} is not readable YAML: {type(e).__name__}") from None
+    names = sorted(p.name for p in path.iterdir() if p.is_file()) if path.is_dir() else []
+    for name in check_files(str(path), names, text, zero_stage, ranks):
+        if not zipfile.is_zipfile(path / name):
+            raise DataError(
+                f"--resume: {path / name} is not a torch checkpoint (truncated or empty?)"
+            )
+
+
+def check_files(
+    where: str, names: list[str], config_text: str | None, zero_stage: int, ranks: int | None
+) -> list[str]:
+    """Checkpoint ``where`` (its file ``names``) holds what resuming reads: DeepSpeed's
+    model states for ``deepspeed.zero_stage``, its optimizer partitions under ZeRO >= 1,
+    and the consolidated weights this module adds. With ``ranks`` (this run's dp × sp),
+    partitioned states must come from as many ranks: DeepSpeed partitions them over
+    dp × sp and does not re-partition them on load. A :class:`DataError` names the
+    checkpoint and the first missing file; returns DeepSpeed's state files."""
+    from fnmatch import fnmatch
+
+    saved = _saved_zero_stage(config_text, f"{where}/{CONFIG_FILE}")
     if saved is not None and saved != zero_stage:
         raise DataError(
-            f"--resume: checkpoint {path} was saved with deepspeed.zero_stage={saved}, this "
+            f"--resume: checkpoint {where} was saved with deepspeed.zero_stage={saved}, this "
             f"run has deepspeed.zero_stage={zero_stage}; DeepSpeed resumes only the stage it saved"
         )
     pattern = model_states(zero_stage)
-    found = sorted(path.glob(pattern))
+    found = [n for n in names if fnmatch(n, pattern)]
     if not found:
         other = model_states(0 if zero_stage == 3 else 3)
         hint = (
             f"; it holds {other}, written under another deepspeed.zero_stage"
-            if any(path.glob(other))
+            if any(fnmatch(n, other) for n in names)
             else ""
         )
         raise DataError(
-            f"--resume: checkpoint {path} has no {pattern} (DeepSpeed's model states for "
+            f"--resume: checkpoint {where} has no {pattern} (DeepSpeed's model states for "
             f"deepspeed.zero_stage={zero_stage}){hint}"
         )
-    partitions = sorted(path.glob(_OPTIM_PARTITIONS))
+    partitions = [n for n in names if fnmatch(n, _OPTIM_PARTITIONS)]
     if zero_stage >= 1 and not partitions:
         raise DataError(
-            f"--resume: checkpoint {path} has no zero_pp_rank_*_optim_states.pt (DeepSpeed's "
+            f"--resume: checkpoint {where} has no zero_pp_rank_*_optim_states.pt (DeepSpeed's "
             f"optimizer partitions for deepspeed.zero_stage={zero_stage})"
         )
     saved_ranks = len(partitions) or (len(found) if zero_stage == 3 else None)
     if ranks is not None and saved_ranks is not None and saved_ranks != ranks:
         raise DataError(
-            f"--resume: checkpoint {path} holds the ZeRO partitions of {saved_ranks} ranks, "
+            f"--resume: checkpoint {where} holds the ZeRO partitions of {saved_ranks} ranks, "
             f"this run has dp × sp = {ranks}; DeepSpeed reloads partitioned states only onto "
-            f"as many ranks (resume on {saved_ranks} ranks, or `ulysses-mm export {path} DIR` "
+            f"as many ranks (resume on {saved_ranks} ranks, or `ulysses-mm export {where} DIR` "
             "and start a new run with model.init_from=DIR)"
         )
-    for f in found + partitions:
-        if not zipfile.is_zipfile(f):
-            raise DataError(f"--resume: {f} is not a torch checkpoint (truncated or empty?)")
-    if not (path / MODEL_FILE).is_file():
-        raise DataError(f"--resume: checkpoint {path} has no {MODEL_FILE}; it is incomplete")
+    if MODEL_FILE not in names:
+        raise DataError(f"--resume: checkpoint {where} has no {MODEL_FILE}; it is incomplete")
+    return found + partitions
 
 
 def prune(ckpt_dir: Path, keep: int) -> None:
@@ -250,3 +229,109 @@ def read_checkpoint_dir(path: Path) -> Path:
         if tag is not None:
             return candidate / tag
     raise DataError(f"{path}: no checkpoint found (expected {MODEL_FILE} or a '{LATEST}' pointer)")
+
+
+class CheckpointDir:
+    """``train.checkpoint_dir``: a local directory or an fsspec URL (``s3://…``), with what
+    the run does there (the pointer, the tags' files, uploads, downloads, pruning)."""
+
+    def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.options = dict(options or {})
+
+    @classmethod
+    def of(cls, cfg: Any) -> CheckpointDir:
+        """The run config's checkpoint directory (storage options: ``data.storage_options``)."""
+        t = cfg.train
+        url = t.checkpoint_dir or str(Path(t.out_dir) / "checkpoints")
+        return cls(url, cfg.data.storage_options)
+
+    @property
+    def is_local(self) -> bool:
+        return storage.is_local(self.url)
+
+    @property
+    def local_path(self) -> Path:
+        return storage.local_path(self.url)
+
+    def url_of(self, tag: str, name: str = "") -> str:
+        return f"{self.url}/{tag}" + (f"/{name}" if name else "")
+
+    def latest_tag(self) -> str | None:
+        """The tag ``latest`` names (None without one); see :func:`latest_tag`."""
+        if self.is_local:
+            return latest_tag(self.local_path)
+        pointer = f"{self.url}/{LATEST}"
+        if not storage.exists(pointer, self.options):
+            return None
+        try:
+            tag = storage.read_bytes(pointer, self.options).decode().strip()
+        except UnicodeDecodeError:
+            raise DataError(f"cannot read the checkpoint pointer {pointer}: not text") from None
+        if not tag or "/" in tag or tag in (".", "..") or not tag.isprintable():
+            raise DataError(f"{pointer} names {tag!r}, which is not a checkpoint directory")
+        if not self.names(tag):
+            raise DataError(f"{pointer} names {tag}, which does not exist")
+        return tag
+
+    def names(self, tag: str) -> list[str]:
+        """The file names of checkpoint ``tag``."""
+        if self.is_local:
+            path = self.local_path / tag
+            return sorted(p.name for p in path.iterdir() if p.is_file()) if path.is_dir() else []
+        try:
+            return sorted(storage.list_names(self.url_of(tag), self.options))
+        except (FileNotFoundError, StorageError):
+            return []
+
+    def read_text(self, tag: str, name: str) -> str | None:
+        url = self.url_of(tag, name)
+        if not storage.exists(url, self.options):
+            return None
+        return storage.read_bytes(url, self.options).decode()
+
+    def set_latest(self, tag: str) -> None:
+        if self.is_local:
+            _atomic_text(self.local_path / LATEST, tag + "\n")
+        else:
+            storage.atomic_write(f"{self.url}/{LATEST}", (tag + "\n").encode(), self.options)
+
+    def upload(self, tag: str, local_file: Path) -> None:
+        """Copy ``local_file`` to ``tag/`` here (a temporary key, then moved)."""
+        fs, path = storage.url_to_fs(self.url_of(tag, local_file.name), self.options)
+        tmp = f"{path}.partial"
+        fs.put_file(str(local_file), tmp)
+        fs.mv(tmp, path)
+
+    def download(self, tag: str, dest: Path) -> Path:
+        """Checkpoint ``tag`` as a local directory ``dest/tag`` beside a ``latest`` naming
+        it (what DeepSpeed's loader reads); returns ``dest``."""
+        (dest / tag).mkdir(parents=True, exist_ok=True)
+        for name in self.names(tag):
+            if name.endswith(".partial"):
+                continue
+            data = storage.read_bytes(self.url_of(tag, name), self.options)
+            atomic_write_local(dest / tag / name, data)
+        _atomic_text(dest / LATEST, tag + "\n")
+        return dest
+
+    def prune(self, keep: int) -> None:
+        """Remove checkpoints older than the newest ``keep`` complete ones."""
+        if self.is_local:
+            prune(self.local_path, keep)
+            return
+        current = self.latest_tag()
+        if current is None or keep <= 0:
+            return
+        fs, root = storage.url_to_fs(self.url, self.options)
+        tags = sorted(
+            p.rstrip("/").rsplit("/", 1)[-1]
+            for p in fs.ls(root, detail=False)
+            if p.rstrip("/").rsplit("/", 1)[-1].startswith("step_")
+        )
+        complete = [t for t in tags if t <= current]
+        for tag in complete[:-keep]:
+            fs.rm(f"{root}/{tag}", recursive=True)
+
+    def describe(self) -> str:
+        return self.url

@@ -11,16 +11,18 @@ resumed run's checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from ulysses_mm.config import RunConfig, Stage, run_stages
+from ulysses_mm.config import RunConfig, Stage, run_stages, stage_of, to_dict
 from ulysses_mm.core.errors import ConfigError, DataError, UserError
 from ulysses_mm.core.layout import check_layout
-from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 from ulysses_mm.loader.mixing import modality_pools
 from ulysses_mm.loader.order import check_enough_samples
 from ulysses_mm.loader.window import check_enough_windows
@@ -53,6 +55,7 @@ class RunPlan:
     modalities: list[dict[str, float]] = field(default_factory=list)  # per source ({} = none)
     stages: list[Stage] = field(default_factory=list)  # the run's, each a whole run config
     windows: bool = False  # samples cut into windows of each stage's length
+    resumed: dict[str, Any] = field(default_factory=dict)  # the checkpoint's resume.json
 
     @property
     def stream_sources(self) -> list[tuple[Manifest, float, dict[str, float]]]:
@@ -148,11 +151,13 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
             dp, seq_len = _check_stage(stage, world, sources, modalities, eval_manifest)
         dps.append(dp)
         seq_lens.append(seq_len)
+    resumed: dict[str, Any] = {}
     if resume:
-        check_resume(cfg, space, ranks=dps[0] * stages[0].cfg.parallel.sp)
+        ranks = dps[0] * stages[0].cfg.parallel.sp
+        resumed = check_resume(cfg, space, manifest.seq_len, ranks=ranks)
     windows = staged or any(seq_lens[0] != m.seq_len for m, _ in sources)
     return RunPlan(
-        manifest, eval_manifest, space, seq_lens[0], sources, modalities, stages, windows
+        manifest, eval_manifest, space, seq_lens[0], sources, modalities, stages, windows, resumed
     )
 
 
@@ -197,21 +202,172 @@ def _check_stage(
     return dp, seq_len
 
 
-def check_resume(cfg: RunConfig, space: TokenSpace, ranks: int | None = None) -> None:
-    """A resumed run has a checkpoint: ``latest`` names a directory beside it that holds
-    every file resuming reads (for this run's ZeRO stage and, with ``ranks``, its number of
-    partitions), trained on this run's token space."""
-    ckpt_dir = Path(cfg.train.out_dir) / "checkpoints"
-    tag = checkpoint.latest_tag(ckpt_dir)
-    if tag is None:
-        raise DataError(f"--resume: no checkpoint to resume from in {ckpt_dir} (no 'latest' file)")
-    checkpoint.check_complete(ckpt_dir / tag, cfg.deepspeed.zero_stage, ranks)
-    saved = checkpoint.saved_token_space(ckpt_dir / tag)
-    if saved is not None and saved != space:
-        raise DataError(
-            f"--resume: checkpoint {ckpt_dir / tag} was trained on the "
-            f"{saved.describe()}, but this run's is the {space.describe()}"
+ARCHITECTURE = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "qk_norm",
+    "attention_bias",
+)
+
+
+def resume_record(stages: list[Stage], step: int, shard_len: int) -> dict[str, Any]:
+    """What a checkpoint at ``step`` keeps of the run (``resume.json``): the stages trained
+    so far, each by what makes it that stage (its steps, length and RoPE), and the model's
+    architecture."""
+    current = stage_of(stages, step - 1) if step else stages[0]
+    model = stages[0].cfg.model
+    return {
+        "step": step,
+        "stage": current.index,
+        "stages": [_stage_row(s, shard_len) for s in stages[: current.index + 1]],
+        "architecture": {k: getattr(model, k) for k in ARCHITECTURE},
+    }
+
+
+def _stage_row(stage: Stage, shard_len: int) -> dict[str, Any]:
+    return {
+        "start": stage.start,
+        "steps": stage.steps,
+        "seq_len": stage.seq_len or shard_len,
+        "rope": to_dict(stage.cfg.model.rope),
+    }
+
+
+def check_resume_matches(saved: dict[str, Any], cfg: RunConfig, where: str, shard_len: int) -> None:
+    """A run resumed from checkpoint ``where`` (its ``resume.json`` ``saved``) trains what
+    the checkpoint was trained as: the same architecture, its stage and every stage before
+    it unchanged (steps, length, RoPE), and steps left to run. What elastic resume allows
+    (dp, micro-batch, the SP layout, stages after the checkpoint's) may change."""
+    step = int(saved.get("step", 0))
+    if cfg.train.steps < step:
+        raise ConfigError(
+            f"train.steps={cfg.train.steps} but checkpoint {where} is at step {step}; raise "
+            f"train.steps above {step} to train on, or export the checkpoint"
         )
+    arch = saved.get("architecture", {})
+    for key, value in arch.items():
+        now = getattr(cfg.model, key)
+        if now != value:
+            raise ConfigError(
+                f"model.{key}={now} but checkpoint {where} was trained with {value}; a resumed "
+                "run keeps the model's architecture (start a new run with model.init_from)"
+            )
+    stages = run_stages(cfg)
+    rows = saved.get("stages", [])
+    staged = bool(cfg.train.stages)
+    for i, row in enumerate(rows):
+        if i >= len(stages):
+            raise ConfigError(
+                f"checkpoint {where} was trained in train.stages[{i}] (steps "
+                f"{row['start'] + 1}-{row['start'] + row['steps']}), which this config "
+                f"{'no longer has' if staged else 'lacks (train.stages is empty)'}; a resumed "
+                "run keeps the stages it has trained"
+            )
+        now = _stage_row(stages[i], shard_len)
+        last = i == len(rows) - 1
+        name_of = stages[i].key if staged else "the run"
+        if last and now["start"] < step and now["start"] + now["steps"] < step:
+            raise ConfigError(
+                f"{name_of}: it ends at step {now['start'] + now['steps']}, but checkpoint "
+                f"{where} was saved inside it at step {step}; a resumed run keeps the stages "
+                "it has trained"
+            )
+        for key in ("start", "steps", "seq_len", "rope"):
+            if key == "steps" and last:
+                continue  # the checkpoint's own stage may grow, or shrink down to its step
+            if now[key] != row[key]:
+                name = {"start": "start step", "steps": "steps", "seq_len": "data.seq_len"}.get(
+                    key, "model.rope"
+                )
+                shown = (lambda v: v) if key != "rope" else _rope_text
+                raise ConfigError(
+                    f"{name_of}: its {name} is "
+                    f"{shown(now[key])}, but checkpoint {where} (step {step}) was trained with "
+                    f"{shown(row[key])}; a resumed run keeps the stages it has trained (stages "
+                    "after the checkpoint's may change)"
+                )
+
+
+def _rope_text(rope: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in rope.items() if v is not None)
+
+
+def check_resume(
+    cfg: RunConfig, space: TokenSpace, shard_len: int, ranks: int | None = None
+) -> dict[str, Any]:
+    """A resumed run has a checkpoint: ``latest`` names a checkpoint that holds every file
+    resuming reads (for this run's ZeRO stage and, with ``ranks``, its number of
+    partitions), trained on this run's token space and as this config trains it
+    (:func:`check_resume_matches`). Returns its ``resume.json`` record ({} when it has none)."""
+    ckpt = checkpoint.CheckpointDir.of(cfg)
+    tag = ckpt.latest_tag()
+    if tag is None:
+        raise DataError(
+            f"--resume: no checkpoint to resume from in {ckpt.describe()} (no 'latest' file)"
+        )
+    where = ckpt.url_of(tag)
+    if ckpt.is_local:
+        checkpoint.check_complete(ckpt.local_path / tag, cfg.deepspeed.zero_stage, ranks)
+    else:
+        names = ckpt.names(tag)
+        text = ckpt.read_text(tag, checkpoint.CONFIG_FILE)
+        checkpoint.check_files(where, names, text, cfg.deepspeed.zero_stage, ranks)
+    text = ckpt.read_text(tag, SPACE_FILE)
+    if text is not None:
+        try:
+            saved_space = TokenSpace.from_dict(json.loads(text))
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{where}/{SPACE_FILE}: not a token space: {e}") from None
+        if saved_space != space:
+            raise DataError(
+                f"--resume: checkpoint {where} was trained on the "
+                f"{saved_space.describe()}, but this run's is the {space.describe()}"
+            )
+    text = ckpt.read_text(tag, checkpoint.RESUME_FILE)
+    record: dict[str, Any] = {}
+    if text is not None:
+        try:
+            record = json.loads(text)
+        except ValueError:
+            raise DataError(f"{where}/{checkpoint.RESUME_FILE} is not JSON") from None
+        check_resume_matches(record, cfg, where, shard_len)
+    return record
+
+
+def holds_a_run(cfg: RunConfig) -> str | None:
+    """What in the run directory (or the checkpoint directory) says a run is there: a
+    checkpoint pointer or metrics (None: nothing)."""
+    ckpt = checkpoint.CheckpointDir.of(cfg)
+    tag = ckpt.latest_tag()
+    if tag is not None:
+        return f"checkpoint {ckpt.url_of(tag)}"
+    metrics = Path(cfg.train.out_dir) / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size:
+        return f"metrics {metrics}"
+    return None
+
+
+def resolve_resume(cfg: RunConfig) -> bool:
+    """``train.resume`` against the run directory: whether this run resumes. ``auto``
+    resumes when there is a checkpoint; ``never`` refuses a directory that holds a run;
+    ``restart`` first moves such a run aside (:func:`set_aside`, in the parent only)."""
+    mode = cfg.train.resume
+    if mode == "always":
+        return True
+    if mode == "auto":
+        return checkpoint.CheckpointDir.of(cfg).latest_tag() is not None
+    found = holds_a_run(cfg)
+    if found is not None and mode == "never":
+        raise ConfigError(
+            f"train.resume=never but {cfg.train.out_dir} holds a run ({found}); continue it "
+            "with train.resume=auto, start over with train.resume=restart (the old run is "
+            "moved to RUN_DIR/previous/), or choose another train.out_dir"
+        )
+    return False
 
 
 def check_loader_config(cfg: RunConfig, sources: list[tuple[Manifest, float]]) -> None:

@@ -1,0 +1,296 @@
+"""Saving without stopping: a checkpoint is copied to host memory while the step loop
+waits, then written (and, for a remote ``train.checkpoint_dir``, uploaded) by one
+background thread per rank; ``latest`` moves only once every rank's files are complete.
+
+DeepSpeed writes its files through a pluggable ``CheckpointEngine``;
+:class:`SnapshotEngine` is one whose ``save`` copies the state dict off the accelerator
+(into pinned host memory on a GPU, a clone on the CPU: the live tensors change at the next
+step) and hands the file to the :class:`Writer`. DeepSpeed's own asynchronous engines are
+not used: its ``DecoupledCheckpointEngine`` writes from a subprocess through the
+FastCheckpointEngine's async-io op (libaio) and waits on it without a bound, and
+DataStates is a separate package that is not on PyPI.
+
+The ranks learn that every rank's files are done from the flags they already all-reduce at
+each step boundary (:func:`~ulysses_mm.train.stop.agree`), so completing a checkpoint costs
+no collective of its own and no rank ever waits for another's disk. A write that fails
+fails the run with one line naming the checkpoint; a write still running after
+``train.save_timeout_s`` does too (a stalled file system or object store).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from ulysses_mm.core.errors import StorageError
+from ulysses_mm.core.storage import atomic_write_local
+from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
+from ulysses_mm.train import checkpoint
+from ulysses_mm.train.checkpoint import CONFIG_FILE, MODEL_FILE, TOKENIZERS_FILE, CheckpointDir
+
+
+def snapshot(obj: Any, pin: bool = False) -> Any:
+    """``obj`` with every tensor copied to host memory (containers rebuilt, so later
+    changes to the live state do not reach the copy)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type == "cpu":
+            return t.clone()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
+        return host.copy_(t, non_blocking=pin)
+    if isinstance(obj, dict):
+        return type(obj)((k, snapshot(v, pin)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [snapshot(v, pin) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(snapshot(v, pin) for v in obj)
+    return obj
+
+
+class Writer:
+    """Runs write jobs in order on one daemon thread (or at once, when not asynchronous).
+    :meth:`done` and :meth:`wait` raise the first job's error, as one line naming what it
+    wrote."""
+
+    def __init__(self, asynchronous: bool) -> None:
+        self.asynchronous = asynchronous
+        self._jobs: queue.SimpleQueue[tuple[str, Callable[[], None]] | None] = queue.SimpleQueue()
+        self._pending = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def put(self, what: str, job: Callable[[], None]) -> None:
+        if not self.asynchronous:
+            self._run(what, job)
+            self._raise()
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._work, name="checkpoint-writer", daemon=True
+            )
+            self._thread.start()
+        with self._lock:
+            self._pending += 1
+        self._jobs.put((what, job))
+
+    def _run(self, what: str, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as e:  # reaches the step loop at its next look
+            with self._lock:
+                if self._error is None:
+                    why = str(e).strip().splitlines()
+                    self._error = StorageError(
+                        f"{what}: {type(e).__name__}: {why[0] if why else ''}".rstrip(": ")
+                    )
+
+    def _work(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            self._run(*item)
+            with self._lock:
+                self._pending -= 1
+                self._idle.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def done(self) -> bool:
+        """Whether every job put so far has finished (raises a job's error)."""
+        self._raise()
+        with self._lock:
+            return self._pending == 0
+
+    def wait(self, timeout_s: float, what: str) -> None:
+        """Block until every job has finished; a :class:`StorageError` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while self._pending and self._error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StorageError(
+                        f"{what} is still being written after {timeout_s:.0f} s "
+                        "(train.save_timeout_s): is the file system or object store stalled?"
+                    )
+                self._idle.wait(min(left, 1.0))
+        self._raise()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+
+
+def snapshot_engine_class():
+    """DeepSpeed's checkpoint engine interface with :func:`snapshot` in ``save`` and the
+    write handed to a :class:`Writer` (loading stays the safe ``weights_only`` reader)."""
+    from ulysses_mm.train.engine import safe_engine_class
+
+    base = safe_engine_class()
+
+    class SnapshotEngine(base):  # type: ignore[misc, valid-type]
+        def __init__(self, config_params: Any, writer: Writer, pin: bool) -> None:
+            super().__init__(config_params)
+            self.writer = writer
+            self.pin = pin
+            self.written: list[Path] = []  # this rank's files of the checkpoint being saved
+
+        def create(self, info: Any) -> None:
+            self.written = []
+
+        def save(self, state_dict: Any, path: str) -> None:
+            copy = snapshot(state_dict, self.pin)
+            if self.pin:
+                torch.cuda.synchronize()  # the copies landed before the step changes them
+            target = Path(path)
+            self.written.append(target)
+            self.writer.put(str(target), lambda: _torch_save(copy, target))
+
+        def commit(self, info: Any) -> bool:
+            return True
+
+    return SnapshotEngine
+
+
+def _torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` through a temporary sibling and a rename: a file is whole or absent."""
+    from ulysses_mm.core.storage import atomic_local_file
+
+    with atomic_local_file(path) as f:
+        torch.save(obj, f)
+
+
+@dataclass
+class Pending:
+    """A checkpoint whose files are being written: committed once every rank's are."""
+
+    step: int
+    tag: str
+    started: float
+    blocked_s: float = 0.0
+    files: list[Path] = field(default_factory=list)
+
+
+class Saver:
+    """One rank's side of saving: :meth:`start` (blocking only for the copy), then
+    :meth:`local_done` at each step boundary, :meth:`commit` once every rank is done."""
+
+    def __init__(self, engine, ckpt: CheckpointDir, staging: Path, cfg_train: Any) -> None:
+        self.engine = engine
+        self.ckpt = ckpt
+        self.staging = staging if not ckpt.is_local else ckpt.local_path
+        self.keep = cfg_train.keep_checkpoints
+        self.timeout_s = cfg_train.save_timeout_s
+        self.writer = Writer(cfg_train.async_save)
+        self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        pin = torch.cuda.is_available() and next(engine.module.parameters()).is_cuda
+        engine.checkpoint_engine = snapshot_engine_class()(engine._config, self.writer, pin)
+        self.pending: Pending | None = None
+        self.saves: list[tuple[float, float]] = []  # (blocking s, written s) of each save
+
+    def start(
+        self,
+        step: int,
+        client_state: dict[str, Any],
+        config: dict[str, Any],
+        space: TokenSpace,
+        tokenizers: dict[str, Any] | None,
+    ) -> Pending:
+        """Copy this step's state and queue its files. Collective (DeepSpeed's barriers;
+        ZeRO-3 gathers the weights)."""
+        from safetensors.torch import save as save_safetensors
+
+        assert self.pending is None, "a save is in flight: finish it first"
+        t0 = time.perf_counter()
+        tag = checkpoint.tag_for(step)
+        if self.rank0:
+            self.staging.mkdir(parents=True, exist_ok=True)
+        self.engine.save_checkpoint(
+            str(self.staging),
+            tag=tag,
+            client_state={"step": step, **client_state},
+            save_latest=False,
+        )
+        files = list(self.engine.checkpoint_engine.written)
+        weights = checkpoint.consolidated_state_dict(self.engine)
+        path = self.staging / tag
+        if self.rank0:
+            assert weights is not None
+            weights = {k: v.clone() for k, v in weights.items()}
+            texts = {
+                CONFIG_FILE: yaml.safe_dump(config, sort_keys=False),
+                SPACE_FILE: json.dumps(space.to_dict(), indent=1) + "\n",
+                checkpoint.RESUME_FILE: json.dumps(client_state.get("resume", {}), indent=1) + "\n",
+            }
+            if tokenizers is not None:
+                texts[TOKENIZERS_FILE] = json.dumps(tokenizers, indent=1) + "\n"
+
+            def write_rank0() -> None:
+                blob = save_safetensors(weights, metadata={"step": str(step)})
+                atomic_write_local(path / MODEL_FILE, blob)
+                for name, text in texts.items():
+                    atomic_write_local(path / name, text.encode())
+
+            self.writer.put(str(path), write_rank0)
+            files += [path / MODEL_FILE, *(path / name for name in texts)]
+        if not self.ckpt.is_local:
+            self.writer.put(str(self.ckpt.url_of(tag)), lambda: self._upload(tag, files))
+        pending = Pending(step, tag, t0, files=files)
+        pending.blocked_s = time.perf_counter() - t0
+        self.pending = pending
+        return pending
+
+    def _upload(self, tag: str, files: list[Path]) -> None:
+        for f in files:
+            self.ckpt.upload(tag, f)
+        for f in files:
+            f.unlink(missing_ok=True)
+
+    def local_done(self) -> bool:
+        """Whether this rank has nothing in flight (raises a failed write's error)."""
+        if self.pending is None:
+            return True
+        if time.perf_counter() - self.pending.started > self.timeout_s and not self.writer.done():
+            self.writer.wait(0.0, self.describe())
+        return self.writer.done()
+
+    def describe(self) -> str:
+        assert self.pending is not None
+        return f"checkpoint {self.ckpt.url_of(self.pending.tag)}"
+
+    def wait(self) -> None:
+        """Block until this rank's files of the pending checkpoint are written."""
+        if self.pending is None:
+            return
+        left = self.timeout_s - (time.perf_counter() - self.pending.started)
+        self.writer.wait(max(left, 0.0), self.describe())
+
+    def commit(self) -> Pending | None:
+        """Every rank's files are complete (the caller knows it from the agreement): rank 0
+        moves ``latest`` to the pending checkpoint and prunes old ones."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        if self.rank0:
+            self.ckpt.set_latest(pending.tag)
+            self.ckpt.prune(self.keep)
+            if not self.ckpt.is_local:
+                shutil.rmtree(self.staging / pending.tag, ignore_errors=True)
+        written = time.perf_counter() - pending.started
+        self.saves.append((pending.blocked_s, written))
+        return pending
+
+    def close(self) -> None:
+        self.writer.close()
