@@ -1,4 +1,5 @@
-"""The checkpoint pointer: replaced only after a checkpoint is complete; old ones pruned."""
+"""The checkpoint pointer: replaced only after a checkpoint is complete (written in the
+background or not); old ones pruned; a failed or stalled background write is one line."""
 
 from __future__ import annotations
 
@@ -7,19 +8,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from ulysses_mm.core.errors import DataError
+from ulysses_mm.config import TrainConfig
+from ulysses_mm.core.errors import DataError, StorageError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.train import checkpoint
+from ulysses_mm.train.checkpoint import CheckpointDir
+from ulysses_mm.train.saver import Saver, Writer, snapshot
 
 SPACE = TokenSpace.from_vocab({"dna": 10})
 
 
 class FakeEngine:
-    """What checkpoint.save needs of a DeepSpeed engine; can crash mid-save."""
+    """What the saver needs of a DeepSpeed engine: its files go through
+    ``checkpoint_engine.save`` as DeepSpeed's do; can crash mid-save, in the blocking
+    part (``crash``) or in the background write (``fail_write``)."""
 
-    def __init__(self, crash: bool = False) -> None:
+    _config = None
+
+    def __init__(self, crash: bool = False, fail_write: bool = False) -> None:
         self.crash = crash
+        self.fail_write = fail_write
         self.module = torch.nn.Linear(2, 2)
+        self.checkpoint_engine = None
 
     def zero_optimization_stage(self) -> int:
         return 0
@@ -27,21 +37,26 @@ class FakeEngine:
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         assert save_latest is False  # the pointer is ours to write
         (Path(save_dir) / tag).mkdir(parents=True, exist_ok=True)
-        (Path(save_dir) / tag / "mp_rank_00_model_states.pt").write_bytes(b"partial")
+        self.checkpoint_engine.create(None)
+        state = {"module": self.module.state_dict(), **client_state}
+        if self.fail_write:
+            state["unpicklable"] = lambda: None  # torch.save fails on the writer thread
+        self.checkpoint_engine.save(state, str(Path(save_dir) / tag / "mp_rank_00_model_states.pt"))
         if self.crash:
             raise RuntimeError("disk full")
 
 
-def _save(root: Path, step: int, engine=None, keep: int = 2) -> Path:
-    return checkpoint.save(
-        engine or FakeEngine(),
-        root,
-        step=step,
-        client_state={"loader": {"position": step}},
-        config={"train": {}},
-        space=SPACE,
-        keep=keep,
-    )
+def _saver(root: Path, engine=None, keep: int = 2, asynchronous: bool = False) -> Saver:
+    t = TrainConfig(keep_checkpoints=keep, async_save=asynchronous, save_timeout_s=30)
+    return Saver(engine or FakeEngine(), CheckpointDir(str(root)), root / "staging", t)
+
+
+def _save(root: Path, step: int, engine=None, keep: int = 2, asynchronous: bool = False) -> Path:
+    saver = _saver(root, engine, keep, asynchronous)
+    saver.start(step, {"loader": {"position": step}}, {"train": {}}, SPACE, None)
+    saver.wait()
+    saver.commit()
+    return root / checkpoint.tag_for(step)
 
 
 def test_latest_moves_only_when_a_checkpoint_is_complete(tmp_path):
@@ -106,3 +121,54 @@ def test_a_saved_checkpoint_is_complete_and_a_partial_one_is_not(tmp_path):
     (done / "run_config.yaml").write_text("deepspeed: [\n")
     with pytest.raises(DataError, match="run_config.yaml is not readable YAML"):
         checkpoint.check_complete(done, 0)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_save_writes_every_file_and_the_pointer_last(tmp_path, asynchronous):
+    engine = FakeEngine()
+    saver = _saver(tmp_path, engine, asynchronous=asynchronous)
+    pending = saver.start(5, {"loader": {"position": 5}}, {"train": {}}, SPACE, {"t": 1})
+    with torch.no_grad():
+        engine.module.weight.add_(1.0)  # the next step changes the live weights
+    saver.wait()
+    assert checkpoint.latest_tag(tmp_path) is None  # not before every rank's files are done
+    assert saver.commit() is pending
+    assert checkpoint.latest_tag(tmp_path) == "step_00000005"
+    checkpoint.check_complete(tmp_path / "step_00000005", 0)
+    saved = torch.load(tmp_path / "step_00000005" / "mp_rank_00_model_states.pt")
+    assert torch.equal(saved["module"]["weight"] + 1.0, engine.module.weight.detach())
+    assert len(saver.saves) == 1 and saver.saves[0][0] <= saver.saves[0][1]
+
+
+def test_a_failed_background_write_is_one_line_and_latest_stays(tmp_path):
+    _save(tmp_path, 10)
+    saver = _saver(tmp_path, FakeEngine(fail_write=True), asynchronous=True)
+    saver.start(20, {"loader": {}}, {"train": {}}, SPACE, None)
+    with pytest.raises(StorageError, match="mp_rank_00_model_states.pt: "):
+        saver.wait()
+    assert checkpoint.latest_tag(tmp_path) == "step_00000010"
+    assert not (tmp_path / "step_00000020" / "mp_rank_00_model_states.pt").exists()
+
+
+def test_a_stalled_writer_times_out_in_one_line():
+    import threading
+
+    writer = Writer(asynchronous=True)
+    gate = threading.Event()
+    writer.put("checkpoint s3://b/step_00000003", gate.wait)
+    assert not writer.done()
+    with pytest.raises(StorageError, match="still being written after 0 s"):
+        writer.wait(0.2, "checkpoint s3://b/step_00000003")
+    gate.set()
+    writer.wait(5.0, "x")
+    assert writer.done()
+    writer.close()
+
+
+def test_a_snapshot_does_not_follow_the_live_state():
+    live = {"a": torch.ones(3), "b": [torch.zeros(2), 4], "c": (torch.ones(1),)}
+    copy = snapshot(live)
+    live["a"].add_(1)
+    live["b"][0].add_(1)
+    assert copy["a"].tolist() == [1, 1, 1] and copy["b"][0].tolist() == [0, 0]
+    assert copy["b"][1] == 4 and isinstance(copy["c"], tuple)
