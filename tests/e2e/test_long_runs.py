@@ -299,7 +299,11 @@ def test_an_s3_server_gone_mid_upload_is_one_line(data, s3_server):
     )
     fs = fsspec.filesystem("s3", **opts)
     proc = subprocess.Popen(
-        _command(cfg), cwd=REPO, env=_env(), stderr=subprocess.PIPE, text=True,
+        _command(cfg),
+        cwd=REPO,
+        env=_env(),
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
     try:

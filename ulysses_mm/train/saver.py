@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ulysses_mm.core.errors import StorageError
+from ulysses_mm.core.errors import StorageError, first_line
 from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 from ulysses_mm.train import checkpoint
@@ -92,10 +92,7 @@ class Writer:
         except BaseException as e:  # reaches the step loop at its next look
             with self._lock:
                 if self._error is None:
-                    why = str(e).strip().splitlines()
-                    self._error = StorageError(
-                        f"{what}: {type(e).__name__}: {why[0] if why else ''}".rstrip(": ")
-                    )
+                    self._error = StorageError(f"{what}: {first_line(e)}")
 
     def _work(self) -> None:
         while (item := self._jobs.get()) is not None:
@@ -284,8 +281,13 @@ class Saver:
         if pending is None:
             return None
         if self.rank0:
-            self.ckpt.set_latest(pending.tag)
-            self.ckpt.prune(self.keep)
+            try:
+                self.ckpt.set_latest(pending.tag)
+                self.ckpt.prune(self.keep)
+            except Exception as e:  # a storage failure is the checkpoint's one line
+                raise StorageError(
+                    f"checkpoint {self.ckpt.url_of(pending.tag)}: {first_line(e)}"
+                ) from None
             if not self.ckpt.is_local:
                 shutil.rmtree(self.staging / pending.tag, ignore_errors=True)
         written = time.perf_counter() - pending.started
