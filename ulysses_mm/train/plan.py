@@ -260,7 +260,7 @@ def check_resume_matches(saved: dict[str, Any], cfg: RunConfig, where: str, shar
     rows = saved.get("stages", [])
     staged = bool(cfg.train.stages)
     for i, row in enumerate(rows):
-        if i >= len(stages):
+        if i >= len(stages) or (not staged and len(rows) > 1):
             raise ConfigError(
                 f"checkpoint {where} was trained in train.stages[{i}] (steps "
                 f"{row['start'] + 1}-{row['start'] + row['steps']}), which this config "
