@@ -233,14 +233,16 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _mapped_semaphores() -> set[str]:
-    """The ``/dev/shm`` files some live process has mapped (an open semaphore is mapped)."""
-    mapped: set[str] = set()
+def _mapped_shm() -> set[int]:
+    """The inodes of the ``/dev/shm`` files some live process has mapped (an open
+    semaphore is mapped, under the temporary name it was made with: hence inodes)."""
+    mapped: set[int] = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         with contextlib.suppress(OSError):
             for line in maps.read_text().splitlines():
-                if "/dev/shm/" in line:
-                    mapped.add(line.rsplit("/", 1)[-1].split(" ")[0])
+                fields = line.split()
+                if len(fields) >= 6 and fields[5].startswith("/dev/shm/"):
+                    mapped.add(int(fields[4]))
     return mapped
 
 
@@ -261,11 +263,15 @@ def remove_leftovers(logs: Path) -> list[str]:
         shutil.rmtree(logs / "agent", ignore_errors=True)
         removed.append(str(logs / "agent"))
     if _SEMAPHORES.is_dir():
-        held = _mapped_semaphores()
+        held = _mapped_shm()
         for sem in _SEMAPHORES.glob("sem.mp-*"):
             with contextlib.suppress(OSError):
                 st = sem.stat()
-                if st.st_uid == os.getuid() and st.st_mtime >= started - 1 and sem.name not in held:
+                if (
+                    st.st_uid == os.getuid()
+                    and st.st_mtime >= started - 1
+                    and st.st_ino not in held
+                ):
                     sem.unlink()
                     removed.append(str(sem))
     record.unlink(missing_ok=True)
