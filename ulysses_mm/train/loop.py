@@ -324,7 +324,8 @@ class Trainer:
                 "loader": loader if loader is not None else self.stream.state_dict(),
                 "stage": stage.index,
                 "stage_step": self.step - stage.start,
-                "resume": resume_record(self.stages, self.step, self.manifest.seq_len),
+                # the stages as configured (the live ones' model configs follow the model)
+                "resume": resume_record(run_stages(self.cfg), self.step, self.manifest.seq_len),
             },
             # the model as this stage trains it (its RoPE, its layout)
             config=to_dict(stage.cfg),
