@@ -20,6 +20,7 @@ BENCH = REPO / "benchmarks"
 # every script, with what its smoke run needs besides --smoke
 SCRIPTS: dict[str, list[str]] = {
     "bench_a2a_bytes.py": [],
+    "bench_async_save.py": [],
     "bench_audio.py": [],
     "bench_context_extension.py": ["--ways", "plain", "--jobs", "1"],
     "bench_dna.py": [],
