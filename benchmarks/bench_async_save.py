@@ -5,18 +5,20 @@ written synchronously and in the background, and what the per-step agreement cos
 torch's AdamW) on a model large enough that writing its checkpoint takes seconds (default
 D 1024, 8 layers, SwiGLU 2816: 91 M parameters, a 1.02 GiB DeepSpeed file of weights and
 optimizer state and 0.34 GiB of safetensors weights; the process peaks near 5 GiB),
-trained on random packed batches of ``--seq-len`` tokens. Saves go through :class:`ulysses_mm.train.saver.Saver` as the trainer
-makes them (``start``, ``wait``, ``commit``), into a temporary directory (``--dir``; the
-files are fsync-ed) removed after each save. ``--repeats`` rounds, each a synchronous
-save (``train.async_save=false``) then a background one (``true``), and in each:
+trained on random packed batches of ``--seq-len`` tokens. Saves go through
+:class:`ulysses_mm.train.saver.Saver` as the trainer makes them (``start``, ``wait``,
+``commit``), into a temporary directory (``--dir``; the files are fsync-ed) removed after
+each save. ``--repeats`` rounds, each a synchronous save (``train.async_save=false``),
+then background ones written by a thread and by a writer process
+(``train.save_writer=thread`` / ``process``), and in each:
 
 - ``plain step``: a step with no save around it (the baseline);
 - ``step + save``: a step and the ``start`` that follows it, the time the loop loses to
   that step and its checkpoint (``start`` = the blocking part);
-- ``next step``: the step after the save. In the background mode it runs while the
-  writer thread writes the files and competes with it for the cores (the figure is what
-  that step took, contention included; ``overlapped`` says whether the writer was still
-  busy when it ended);
+- ``next step``: the step after the save. In the background modes it runs while the
+  writer writes the files and competes with it for the cores (and, a thread, for the
+  GIL: the figure is what that step took, contention included; ``overlapped`` says
+  whether the writer was still busy when it ended);
 - ``written``: from ``start`` until this rank's files are on disk (a no-op job queued on
   the writer after them marks the time; synchronously, ``start`` itself);
 - ``lost``: ``start`` + next step − plain step, what the save cost the loop (its blocking
@@ -29,9 +31,10 @@ debug-tiny (D 64, 2 layers, sp 2, ``--debug-seq`` tokens, the same ``train_step`
 same world; the slower rank counts for both.
 
 Every figure is the median over the rounds (min and max printed too). The last line is
-``blocking_ratio=B step_save_ratio=S agree_step_ratio=A`` (background / synchronous for the
-blocking time of ``start`` and for step + save; one agreement over one debug step, goal
-≤ 0.01).
+``blocking_ratio=B step_save_ratio=S lost_ratio=L thread_lost_ratio=T agree_step_ratio=A``
+(writer process / synchronous for the blocking time of ``start``, step + save and the
+time lost; the thread's lost time over the synchronous one; one agreement over one debug
+step, goal ≤ 0.01).
 
     PYTHONPATH=. python benchmarks/bench_async_save.py [--hidden 1024] [--layers 8] \
         [--seq-len 256] [--repeats 5] [--agree-calls 1000]
@@ -49,7 +52,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-MODES = ("sync", "async")
+MODES = ("sync", "thread", "process")
 
 
 def _save_cfg(args: argparse.Namespace, out_dir: Path):
@@ -117,10 +120,22 @@ def measure_saves(args: argparse.Namespace, root: Path) -> dict:
         step_no += 1
         return time.perf_counter() - t0
 
+    savers: dict[str, tuple[Saver, object]] = {}
+    for mode in MODES:  # one saver per mode for the whole run, as the trainer has one
+        ckpt = root / f"ckpt-{mode}"
+        train = replace(
+            cfg.train,
+            async_save=mode != "sync",
+            save_writer=mode if mode != "sync" else "auto",
+            save_timeout_s=3600.0,
+        )
+        saver = Saver(rt.engine, CheckpointDir(str(ckpt)), ckpt / "staging", train)
+        savers[mode] = (saver, rt.engine.checkpoint_engine)
+
     def one_save(mode: str) -> dict[str, float]:
         ckpt = root / f"ckpt-{mode}"
-        train = replace(cfg.train, async_save=mode == "async", save_timeout_s=3600.0)
-        saver = Saver(rt.engine, CheckpointDir(str(ckpt)), ckpt / "staging", train)
+        saver, engine = savers[mode]
+        rt.engine.checkpoint_engine = engine
         try:
             out = {"plain_s": step()}
             t0 = time.perf_counter()
@@ -144,13 +159,13 @@ def measure_saves(args: argparse.Namespace, root: Path) -> dict:
             saver.commit()
             out["bytes"] = float(_files_bytes(ckpt))
         finally:
-            saver.close()
             shutil.rmtree(ckpt, ignore_errors=True)
         return out
 
     for _ in range(args.warmup_steps):
         step()
-    one_save("sync")  # first-save work (imports, DeepSpeed's first checkpoint) not timed
+    for mode in MODES:  # first-save work (imports, the writer process's start) not timed
+        one_save(mode)
     rounds: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     for r in range(args.repeats):
         for mode in MODES:
@@ -160,6 +175,8 @@ def measure_saves(args: argparse.Namespace, root: Path) -> dict:
                 + " ".join(f"{k}={v:.3f}" for k, v in rounds[mode][-1].items() if k != "bytes"),
                 flush=True,
             )
+    for saver, _ in savers.values():
+        saver.close()
     return {
         "params": params,
         "threads": torch.get_num_threads(),
@@ -197,21 +214,28 @@ def agree_worker(args: argparse.Namespace) -> dict[str, float]:
         t0 = time.perf_counter()
         train_step(rt, [batch])
         steps.append(time.perf_counter() - t0)
-    for _ in range(10):
-        agree([0, 0, 0])
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.agree_calls):
-        flags = agree([0, 0, 0])
-    agree_s = (time.perf_counter() - t0) / args.agree_calls
-    assert flags == [0, 0, 0]
-    # the collective alone (a tensor made once, no list round trip), for comparison
+    # agree() and the bare collective (a tensor made once, no list round trip), for
+    # comparison, in interleaved blocks
     t = torch.zeros(3, dtype=torch.int64)
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(args.agree_calls):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    bare_s = (time.perf_counter() - t0) / args.agree_calls
+    calls = {
+        "agree": lambda: agree([0, 0, 0]),
+        "bare": lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX),
+    }
+    for fn in calls.values():
+        for _ in range(10):
+            fn()
+    spent = dict.fromkeys(calls, 0.0)
+    blocks = 10 if args.agree_calls >= 100 else 1
+    for _ in range(blocks):
+        for name, fn in calls.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.agree_calls // blocks):
+                fn()
+            spent[name] += time.perf_counter() - t0
+    done = blocks * (args.agree_calls // blocks)
+    assert agree([0, dist.get_rank(), 0]) == [0, 1, 0]  # the maximum over both ranks
+    agree_s, bare_s = spent["agree"] / done, spent["bare"] / done
     return {"step_s": statistics.median(steps), "agree_s": agree_s, "all_reduce_s": bare_s}
 
 
@@ -254,7 +278,7 @@ def main() -> None:
     debug_step_s = max(r["step_s"] for r in res.values())
 
     rounds = saves["rounds"]
-    for r in rounds["async"] + rounds["sync"]:
+    for r in [r for m in MODES for r in rounds[m]]:
         # what the save cost the loop: its blocking part and the next step's slowdown
         r["lost_s"] = r["blocked_s"] + r["next_step_s"] - r["plain_s"]
     col = {m: {k: [r[k] for r in rounds[m]] for k in rounds[m][0]} for m in MODES}
@@ -276,21 +300,24 @@ def main() -> None:
         ("written (start → on disk)", "written_s"),
         ("lost (see below)", "lost_s"),
     ]
-    print(f"{'':<28}{'synchronous':>26}{'background':>26}")
+    print(f"{'':<28}{'synchronous':>26}{'writer thread':>26}{'writer process':>26}")
     for label, key in rows:
-        print(f"{label:<28}{_spread(col['sync'][key]):>26}{_spread(col['async'][key]):>26}")
-    overlapped = sum(col["async"]["overlapped"])
+        print(f"{label:<28}" + "".join(f"{_spread(col[m][key]):>26}" for m in MODES))
+    overlapped = sum(col["process"]["overlapped"])
     print(
         "lost = start() + next step − plain step (what the save cost the loop: its "
         "blocking part and the next step's slowdown)"
     )
     print(
-        f"background: the writer was still busy when the next step ended in "
-        f"{overlapped:.0f} of {args.repeats} rounds; next step / plain step = "
-        f"{med['async']['next_step_s'] / med['async']['plain_s']:.2f}"
+        f"writer process: still busy when the next step ended in {overlapped:.0f} of "
+        f"{args.repeats} rounds; next step / plain step = "
+        f"{med['process']['next_step_s'] / med['process']['plain_s']:.2f} (thread: "
+        f"{med['thread']['next_step_s'] / med['thread']['plain_s']:.2f})"
     )
-    blocking_ratio = med["async"]["blocked_s"] / med["sync"]["blocked_s"]
-    step_save_ratio = med["async"]["step_save_s"] / med["sync"]["step_save_s"]
+    blocking_ratio = med["process"]["blocked_s"] / med["sync"]["blocked_s"]
+    step_save_ratio = med["process"]["step_save_s"] / med["sync"]["step_save_s"]
+    lost_ratio = med["process"]["lost_s"] / med["sync"]["lost_s"]
+    thread_lost_ratio = med["thread"]["lost_s"] / med["sync"]["lost_s"]
     agree_ratio = agree_s / debug_step_s
     print(
         f"agreement: 2 gloo processes, agree([0, 0, 0]) {agree_s * 1e6:.1f} µs per call "
@@ -300,6 +327,7 @@ def main() -> None:
     )
     print(
         f"blocking_ratio={blocking_ratio:.4f} step_save_ratio={step_save_ratio:.4f} "
+        f"lost_ratio={lost_ratio:.4f} thread_lost_ratio={thread_lost_ratio:.4f} "
         f"agree_step_ratio={agree_ratio:.5f}"
     )
     from _results import record
@@ -311,6 +339,8 @@ def main() -> None:
             **{f"{m}_{k}": v for m in MODES for k, v in med[m].items() if k != "bytes"},
             "blocking_ratio": blocking_ratio,
             "step_save_ratio": step_save_ratio,
+            "lost_ratio": lost_ratio,
+            "thread_lost_ratio": thread_lost_ratio,
             "checkpoint_gib": saves["bytes"] / 2**30,
             "params_m": saves["params"] / 1e6,
             "agree_us": agree_s * 1e6,
@@ -326,8 +356,8 @@ def main() -> None:
             "settings": {k: v for k, v in vars(args).items() if k not in ("tmp", "dir", "smoke")},
             "loadavg": {"before": load_before, "after": load_after},
             "notes": (
-                "medians of the rounds (seconds); background = train.async_save=true, its "
-                "next step ran beside the writer thread on the same cores; "
+                "medians of the rounds (seconds); thread / process = train.async_save=true "
+                "with train.save_writer=thread / process; ratios are process / sync; "
                 "agree vs a debug-tiny step in a 2-process gloo world"
             ),
         },

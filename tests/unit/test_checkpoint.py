@@ -13,7 +13,8 @@ from ulysses_mm.core.errors import DataError, StorageError
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.train import checkpoint
 from ulysses_mm.train.checkpoint import CheckpointDir
-from ulysses_mm.train.saver import Saver, Writer, snapshot
+from ulysses_mm.train.saver import Saver, Writer
+from ulysses_mm.train.serialize import pack
 
 SPACE = TokenSpace.from_vocab({"dna": 10})
 
@@ -46,8 +47,12 @@ class FakeEngine:
             raise RuntimeError("disk full")
 
 
-def _saver(root: Path, engine=None, keep: int = 2, asynchronous: bool = False) -> Saver:
-    t = TrainConfig(keep_checkpoints=keep, async_save=asynchronous, save_timeout_s=30)
+def _saver(
+    root: Path, engine=None, keep: int = 2, asynchronous: bool = False, writer: str = "auto"
+) -> Saver:
+    t = TrainConfig(
+        keep_checkpoints=keep, async_save=asynchronous, save_timeout_s=60, save_writer=writer
+    )
     return Saver(engine or FakeEngine(), CheckpointDir(str(root)), root / "staging", t)
 
 
@@ -123,10 +128,12 @@ def test_a_saved_checkpoint_is_complete_and_a_partial_one_is_not(tmp_path):
         checkpoint.check_complete(done, 0)
 
 
-@pytest.mark.parametrize("asynchronous", [False, True])
-def test_a_save_writes_every_file_and_the_pointer_last(tmp_path, asynchronous):
+@pytest.mark.parametrize(
+    ("asynchronous", "writer"), [(False, "auto"), (True, "thread"), (True, "process")]
+)
+def test_a_save_writes_every_file_and_the_pointer_last(tmp_path, asynchronous, writer):
     engine = FakeEngine()
-    saver = _saver(tmp_path, engine, asynchronous=asynchronous)
+    saver = _saver(tmp_path, engine, asynchronous=asynchronous, writer=writer)
     pending = saver.start(5, {"loader": {"position": 5}}, {"train": {}}, SPACE, {"t": 1})
     with torch.no_grad():
         engine.module.weight.add_(1.0)  # the next step changes the live weights
@@ -138,16 +145,20 @@ def test_a_save_writes_every_file_and_the_pointer_last(tmp_path, asynchronous):
     saved = torch.load(tmp_path / "step_00000005" / "mp_rank_00_model_states.pt")
     assert torch.equal(saved["module"]["weight"] + 1.0, engine.module.weight.detach())
     assert len(saver.saves) == 1 and saver.saves[0][0] <= saver.saves[0][1]
+    assert (saver.process is not None) == (writer == "process")
+    saver.close()
 
 
-def test_a_failed_background_write_is_one_line_and_latest_stays(tmp_path):
+@pytest.mark.parametrize("writer", ["thread", "process"])
+def test_a_failed_background_write_is_one_line_and_latest_stays(tmp_path, writer):
     _save(tmp_path, 10)
-    saver = _saver(tmp_path, FakeEngine(fail_write=True), asynchronous=True)
+    saver = _saver(tmp_path, FakeEngine(fail_write=True), asynchronous=True, writer=writer)
     saver.start(20, {"loader": {}}, {"train": {}}, SPACE, None)
     with pytest.raises(StorageError, match="mp_rank_00_model_states.pt: "):
         saver.wait()
     assert checkpoint.latest_tag(tmp_path) == "step_00000010"
     assert not (tmp_path / "step_00000020" / "mp_rank_00_model_states.pt").exists()
+    saver.close()
 
 
 def test_a_stalled_writer_times_out_in_one_line():
@@ -165,10 +176,15 @@ def test_a_stalled_writer_times_out_in_one_line():
     writer.close()
 
 
-def test_a_snapshot_does_not_follow_the_live_state():
-    live = {"a": torch.ones(3), "b": [torch.zeros(2), 4], "c": (torch.ones(1),)}
-    copy = snapshot(live)
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_packed_copy_does_not_follow_the_live_state(shared):
+    base = torch.arange(6.0)
+    live = {"a": torch.ones(3), "b": [base[::2], 4], "c": (torch.ones(1, dtype=torch.int8),)}
+    copy = pack(live, shared=shared)
     live["a"].add_(1)
-    live["b"][0].add_(1)
-    assert copy["a"].tolist() == [1, 1, 1] and copy["b"][0].tolist() == [0, 0]
+    base.add_(1)
+    assert copy["a"].tolist() == [1, 1, 1] and copy["b"][0].tolist() == [0, 2, 4]
     assert copy["b"][1] == 4 and isinstance(copy["c"], tuple)
+    assert copy["c"][0].dtype == torch.int8
+    assert copy["a"].untyped_storage().data_ptr() == copy["b"][0].untyped_storage().data_ptr()
+    assert copy["a"].is_shared() == shared

@@ -612,6 +612,12 @@ class TrainConfig:
         "state is copied to host memory.",
         True,
     )
+    save_writer: Literal["auto", "process", "thread"] = _help(
+        "What serializes a background save: a writer process (torch.save holds the GIL, "
+        "so a thread slows the steps beside it; needs room in /dev/shm), a thread, or auto "
+        "(a process for a file of 256 MiB or more when /dev/shm can hold it).",
+        "auto",
+    )
     save_timeout_s: float = _help(
         "A checkpoint still being written after this many seconds fails the run (a "
         "stalled file system or object store).",

@@ -1,14 +1,16 @@
 """Saving without stopping: a checkpoint is copied to host memory while the step loop
-waits, then written (and, for a remote ``train.checkpoint_dir``, uploaded) by one
-background thread per rank; ``latest`` moves only once every rank's files are complete.
+waits, then written (and, for a remote ``train.checkpoint_dir``, uploaded) in the
+background; ``latest`` moves only once every rank's files are complete.
 
 DeepSpeed writes its files through a pluggable ``CheckpointEngine``;
-:class:`SnapshotEngine` is one whose ``save`` copies the state dict off the accelerator
-(into pinned host memory on a GPU, a clone on the CPU: the live tensors change at the next
-step) and hands the file to the :class:`Writer`. DeepSpeed's own asynchronous engines are
-not used: its ``DecoupledCheckpointEngine`` writes from a subprocess through the
-FastCheckpointEngine's async-io op (libaio) and waits on it without a bound, and
-DataStates is a separate package that is not on PyPI.
+:class:`SnapshotEngine` is one whose ``save`` hands each file to the :class:`Saver`, which
+copies the state into one host buffer (:func:`~ulysses_mm.train.serialize.pack`: the live
+tensors change at the next step) and queues the file on the rank's :class:`Writer` thread;
+large files are serialized by a writer process (:mod:`~ulysses_mm.train.serialize`), so
+``torch.save`` does not hold the training process's GIL. DeepSpeed's own asynchronous
+engines are not used: its ``DecoupledCheckpointEngine`` writes from a subprocess through
+the FastCheckpointEngine's async-io op (libaio), and DataStates is a separate package that
+is not on PyPI.
 
 The ranks learn that every rank's files are done from the flags they already all-reduce at
 each step boundary (:func:`~ulysses_mm.train.stop.agree`), so completing a checkpoint costs
@@ -36,26 +38,9 @@ import yaml
 from ulysses_mm.core.errors import StorageError, first_line
 from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
-from ulysses_mm.train import checkpoint
+from ulysses_mm.train import checkpoint, serialize
 from ulysses_mm.train.checkpoint import CONFIG_FILE, MODEL_FILE, TOKENIZERS_FILE, CheckpointDir
-
-
-def snapshot(obj: Any, pin: bool = False) -> Any:
-    """``obj`` with every tensor copied to host memory (containers rebuilt, so later
-    changes to the live state do not reach the copy)."""
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        if t.device.type == "cpu":
-            return t.clone()
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pin)
-        return host.copy_(t, non_blocking=pin)
-    if isinstance(obj, dict):
-        return type(obj)((k, snapshot(v, pin)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [snapshot(v, pin) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(snapshot(v, pin) for v in obj)
-    return obj
+from ulysses_mm.train.serialize import WriterProcess
 
 
 class Writer:
@@ -131,42 +116,34 @@ class Writer:
 
 
 def snapshot_engine_class():
-    """DeepSpeed's checkpoint engine interface with :func:`snapshot` in ``save`` and the
-    write handed to a :class:`Writer` (loading stays the safe ``weights_only`` reader)."""
+    """DeepSpeed's checkpoint engine interface whose ``save`` hands each file to the
+    :class:`Saver` (loading stays the safe ``weights_only`` reader)."""
     from ulysses_mm.train.engine import safe_engine_class
 
     base = safe_engine_class()
 
     class SnapshotEngine(base):  # type: ignore[misc, valid-type]
-        def __init__(self, config_params: Any, writer: Writer, pin: bool) -> None:
+        def __init__(self, config_params: Any, saver: Saver) -> None:
             super().__init__(config_params)
-            self.writer = writer
-            self.pin = pin
+            self.saver = saver
             self.written: list[Path] = []  # this rank's files of the checkpoint being saved
 
         def create(self, info: Any) -> None:
             self.written = []
 
         def save(self, state_dict: Any, path: str) -> None:
-            copy = snapshot(state_dict, self.pin)
-            if self.pin:
-                torch.cuda.synchronize()  # the copies landed before the step changes them
-            target = Path(path)
-            self.written.append(target)
-            self.writer.put(str(target), lambda: _torch_save(copy, target))
+            self.written.append(Path(path))
+            self.saver.queue("torch", state_dict, Path(path))
 
         def commit(self, info: Any) -> bool:
             return True
 
+        def preserves_storage_sharing(self) -> bool:
+            # synchronous: DeepSpeed clones the state before save (what it always does);
+            # in the background the saver copies it into one buffer itself, once
+            return not self.saver.writer.asynchronous
+
     return SnapshotEngine
-
-
-def _torch_save(obj: Any, path: Path) -> None:
-    """``torch.save`` through a temporary sibling and a rename: a file is whole or absent."""
-    from ulysses_mm.core.storage import atomic_local_file
-
-    with atomic_local_file(path) as f:
-        torch.save(obj, f)
 
 
 @dataclass
@@ -191,9 +168,11 @@ class Saver:
         self.keep = cfg_train.keep_checkpoints
         self.timeout_s = cfg_train.save_timeout_s
         self.writer = Writer(cfg_train.async_save)
+        self.writer_setting = cfg_train.save_writer
+        self.process: WriterProcess | None = None
         self.rank0 = not dist.is_initialized() or dist.get_rank() == 0
-        pin = torch.cuda.is_available() and next(engine.module.parameters()).is_cuda
-        engine.checkpoint_engine = snapshot_engine_class()(engine._config, self.writer, pin)
+        self.pin = torch.cuda.is_available() and next(engine.module.parameters()).is_cuda
+        engine.checkpoint_engine = snapshot_engine_class()(engine._config, self)
         self.pending: Pending | None = None
         self.saves: list[tuple[float, float]] = []  # (blocking s, written s) of each save
 
@@ -207,8 +186,6 @@ class Saver:
     ) -> Pending:
         """Copy this step's state and queue its files. Collective (DeepSpeed's barriers;
         ZeRO-3 gathers the weights)."""
-        from safetensors.torch import save as save_safetensors
-
         assert self.pending is None, "a save is in flight: finish it first"
         t0 = time.perf_counter()
         tag = checkpoint.tag_for(step)
@@ -225,7 +202,6 @@ class Saver:
         path = self.staging / tag
         if self.rank0:
             assert weights is not None
-            weights = {k: v.clone() for k, v in weights.items()}
             texts = {
                 CONFIG_FILE: yaml.safe_dump(config, sort_keys=False),
                 SPACE_FILE: json.dumps(space.to_dict(), indent=1) + "\n",
@@ -233,14 +209,13 @@ class Saver:
             }
             if tokenizers is not None:
                 texts[TOKENIZERS_FILE] = json.dumps(tokenizers, indent=1) + "\n"
+            self.queue("safetensors", weights, path / MODEL_FILE, {"step": str(step)})
 
-            def write_rank0() -> None:
-                blob = save_safetensors(weights, metadata={"step": str(step)})
-                atomic_write_local(path / MODEL_FILE, blob)
+            def write_texts() -> None:
                 for name, text in texts.items():
                     atomic_write_local(path / name, text.encode())
 
-            self.writer.put(str(path), write_rank0)
+            self.writer.put(str(path), write_texts)
             files += [path / MODEL_FILE, *(path / name for name in texts)]
         if not self.ckpt.is_local:
             self.writer.put(str(self.ckpt.url_of(tag)), lambda: self._upload(tag, files))
@@ -248,6 +223,31 @@ class Saver:
         pending.blocked_s = time.perf_counter() - t0
         self.pending = pending
         return pending
+
+    def queue(
+        self, kind: str, obj: Any, path: Path, metadata: dict[str, str] | None = None
+    ) -> None:
+        """Write ``obj`` to ``path``: at once, or (asynchronous) after copying it into one
+        host buffer, on the writer process or thread (``train.save_writer``)."""
+        if not self.writer.asynchronous:
+            self.writer.put(str(path), lambda: serialize.write(kind, obj, path, metadata, False))
+            return
+        size = serialize.nbytes(obj)
+        how = serialize.writer_kind(self.writer_setting, size)
+        if how == "process":
+            if not serialize.shm_fits(size):
+                raise StorageError(
+                    f"train.save_writer=process: {path.name} needs {2 * size:,} bytes free in "
+                    "/dev/shm, which has less; set train.save_writer=thread or auto"
+                )
+            copy = serialize.pack(obj, shared=True)
+            if self.process is None:
+                self.process = serialize.WriterProcess()
+            proc = self.process
+            self.writer.put(str(path), lambda: proc.write(kind, copy, path, metadata))
+        else:
+            copy = serialize.pack(obj, pin=self.pin)
+            self.writer.put(str(path), lambda: serialize.write(kind, copy, path, metadata))
 
     def _upload(self, tag: str, files: list[Path]) -> None:
         for f in files:
@@ -296,3 +296,6 @@ class Saver:
 
     def close(self) -> None:
         self.writer.close()
+        if self.process is not None:
+            self.process.close()
+            self.process = None

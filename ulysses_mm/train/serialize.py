@@ -1,0 +1,192 @@
+"""Checkpoint files written off the step loop: the state copied into one host buffer, then
+serialized by a writer process (or a thread).
+
+``torch.save`` and safetensors' serialization hold the GIL while they checksum and
+write, so a writer *thread* takes it from the training thread for as long as a write lasts
+(measured in ``benchmarks/bench_async_save.py``: the step after a save ran 4.3 × slower
+beside one). A writer *process* does not: :func:`pack` copies every tensor of a state
+dict into one buffer in shared memory (one allocation, one file descriptor to pass), the
+process receives the structure through a ``torch.multiprocessing`` queue (the tensors
+arrive as views of that buffer, not as copies) and writes the files. This is PyTorch
+DCP's process-based async save and DeepSpeed's decoupled engine, without their extra
+dependencies. Small checkpoints, or a ``/dev/shm`` too small to hold one (a container's
+64 MiB default), use a thread instead (``train.save_writer``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ulysses_mm.core.errors import first_line
+from ulysses_mm.core.storage import atomic_local_file, atomic_write_local
+
+_ALIGN = 64
+PROCESS_MIN_BYTES = 256 << 20  # auto: below this a thread's GIL share is too short to matter
+_SHM = Path("/dev/shm")
+
+
+def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _tensors(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _tensors(v, out)
+
+
+def nbytes(obj: Any) -> int:
+    """The bytes :func:`pack` needs for ``obj``'s tensors."""
+    found: list[torch.Tensor] = []
+    _tensors(obj, found)
+    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in found)
+
+
+def shm_fits(size: int) -> bool:
+    """Whether ``/dev/shm`` has room for ``size`` bytes twice over."""
+    try:
+        return shutil.disk_usage(_SHM).free >= 2 * size
+    except OSError:
+        return False
+
+
+def pack(obj: Any, shared: bool = False, pin: bool = False) -> Any:
+    """``obj`` with every tensor copied into one new host buffer (in shared memory with
+    ``shared``, pinned with ``pin``; containers rebuilt), so later changes to the live
+    state do not reach the copy."""
+    size = nbytes(obj)
+    if shared:
+        storage = torch.UntypedStorage._new_shared(max(size, 1))
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+    else:
+        buffer = torch.empty(max(size, 1), dtype=torch.uint8, pin_memory=pin)
+    at = [0]
+
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        view = buffer[at[0] : at[0] + n].view(t.dtype).view(t.shape)
+        at[0] += -(-n // _ALIGN) * _ALIGN
+        return view.copy_(t.detach(), non_blocking=pin)
+
+    def walk(o: Any) -> Any:
+        if isinstance(o, torch.Tensor):
+            return copy(o)
+        if isinstance(o, dict):
+            return type(o)((k, walk(v)) for k, v in o.items())
+        if isinstance(o, list):
+            return [walk(v) for v in o]
+        if isinstance(o, tuple) and not hasattr(o, "_fields"):
+            return tuple(walk(v) for v in o)
+        return o
+
+    out = walk(obj)
+    if pin:
+        torch.cuda.synchronize()  # the copies landed before the step changes the state
+    return out
+
+
+def unshare(obj: Any) -> Any:
+    """``obj`` with each tensor in a storage of its own (views of one buffer would be
+    saved, and loaded, as that whole buffer)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, dict):
+        return type(obj)((k, unshare(v)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [unshare(v) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(unshare(v) for v in obj)
+    return obj
+
+
+def write(
+    kind: str, obj: Any, path: Path, metadata: dict[str, str] | None = None, packed: bool = True
+) -> None:
+    """Write ``obj`` as ``kind`` (``torch`` or ``safetensors``) to ``path`` through a
+    temporary sibling and a rename: a file is whole or absent. ``packed``: its tensors
+    are views of one :func:`pack` buffer (each gets a storage of its own first)."""
+    if packed:
+        obj = unshare(obj)
+    if kind == "torch":
+        with atomic_local_file(path) as f:
+            torch.save(obj, f)
+    elif kind == "safetensors":
+        from safetensors.torch import save as save_safetensors
+
+        atomic_write_local(path, save_safetensors(obj, metadata=metadata))
+    else:
+        raise ValueError(f"no writer for {kind!r}")
+
+
+def _serve(jobs: Any, acks: Any) -> None:
+    """The writer process: write each job, acknowledge it (None, or the error's line)."""
+    from ulysses_mm.parallel.launch import die_with_parent
+
+    die_with_parent()
+    torch.set_num_threads(1)
+    while (job := jobs.get()) is not None:
+        kind, obj, path, metadata = job
+        try:
+            write(kind, obj, Path(path), metadata)
+        except Exception as e:
+            acks.put(first_line(e))
+        else:
+            acks.put(None)
+        del obj, job
+
+
+class WriterProcess:
+    """One process that writes files from :func:`pack`-ed (shared) state, one at a time."""
+
+    def __init__(self) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.jobs = ctx.SimpleQueue()  # put pickles here and now: an error reaches the caller
+        self.acks = ctx.Queue()
+        self.proc = ctx.Process(target=_serve, args=(self.jobs, self.acks), daemon=True)
+        self.proc.start()
+
+    def write(self, kind: str, obj: Any, path: Path, metadata: dict[str, str] | None = None):
+        """Hand one file to the process and wait for it (this blocks a writer thread, not
+        the step loop); its failure, or its death, is a ``RuntimeError``."""
+        self.jobs.put((kind, obj, str(path), metadata))
+        while True:
+            try:
+                error = self.acks.get(timeout=1.0)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(
+                        f"the checkpoint writer process died (exit code {self.proc.exitcode})"
+                    ) from None
+                continue
+            if error is not None:
+                raise RuntimeError(error)
+            return
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.jobs.put(None)
+            self.proc.join(timeout=5)
+        if self.proc.is_alive():
+            self.proc.kill()
+        with contextlib.suppress(Exception):
+            self.jobs.close()
+            self.acks.close()
+            self.acks.join_thread()
+
+
+def writer_kind(setting: str, size: int) -> str:
+    """``train.save_writer`` for a state of ``size`` bytes: ``process`` or ``thread``."""
+    if setting != "auto":
+        return setting
+    big = size >= PROCESS_MIN_BYTES
+    return "process" if big and shm_fits(size) and os.name == "posix" else "thread"
