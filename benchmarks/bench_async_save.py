@@ -126,7 +126,7 @@ def measure_saves(args: argparse.Namespace, root: Path) -> dict:
         train = replace(
             cfg.train,
             async_save=mode != "sync",
-            save_writer=mode if mode != "sync" else "auto",
+            save_writer=mode if mode != "sync" else "thread",
             save_timeout_s=3600.0,
         )
         saver = Saver(rt.engine, CheckpointDir(str(ckpt)), ckpt / "staging", train)

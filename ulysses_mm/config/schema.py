@@ -612,11 +612,11 @@ class TrainConfig:
         "state is copied to host memory.",
         True,
     )
-    save_writer: Literal["auto", "process", "thread"] = _help(
-        "What serializes a background save: a writer process (torch.save holds the GIL, "
-        "so a thread slows the steps beside it; needs room in /dev/shm), a thread, or auto "
-        "(a process for a file of 256 MiB or more when /dev/shm can hold it).",
-        "auto",
+    save_writer: Literal["thread", "process"] = _help(
+        "What serializes a background save: a thread of the rank (it shares the GIL with "
+        "training), or a writer process fed through shared memory (needs /dev/shm room "
+        "for twice a rank's state). benchmarks/bench_async_save.py measures both.",
+        "thread",
     )
     save_timeout_s: float = _help(
         "A checkpoint still being written after this many seconds fails the run (a "

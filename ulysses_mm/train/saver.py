@@ -6,8 +6,9 @@ DeepSpeed writes its files through a pluggable ``CheckpointEngine``;
 :class:`SnapshotEngine` is one whose ``save`` hands each file to the :class:`Saver`, which
 copies the state into one host buffer (:func:`~ulysses_mm.train.serialize.pack`: the live
 tensors change at the next step) and queues the file on the rank's :class:`Writer` thread;
-large files are serialized by a writer process (:mod:`~ulysses_mm.train.serialize`), so
-``torch.save`` does not hold the training process's GIL. DeepSpeed's own asynchronous
+with ``train.save_writer=process`` a writer process serializes them
+(:mod:`~ulysses_mm.train.serialize`), so ``torch.save`` does not hold the training
+process's GIL. DeepSpeed's own asynchronous
 engines are not used: its ``DecoupledCheckpointEngine`` writes from a subprocess through
 the FastCheckpointEngine's async-io op (libaio), and DataStates is a separate package that
 is not on PyPI.
@@ -21,7 +22,9 @@ fails the run with one line naming the checkpoint; a write still running after
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import shutil
 import threading
@@ -80,6 +83,9 @@ class Writer:
                     self._error = StorageError(f"{what}: {first_line(e)}")
 
     def _work(self) -> None:
+        # below training on shared cores (Linux applies it to this thread alone)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), serialize.WRITER_NICE)
         while (item := self._jobs.get()) is not None:
             self._run(*item)
             with self._lock:
@@ -232,9 +238,8 @@ class Saver:
         if not self.writer.asynchronous:
             self.writer.put(str(path), lambda: serialize.write(kind, obj, path, metadata, False))
             return
-        size = serialize.nbytes(obj)
-        how = serialize.writer_kind(self.writer_setting, size)
-        if how == "process":
+        if self.writer_setting == "process":
+            size = serialize.nbytes(obj)
             if not serialize.shm_fits(size):
                 raise StorageError(
                     f"train.save_writer=process: {path.name} needs {2 * size:,} bytes free in "
