@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 from conftest import REPO
@@ -37,6 +38,10 @@ SCRIPT = textwrap.dedent(
 
 
 def _run(run: Path, start: int, stop: int, ending: str) -> int:
+    # W&B names an offline run's folder by the second it began (and the run id, which a
+    # resume keeps): two runs within one second would share a folder, which no real kill
+    # and restart does
+    time.sleep(1.1)
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline"}
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT.replace("{ending}", ending), str(run), str(start), str(stop)],
