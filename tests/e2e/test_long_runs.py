@@ -112,8 +112,17 @@ def _interrupt(config: Path, send, *extra: str, after_steps: int = 8, timeout: f
 
 
 def _workers(proc: subprocess.Popen) -> list[int]:
+    """The launcher's rank processes (not multiprocessing's resource tracker)."""
     out = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    ranks = []
+    for pid in map(int, out.stdout.split()):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmdline:
+            ranks.append(pid)
+    return ranks
 
 
 @pytest.fixture(scope="module")
@@ -336,3 +345,39 @@ def test_an_s3_server_gone_mid_upload_is_one_line(data, s3_server):
     out = _train(direct, "train.steps=16")
     assert out.returncode == 0, out.stderr[-3000:]
     assert fs.cat(f"{url}/latest").decode().strip() == "step_00000016"
+
+
+def test_kill_9_of_the_launcher_ends_its_ranks_and_the_rerun_cleans_up(data, reference):
+    """The ranks die with their launcher (no orphan trains on); what the killed launch left
+    in /dev/shm and its agent folder go with the next run, which ends on the uninterrupted
+    losses."""
+    cfg = _config(data["root"], "kill-9", data={"train": str(data["train"])})
+    run = data["root"] / "kill-9"
+    ranks: list[int] = []
+
+    def kill_launcher(proc):
+        ranks.extend(_workers(proc))
+        os.kill(proc.pid, signal.SIGKILL)
+
+    code, _, _ = _interrupt(cfg, kill_launcher)
+    assert code == -signal.SIGKILL and len(ranks) == 2
+    deadline = time.monotonic() + 1.0
+    alive = ranks
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in ranks if Path(f"/proc/{p}").exists() and _running(p)]
+        time.sleep(0.02)
+    assert not alive, f"ranks {alive} outlived their launcher by a second"
+    assert (run / "logs" / "launch.json").exists()  # the killed launch's record
+    done = _train(cfg)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not (run / "logs" / "launch.json").exists() and not (run / "logs" / "agent").exists()
+    got = _losses(run)
+    assert got == reference
+
+
+def _running(pid: int) -> bool:
+    """Not a zombie (a dead child its parent has not reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
