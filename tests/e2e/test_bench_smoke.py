@@ -30,6 +30,7 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_hf_backend.py": [],
     "bench_loader.py": [],
     "bench_pack.py": [],
+    "bench_preemption.py": [],
     "bench_prepare_scale.py": [],
     "bench_rank_balance.py": [],
     "bench_ring_vs_ulysses.py": [],
