@@ -157,7 +157,11 @@ def main() -> None:
         args.stops, args.steps = 2, 24
     rng = random.Random(args.seed)
     random.seed(args.seed)
-    from train_data import prepare_dna
+    environ = dict(os.environ)
+    from train_data import prepare_dna  # its conftest import sets test defaults: undone here
+
+    os.environ.clear()
+    os.environ.update(environ)
 
     with tempfile.TemporaryDirectory(prefix="bench-preemption-") as tmp:
         root = Path(tmp)
