@@ -25,45 +25,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "helpers")]
+_environ = dict(os.environ)
+from train_data import cli_env, logged, prepare_dna, tiny_run, write_config  # noqa: E402
 
-MODEL = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "loss_tile_tokens": 128,
-}
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-
-
-def _config(root: Path, name: str, train: Path, held_out: Path, steps: int) -> Path:
-    cfg = {
-        "model": MODEL,
-        "parallel": {"sp": 2, "timeout_s": 120},
-        "data": {"train": str(train), "eval": str(held_out), "micro_batch_size": 1, "seed": 5},
-        "train": {
-            "steps": steps,
-            "checkpoint_every": 6,
-            "eval_every": 5,
-            "eval_batches": 4,
-            "keep_checkpoints": 2,
-            "seed": 3,
-            "out_dir": str(root / name),
-        },
-        "deepspeed": {"optimizer": {"lr": 0.01, "weight_decay": 0.0}},
-        "logging": {"wandb": "disabled"},
-    }
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+os.environ.clear()  # the test helpers' conftest import set test defaults: undone
+os.environ.update(_environ)
 
 
 def _command(config: Path) -> list[str]:
@@ -76,11 +44,6 @@ def _steps_logged(run: Path) -> list[int]:
         return []
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line]
     return [r["step"] for r in rows if r["kind"] == "train"]
-
-
-def _losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
 
 
 def _ranks(pid: int) -> list[int]:
@@ -101,7 +64,7 @@ def _stop_once(config: Path, run: Path, at_step: int, sig: signal.Signals, targe
     proc = subprocess.Popen(
         _command(config),
         cwd=REPO,
-        env=_env(),
+        env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -157,22 +120,23 @@ def main() -> None:
         args.stops, args.steps = 2, 24
     rng = random.Random(args.seed)
     random.seed(args.seed)
-    environ = dict(os.environ)
-    from train_data import prepare_dna  # its conftest import sets test defaults: undone here
-
-    os.environ.clear()
-    os.environ.update(environ)
 
     with tempfile.TemporaryDirectory(prefix="bench-preemption-") as tmp:
         root = Path(tmp)
         train = prepare_dna(root, "train", records=60, seq_len=512, seed=0)
         held_out = prepare_dna(root, "eval", records=8, seq_len=512, seed=1)
-        ref_cfg = _config(root, "ref", train, held_out, args.steps)
-        out = subprocess.run(_command(ref_cfg), cwd=REPO, env=_env(), capture_output=True)
-        assert out.returncode == 0, out.stderr[-3000:]
-        reference = _losses(root / "ref")
+        base = tiny_run(steps=args.steps, checkpoint_every=6, eval_every=5, eval_batches=4)
+        data = {"train": str(train), "eval": str(held_out)}
 
-        config = _config(root, "run", train, held_out, args.steps)
+        def config_of(name: str) -> Path:
+            return write_config(root, name, base, data=data, train={"out_dir": str(root / name)})
+
+        ref_cfg = config_of("ref")
+        out = subprocess.run(_command(ref_cfg), cwd=REPO, env=cli_env(), capture_output=True)
+        assert out.returncode == 0, out.stderr[-3000:]
+        reference = logged(root / "ref")
+
+        config = config_of("run")
         run = root / "run"
         spots = sorted(rng.sample(range(2, args.steps - 2), args.stops))
         stops = []
@@ -182,10 +146,10 @@ def main() -> None:
             done = max(_steps_logged(run), default=0)
             stops.append(_stop_once(config, run, max(at, done + 1), sig, target))
             print(json.dumps(stops[-1]), flush=True)
-        out = subprocess.run(_command(config), cwd=REPO, env=_env(), capture_output=True)
+        out = subprocess.run(_command(config), cwd=REPO, env=cli_env(), capture_output=True)
         assert out.returncode == 0, out.stderr[-3000:]
-        logged = _steps_logged(run)
-        got = _losses(run)
+        steps_seen = _steps_logged(run)
+        got = logged(run)
 
     clean = [
         s for s in stops if s.get("code") == 75 and s.get("lines") == 1 and not s.get("traceback")
@@ -193,7 +157,7 @@ def main() -> None:
     times = [s["stop_s"] for s in stops if "stop_s" in s]
     # steps trained but not in the stop's checkpoint are trained again by the next run
     redone = sum(s["logged_max"] - s["stopped_after"] for s in clean)
-    bitwise = got == reference and sorted(logged) == list(range(1, args.steps + 1))
+    bitwise = got == reference and sorted(steps_seen) == list(range(1, args.steps + 1))
     print(
         f"{len(stops)} stops of a {args.steps}-step 2-process run (checkpoint every 6, eval "
         f"every 5): {len(clean)} exited 75 with one line; signal to exit "

@@ -20,38 +20,16 @@ import pytest
 import yaml
 from byte_proxy import ByteCountingProxy
 from conftest import REPO
-from train_data import prepare_dna
+from train_data import cli_env, logged, prepare_dna, tiny_run, write_config
 
 STEPS, SEQ = 120, 512
-BASE = {
-    "model": {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "loss_tile_tokens": 128,
-    },
-    "parallel": {"sp": 2, "timeout_s": 120},
-    "data": {"micro_batch_size": 1, "seed": 5},
-    "train": {"steps": STEPS, "checkpoint_every": 50, "keep_checkpoints": 2, "seed": 3},
-    "deepspeed": {"optimizer": {"lr": 0.01, "weight_decay": 0.0}, "scheduler": {"warmup_steps": 2}},
-    "logging": {"wandb": "disabled"},
-}
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+BASE = tiny_run(steps=STEPS, checkpoint_every=50)
+_env = cli_env
 
 
 def _config(root: Path, name: str, **sections) -> Path:
-    cfg = json.loads(json.dumps(BASE))
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values)
-    cfg["train"].setdefault("out_dir", str(root / name))
-    path = root / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    sections["train"] = {"out_dir": str(root / name), **sections.get("train", {})}
+    return write_config(root, name, BASE, **sections)
 
 
 def _command(config: Path, *extra: str) -> list[str]:
@@ -68,7 +46,7 @@ def _losses(run: Path) -> dict[int, float]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if r["kind"] == "train"]
     assert len(steps) == len(set(steps)), "a step logged twice"
-    return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+    return logged(run)
 
 
 def _lines(stderr: str) -> list[str]:

@@ -20,45 +20,20 @@ import torch
 import yaml
 from conftest import REPO
 from torch.testing import assert_close
-from train_data import prepare_dna
+from train_data import cli_env, logged, prepare_dna, tiny_run, write_config
 from wandb_records import history
 
 STEPS, CKPT_EVERY, SEQ = 12, 4, 512
 
-BASE = {
-    "model": {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "loss_tile_tokens": 128,
-    },
-    "parallel": {"sp": 2, "timeout_s": 120},
-    "data": {"micro_batch_size": 1, "seed": 5},
-    "train": {
-        "steps": STEPS,
-        "checkpoint_every": CKPT_EVERY,
-        "keep_checkpoints": 2,
-        "seed": 3,
-        "peak_tflops": 0.1,  # a CPU has no known peak: MFU is logged only with one given
-    },
-    "deepspeed": {"optimizer": {"lr": 0.01, "weight_decay": 0.0}, "scheduler": {"warmup_steps": 2}},
-    "logging": {"wandb": "disabled"},
-}
+BASE = tiny_run(steps=STEPS, checkpoint_every=CKPT_EVERY, peak_tflops=0.1)
+# (a CPU has no known peak: MFU is logged only with one given)
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+_env = cli_env
 
 
 def _config(tmp: Path, name: str, **sections) -> Path:
-    cfg = json.loads(json.dumps(BASE))
-    for section, values in sections.items():
-        cfg.setdefault(section, {}).update(values)
-    path = tmp / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return write_config(tmp, name, BASE, **sections)
 
 
 def _run(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
@@ -77,10 +52,7 @@ def _train(config: Path, *overrides: str, nproc: int = 2) -> subprocess.Complete
     return _cli("train", str(config), "--nproc", str(nproc), *overrides)
 
 
-def _losses(run_dir: Path, kind: str = "train") -> dict[int, float]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    key = "loss" if kind == "train" else f"{kind}/loss"
-    return {r["step"]: r[key] for r in map(json.loads, lines) if r["kind"] == kind}
+_losses = logged
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ stream a tiny model learns in a few steps, so a falling loss means training work
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import os
@@ -100,3 +101,48 @@ def refused(capsys, *argv: str) -> str:
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err  # one line
     return err
+
+
+def tiny_run(**train) -> dict:
+    """The run config of the CLI training tests: a tiny model (a step takes tens of ms) at
+    sp 2 on 2 processes, W&B off; ``train`` keys over the defaults."""
+    return {
+        "model": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "loss_tile_tokens": 128,
+        },
+        "parallel": {"sp": 2, "timeout_s": 120},
+        "data": {"micro_batch_size": 1, "seed": 5},
+        "train": {"keep_checkpoints": 2, "seed": 3, **train},
+        "deepspeed": {
+            "optimizer": {"lr": 0.01, "weight_decay": 0.0},
+            "scheduler": {"warmup_steps": 2},
+        },
+        "logging": {"wandb": "disabled"},
+    }
+
+
+def write_config(root: Path, name: str, base: dict, **sections) -> Path:
+    """``base`` with ``sections`` merged over its sections, as ``root/name.yaml``."""
+    cfg = copy.deepcopy(base)
+    for section, values in sections.items():
+        cfg.setdefault(section, {}).update(values)
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def cli_env() -> dict[str, str]:
+    """The environment a ``python -m ulysses_mm`` subprocess of a test runs in."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+
+
+def logged(run: Path, kind: str = "train") -> dict[int, float]:
+    """The losses a run logged in its metrics.jsonl, by step (``kind``: train, eval)."""
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    key = "loss" if kind == "train" else f"{kind}/loss"
+    return {r["step"]: r[key] for r in map(json.loads, lines) if r["kind"] == kind}

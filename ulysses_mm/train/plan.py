@@ -27,7 +27,7 @@ from ulysses_mm.loader.mixing import modality_pools
 from ulysses_mm.loader.order import check_enough_samples
 from ulysses_mm.loader.window import check_enough_windows
 from ulysses_mm.model.attention import check_kernel_config
-from ulysses_mm.model.hf_import import check_init_from
+from ulysses_mm.model.hf_import import ARCH_FIELDS, check_init_from
 from ulysses_mm.parallel.mesh import in_launched_world
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.train import checkpoint
@@ -202,18 +202,6 @@ def _check_stage(
     return dp, seq_len
 
 
-ARCHITECTURE = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "qk_norm",
-    "attention_bias",
-)
-
-
 def resume_record(stages: list[Stage], step: int, shard_len: int) -> dict[str, Any]:
     """What a checkpoint at ``step`` keeps of the run (``resume.json``): the stages trained
     so far, each by what makes it that stage (its steps, length and RoPE), and the model's
@@ -224,7 +212,7 @@ def resume_record(stages: list[Stage], step: int, shard_len: int) -> dict[str, A
         "step": step,
         "stage": current.index,
         "stages": [_stage_row(s, shard_len) for s in stages[: current.index + 1]],
-        "architecture": {k: getattr(model, k) for k in ARCHITECTURE},
+        "architecture": {k: getattr(model, k) for k in ARCH_FIELDS},
     }
 
 

@@ -20,6 +20,7 @@ import contextlib
 import os
 import queue
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,22 +34,17 @@ _SHM = Path("/dev/shm")
 WRITER_NICE = 10  # the writer's scheduling priority below training's
 
 
-def _tensors(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _tensors(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _tensors(v, out)
-
-
 def nbytes(obj: Any) -> int:
     """The bytes :func:`pack` needs for ``obj``'s tensors."""
-    found: list[torch.Tensor] = []
-    _tensors(obj, found)
-    return sum(-(-t.numel() * t.element_size() // _ALIGN) * _ALIGN for t in found)
+    total = 0
+
+    def add(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        return t
+
+    map_tensors(obj, add)
+    return total
 
 
 def shm_fits(size: int) -> bool:
@@ -77,35 +73,30 @@ def pack(obj: Any, shared: bool = False, pin: bool = False) -> Any:
         at[0] += -(-n // _ALIGN) * _ALIGN
         return view.copy_(t.detach(), non_blocking=pin)
 
-    def walk(o: Any) -> Any:
-        if isinstance(o, torch.Tensor):
-            return copy(o)
-        if isinstance(o, dict):
-            return type(o)((k, walk(v)) for k, v in o.items())
-        if isinstance(o, list):
-            return [walk(v) for v in o]
-        if isinstance(o, tuple) and not hasattr(o, "_fields"):
-            return tuple(walk(v) for v in o)
-        return o
-
-    out = walk(obj)
+    out = map_tensors(obj, copy)
     if pin:
         torch.cuda.synchronize()  # the copies landed before the step changes the state
     return out
 
 
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in it (dicts, lists and plain tuples
+    rebuilt; anything else kept)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
+    if isinstance(obj, list):
+        return [map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(map_tensors(v, fn) for v in obj)
+    return obj
+
+
 def unshare(obj: Any) -> Any:
     """``obj`` with each tensor in a storage of its own (views of one buffer would be
     saved, and loaded, as that whole buffer)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.clone()
-    if isinstance(obj, dict):
-        return type(obj)((k, unshare(v)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [unshare(v) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(unshare(v) for v in obj)
-    return obj
+    return map_tensors(obj, torch.Tensor.clone)
 
 
 def write(
