@@ -142,7 +142,7 @@ def test_a_save_writes_every_file_and_the_pointer_last(tmp_path, asynchronous, w
     assert saver.commit() is pending
     assert checkpoint.latest_tag(tmp_path) == "step_00000005"
     checkpoint.check_complete(tmp_path / "step_00000005", 0)
-    saved = torch.load(tmp_path / "step_00000005" / "mp_rank_00_model_states.pt")
+    saved = torch.load(tmp_path / "step_00000005" / "mp_rank_00_model_states.pt", weights_only=True)
     assert torch.equal(saved["module"]["weight"] + 1.0, engine.module.weight.detach())
     assert len(saver.saves) == 1 and saver.saves[0][0] <= saver.saves[0][1]
     assert (saver.process is not None) == (writer == "process")
