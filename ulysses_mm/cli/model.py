@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+import time
 
 from ulysses_mm.cli.common import overrides_help
 from ulysses_mm.config import RunConfig, load_config
@@ -24,6 +26,7 @@ from ulysses_mm.core.checks import (
     out_file_arg,
     seed_arg,
 )
+from ulysses_mm.train.stop import EXIT_STOPPED, StopRecord, young_interval_s
 
 _VERBOSE_HELP = (
     "also show DeepSpeed's log on the terminal (it always goes to the run's "
@@ -70,8 +73,6 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    import time
-
     from ulysses_mm.train.loop import run_train
     from ulysses_mm.train.plan import resolve_resume
 
@@ -100,8 +101,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
         )
         return 0
     if result.get("stopped"):
-        from ulysses_mm.train.stop import EXIT_STOPPED, StopRecord
-
         record = StopRecord(**result["stopped"])
         print(f"ulysses-mm train: {record.line(_same_command())}", file=sys.stderr)
         return EXIT_STOPPED
@@ -118,8 +117,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _same_command() -> str:
     """The command that continues a stopped run: this one, less what starts afresh."""
-    import shlex
-
     argv = sys.argv[1:]
     if not argv or argv[0] != "train":
         return "the same command (train.resume=auto)"
@@ -129,8 +126,6 @@ def _same_command() -> str:
 
 def _save_line(result: dict, every: int) -> str:
     """The measured save time and Young's checkpoint interval for a failure a day."""
-    from ulysses_mm.train.stop import young_interval_s
-
     save_s, step_s = result.get("save_s", 0.0), result.get("step_s", 0.0)
     if not save_s or not step_s:
         return ""

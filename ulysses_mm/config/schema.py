@@ -7,6 +7,7 @@ manifests or the world is checked by ``train.plan`` before any process starts.""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -633,8 +634,6 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_ranges("train", self)
-        import signal
-
         for name in self.stop_signals:
             if not isinstance(name, str) or not isinstance(
                 getattr(signal, name, None), signal.Signals

@@ -22,10 +22,12 @@ recorded in the log directory and removed by the next launch there.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -68,9 +70,6 @@ LAUNCHED_HERE = "ULYSSES_MM_LOCAL_LAUNCH"  # set in the workers launch_local sta
 def die_with_parent() -> None:
     """Have the kernel end this process (SIGKILL) when the process that started it dies,
     so a launcher killed with SIGKILL leaves no rank behind (Linux; elsewhere nothing)."""
-    import ctypes
-    import signal
-
     if not sys.platform.startswith("linux"):
         return
     parent = os.getppid()

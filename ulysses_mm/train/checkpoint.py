@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Mapping
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -143,8 +144,6 @@ def check_files(
     partitioned states must come from as many ranks: DeepSpeed partitions them over
     dp × sp and does not re-partition them on load. A :class:`DataError` names the
     checkpoint and the first missing file; returns DeepSpeed's state files."""
-    from fnmatch import fnmatch
-
     saved = _saved_zero_stage(config_text, f"{where}/{CONFIG_FILE}")
     if saved is not None and saved != zero_stage:
         raise DataError(
@@ -332,6 +331,3 @@ class CheckpointDir:
         complete = [t for t in tags if t <= current]
         for tag in complete[:-keep]:
             fs.rm(f"{root}/{tag}", recursive=True)
-
-    def describe(self) -> str:
-        return self.url

@@ -34,8 +34,7 @@ from ulysses_mm.loader.node_cache import NodeCache
 from ulysses_mm.loader.order import Sources
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.loader.window import WindowStream
-from ulysses_mm.parallel import apply_loss_balance, apply_ulysses
-from ulysses_mm.parallel.launch import LAUNCHED_HERE
+from ulysses_mm.parallel import apply_loss_balance, apply_ulysses, launch
 from ulysses_mm.parallel.mesh import Mesh, close_world, in_launched_world, open_world
 from ulysses_mm.tokenize.table import TokenizerTable
 from ulysses_mm.train import checkpoint
@@ -93,6 +92,9 @@ class Trainer:
         self.started = started if started is not None else time.time()
         self.budget = Budget(cfg.train.max_minutes, self.started)
         self.stages = run_stages(cfg)
+        # what each checkpoint's resume.json records: the stages as configured (the live
+        # stages' model configs follow the model's RoPE as the run moves on)
+        self.configured = run_stages(cfg)
         self.stage = self.stages[0]
         # the engine is built on the first stage's layout; later stages lay the model out
         # again on meshes of their own (the engine's gradient average stays the first's)
@@ -137,7 +139,8 @@ class Trainer:
             self.stream.load_state_dict(client["loader"])
         self.logger = MetricsLogger(cfg, self.run_dir, self.rank0, resume_step=self.step)
         self.tflops = peak_tflops(cfg, self.device)
-        self.step_times: list[float] = []
+        self.trained_s = 0.0  # the steps this process trained, in seconds
+        self.trained = 0
 
     def _local_checkpoints(self) -> Path:
         """The checkpoint directory DeepSpeed loads from: the run's own when local; for a
@@ -149,7 +152,7 @@ class Trainer:
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:
             tag = self.ckpt.latest_tag()
             if tag is None:
-                raise UserError(f"no checkpoint to resume from in {self.ckpt.describe()}")
+                raise UserError(f"no checkpoint to resume from in {self.ckpt.url}")
             self.ckpt.download(tag, dest)
         if dist.is_initialized():
             dist.barrier()
@@ -223,14 +226,11 @@ class Trainer:
             return signal_name(signum)
         return "time budget" if budget else None
 
-    def train_step(self, fulls: list[Batch] | None = None) -> dict[str, Any]:
-        """One optimizer step on ``fulls`` (the step's micro-batches; read here when None)."""
+    def train_step(self, fulls: list[Batch]) -> dict[str, Any]:
+        """One optimizer step on ``fulls``, the step's micro-batches."""
         t0 = time.perf_counter()
-        gas = self.cfg.deepspeed.gradient_accumulation_steps
         sums = ModalitySums(self.space.modalities)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step applies
-        if fulls is None:
-            fulls = [samples_batch(self.stream.next_batch(), self.space) for _ in range(gas)]
         result = train_step(self.rt, iter(fulls))
         for report in result.reports:
             sums.add(report)
@@ -324,8 +324,7 @@ class Trainer:
                 "loader": loader if loader is not None else self.stream.state_dict(),
                 "stage": stage.index,
                 "stage_step": self.step - stage.start,
-                # the stages as configured (the live ones' model configs follow the model)
-                "resume": resume_record(run_stages(self.cfg), self.step, self.manifest.seq_len),
+                "resume": resume_record(self.configured, self.step, self.manifest.seq_len),
             },
             # the model as this stage trains it (its RoPE, its layout)
             config=to_dict(stage.cfg),
@@ -382,7 +381,8 @@ class Trainer:
                 loader = None
                 last = self.train_step(batches)
                 self.budget.step_took(last["step_time_s"])
-                self.step_times.append(last["step_time_s"])
+                self.trained_s += last["step_time_s"]
+                self.trained += 1
                 if self.step % t.log_every == 0 or self.step == t.steps:
                     self.logger.log(self.step, last)
                 if progress is not None:
@@ -439,13 +439,14 @@ class Trainer:
             stopped=stopped,
             save_s=max((w for _, w in saves), default=0.0),
             blocked_s=max((b for b, _ in saves), default=0.0),
-            step_s=sum(self.step_times) / len(self.step_times) if self.step_times else 0.0,
+            step_s=self.trained_s / self.trained if self.trained else 0.0,
         )
 
 
 def set_aside(cfg: RunConfig) -> Path | None:
     """``train.resume=restart``: move the run in ``train.out_dir`` (checkpoints, metrics,
-    W&B, samples, logs) to ``RUN_DIR/previous/<UTC time>/``; nothing is deleted."""
+    W&B, samples) to ``RUN_DIR/previous/<UTC time>/``; nothing is deleted (the logs stay:
+    they hold the record of a killed launch to clean up after)."""
     run_dir = Path(cfg.train.out_dir)
     names = ["checkpoints", "metrics.jsonl", "wandb", "wandb_id.txt", "samples", STOPPED_FILE]
     present = [n for n in names if (run_dir / n).exists()]
@@ -464,7 +465,7 @@ def train_worker(cfg_dict: dict[str, Any], resume: bool, started: float) -> dict
     cfg = from_dict(RunConfig, cfg_dict)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     announce = None
-    if rank0 and not os.environ.get(LAUNCHED_HERE):
+    if rank0 and not os.environ.get(launch.LAUNCHED_HERE):
         announce = "ulysses-mm train: ended at once by a second {signal}; latest is unchanged"
     stop = StopRequests(cfg.train.stop_signals, announce).install()
     try:
@@ -474,7 +475,7 @@ def train_worker(cfg_dict: dict[str, Any], resume: bool, started: float) -> dict
             dist.barrier()  # every rank's part of the stop is done before any leaves
     finally:
         stop.uninstall()
-    if result.stopped is not None and (os.environ.get(LAUNCHED_HERE) or in_launched_world()):
+    if result.stopped is not None and (os.environ.get(launch.LAUNCHED_HERE) or in_launched_world()):
         # a launched rank leaves with the code itself: its launcher, signalled too, is
         # not reading return values, and torchrun reports the code
         for stream in (sys.stdout, sys.stderr):
@@ -489,8 +490,6 @@ def run_train(cfg: RunConfig, nproc: int | None, started: float | None = None) -
     ``train.resume`` decides whether the run continues from its checkpoint; a run whose
     checkpoint is at ``train.steps`` already is not started again (``complete`` in the
     result)."""
-    from ulysses_mm.parallel.launch import Signals, run_world
-
     started = started if started is not None else time.time()
     if nproc and in_launched_world():
         raise UserError(
@@ -509,9 +508,9 @@ def run_train(cfg: RunConfig, nproc: int | None, started: float | None = None) -
             "checkpoint": ckpt.url_of(checkpoint.tag_for(cfg.train.steps)),
         }
     t = cfg.train
-    signals = Signals(tuple(t.stop_signals), t.stop_grace_s)
+    signals = launch.Signals(tuple(t.stop_signals), t.stop_grace_s)
     try:
-        return run_world(
+        return launch.run_world(
             train_worker,
             nproc,
             to_dict(cfg),

@@ -294,9 +294,7 @@ def check_resume(
     ckpt = checkpoint.CheckpointDir.of(cfg)
     tag = ckpt.latest_tag()
     if tag is None:
-        raise DataError(
-            f"--resume: no checkpoint to resume from in {ckpt.describe()} (no 'latest' file)"
-        )
+        raise DataError(f"--resume: no checkpoint to resume from in {ckpt.url} (no 'latest' file)")
     where = ckpt.url_of(tag)
     if ckpt.is_local:
         checkpoint.check_complete(ckpt.local_path / tag, cfg.deepspeed.zero_stage, ranks)

@@ -30,7 +30,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 from ulysses_mm.train import checkpoint, serialize
 from ulysses_mm.train.checkpoint import CONFIG_FILE, MODEL_FILE, TOKENIZERS_FILE, CheckpointDir
+from ulysses_mm.train.engine import safe_engine_class
 from ulysses_mm.train.serialize import WriterProcess
 
 
@@ -124,8 +125,6 @@ class Writer:
 def snapshot_engine_class():
     """DeepSpeed's checkpoint engine interface whose ``save`` hands each file to the
     :class:`Saver` (loading stays the safe ``weights_only`` reader)."""
-    from ulysses_mm.train.engine import safe_engine_class
-
     base = safe_engine_class()
 
     class SnapshotEngine(base):  # type: ignore[misc, valid-type]
@@ -160,7 +159,6 @@ class Pending:
     tag: str
     started: float
     blocked_s: float = 0.0
-    files: list[Path] = field(default_factory=list)
 
 
 class Saver:
@@ -225,10 +223,8 @@ class Saver:
             files += [path / MODEL_FILE, *(path / name for name in texts)]
         if not self.ckpt.is_local:
             self.writer.put(str(self.ckpt.url_of(tag)), lambda: self._upload(tag, files))
-        pending = Pending(step, tag, t0, files=files)
-        pending.blocked_s = time.perf_counter() - t0
-        self.pending = pending
-        return pending
+        self.pending = Pending(step, tag, t0, blocked_s=time.perf_counter() - t0)
+        return self.pending
 
     def queue(
         self, kind: str, obj: Any, path: Path, metadata: dict[str, str] | None = None
@@ -243,7 +239,7 @@ class Saver:
             if not serialize.shm_fits(size):
                 raise StorageError(
                     f"train.save_writer=process: {path.name} needs {2 * size:,} bytes free in "
-                    "/dev/shm, which has less; set train.save_writer=thread or auto"
+                    "/dev/shm, which has less; set train.save_writer=thread"
                 )
             copy = serialize.pack(obj, shared=True)
             if self.process is None:

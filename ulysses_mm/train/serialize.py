@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 from ulysses_mm.core.errors import first_line
 from ulysses_mm.core.storage import atomic_local_file, atomic_write_local
+from ulysses_mm.parallel.launch import die_with_parent
 
 _ALIGN = 64
 _SHM = Path("/dev/shm")
@@ -111,7 +113,7 @@ def write(
         with atomic_local_file(path) as f:
             torch.save(obj, f)
     elif kind == "safetensors":
-        from safetensors.torch import save as save_safetensors
+        from safetensors.torch import save as save_safetensors  # only this kind needs it
 
         atomic_write_local(path, save_safetensors(obj, metadata=metadata))
     else:
@@ -120,8 +122,6 @@ def write(
 
 def _serve(jobs: Any, acks: Any) -> None:
     """The writer process: write each job, acknowledge it (None, or the error's line)."""
-    from ulysses_mm.parallel.launch import die_with_parent
-
     die_with_parent()
     torch.set_num_threads(1)
     # below training on shared cores: the steps keep their pace, the write takes longer
@@ -129,7 +129,7 @@ def _serve(jobs: Any, acks: Any) -> None:
         os.nice(WRITER_NICE)
     # the zip records' CRC32 is most of torch.save's CPU time; files are still whole or
     # absent (written to a temporary name, then renamed) and torch.load does not need it
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception):  # the switch is newer than some torch releases
         from torch.utils.serialization import config
 
         config.save.compute_crc32 = False
@@ -148,8 +148,6 @@ class WriterProcess:
     """One process that writes files from :func:`pack`-ed (shared) state, one at a time."""
 
     def __init__(self) -> None:
-        import torch.multiprocessing as mp
-
         ctx = mp.get_context("spawn")
         self.jobs = ctx.SimpleQueue()  # put pickles here and now: an error reaches the caller
         self.acks = ctx.Queue()

@@ -31,6 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ulysses_mm.core.storage import atomic_write_local
+
 EXIT_STOPPED = 75  # EX_TEMPFAIL: stopped on a signal or a time budget; the same command continues
 DEBOUNCE_S = 2.0
 STOPPED_FILE = "stopped.json"  # RUN_DIR/stopped.json: the last stop, removed when a run starts
@@ -113,7 +115,7 @@ class Budget:
 def agree(flags: list[int], device: Any = None) -> list[int]:
     """Each flag's maximum over every rank (one all-reduce; the flags as given when there
     is no process group)."""
-    import torch
+    import torch  # here, not above: the CLI reads this module's codes and records torch-free
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -135,8 +137,6 @@ class StopRecord:
     started: float  # the command's start (epoch seconds): which run wrote it
 
     def write(self, run_dir: Path) -> None:
-        from ulysses_mm.core.storage import atomic_write_local
-
         atomic_write_local(run_dir / STOPPED_FILE, (json.dumps(asdict(self)) + "\n").encode())
 
     @classmethod
