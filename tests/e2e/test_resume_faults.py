@@ -273,3 +273,27 @@ def test_truncated_optimizer_partitions_are_one_line(tmp_path, manifest, no_proc
     part.write_bytes(part.read_bytes()[:30])
     err = _resume(capsys, tmp_path, manifest, "deepspeed.zero_stage=1", "parallel.sp=1")
     assert f"{part} is not a torch checkpoint" in err, err
+
+
+# -- where checkpoints go ---------------------------------------------------------------
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_one_line(tmp_path, manifest, no_processes, capsys):
+    (tmp_path / "a-file").write_text("")
+    cfg = str(run_config(tmp_path, manifest))
+    err = refused(capsys, cfg, f"train.checkpoint_dir={tmp_path / 'a-file'}")
+    assert f"train.checkpoint_dir {tmp_path / 'a-file'} is a file" in err, err
+    err = refused(capsys, cfg, f"train.out_dir={tmp_path / 'a-file'}")
+    assert f"train.out_dir {tmp_path / 'a-file'} is a file" in err, err
+
+
+def test_an_unreachable_remote_checkpoint_dir_is_one_line(tmp_path, manifest, no_processes, capsys):
+    pytest.importorskip("s3fs")
+    options = (
+        "data.storage_options={endpoint_url: 'http://127.0.0.1:9', key: a, secret: b, "
+        "config_kwargs: {retries: {max_attempts: 1}, connect_timeout: 2}}"
+    )
+    err = refused(
+        capsys, str(run_config(tmp_path, manifest)), "train.checkpoint_dir=s3://none/ckpt", options
+    )
+    assert "s3://none/ckpt/latest: EndpointConnectionError" in err, err

@@ -28,9 +28,10 @@ unpickles.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ import torch.distributed as dist
 import yaml
 
 from ulysses_mm.core import storage
-from ulysses_mm.core.errors import DataError, StorageError
+from ulysses_mm.core.errors import DataError, StorageError, UserError, first_line
 from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 
@@ -261,10 +262,12 @@ class CheckpointDir:
         if self.is_local:
             return latest_tag(self.local_path)
         pointer = f"{self.url}/{LATEST}"
-        if not storage.exists(pointer, self.options):
-            return None
+        with self._reaching(pointer):
+            if not storage.exists(pointer, self.options):
+                return None
+            data = storage.read_bytes(pointer, self.options)
         try:
-            tag = storage.read_bytes(pointer, self.options).decode().strip()
+            tag = data.decode().strip()
         except UnicodeDecodeError:
             raise DataError(f"cannot read the checkpoint pointer {pointer}: not text") from None
         if not tag or "/" in tag or tag in (".", "..") or not tag.isprintable():
@@ -279,15 +282,30 @@ class CheckpointDir:
             path = self.local_path / tag
             return sorted(p.name for p in path.iterdir() if p.is_file()) if path.is_dir() else []
         try:
-            return sorted(storage.list_names(self.url_of(tag), self.options))
-        except (FileNotFoundError, StorageError):
+            with self._reaching(self.url_of(tag)):
+                return sorted(storage.list_names(self.url_of(tag), self.options))
+        except FileNotFoundError:
             return []
 
     def read_text(self, tag: str, name: str) -> str | None:
         url = self.url_of(tag, name)
-        if not storage.exists(url, self.options):
-            return None
-        return storage.read_bytes(url, self.options).decode()
+        with self._reaching(url):
+            if not storage.exists(url, self.options):
+                return None
+            return storage.read_bytes(url, self.options).decode()
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _reaching(url: str) -> Iterator[None]:
+        """A remote fault reaching ``url`` (a refused connection, a timeout, a denied
+        request) as one :class:`StorageError` line naming it; a missing file stays
+        ``FileNotFoundError``."""
+        try:
+            yield
+        except (FileNotFoundError, UserError):
+            raise
+        except Exception as e:
+            raise StorageError(f"{url}: {first_line(e)}") from None
 
     def set_latest(self, tag: str) -> None:
         if self.is_local:

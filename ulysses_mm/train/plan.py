@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ulysses_mm.config import RunConfig, Stage, run_stages, stage_of, to_dict
+from ulysses_mm.core import checks
 from ulysses_mm.core.errors import ConfigError, DataError, UserError
 from ulysses_mm.core.layout import check_layout
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
@@ -341,7 +342,11 @@ def resolve_resume(cfg: RunConfig) -> bool:
     """``train.resume`` against the run directory: whether this run resumes. ``auto``
     resumes when there is a checkpoint; ``never`` refuses a directory that holds a run;
     ``restart`` first moves such a run aside (:func:`set_aside`, in the parent only)."""
-    mode = cfg.train.resume
+    t = cfg.train
+    checks.out_dir(t.out_dir, "train.out_dir")
+    if t.checkpoint_dir:
+        checks.out_dir(t.checkpoint_dir, "train.checkpoint_dir")
+    mode = t.resume
     if mode == "always":
         return True
     if mode == "auto":
