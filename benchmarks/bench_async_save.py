@@ -107,8 +107,8 @@ def measure_saves(args: argparse.Namespace, root: Path) -> dict:
         torch.set_num_threads(args.threads)
     cfg = _save_cfg(args, root / "run")
     space = run_space(cfg)
-    rt = build_setup(cfg, space, open_world(cfg, device="cpu"))
-    params = sum(p.numel() for p in rt.model.parameters())
+    setup = build_setup(cfg, space, open_world(cfg, device="cpu"))
+    params = sum(p.numel() for p in setup.model.parameters())
     batch = random_batch(space, cfg.data.micro_batch_size, args.seq_len, seed=0)
     config = to_dict(cfg)
     step_no = 0
@@ -116,7 +116,7 @@ def measure_saves(args: argparse.Namespace, root: Path) -> dict:
     def step() -> float:
         nonlocal step_no
         t0 = time.perf_counter()
-        train_step(rt, [batch])
+        train_step(setup, [batch])
         step_no += 1
         return time.perf_counter() - t0
 
@@ -129,13 +129,13 @@ def measure_saves(args: argparse.Namespace, root: Path) -> dict:
             save_writer=mode if mode != "sync" else "thread",
             save_timeout_s=3600.0,
         )
-        saver = Saver(rt.engine, CheckpointDir(str(ckpt)), ckpt / "staging", train)
-        savers[mode] = (saver, rt.engine.checkpoint_engine)
+        saver = Saver(setup.engine, CheckpointDir(str(ckpt)), ckpt / "staging", train)
+        savers[mode] = (saver, setup.engine.checkpoint_engine)
 
     def one_save(mode: str) -> dict[str, float]:
         ckpt = root / f"ckpt-{mode}"
         saver, engine = savers[mode]
-        rt.engine.checkpoint_engine = engine
+        setup.engine.checkpoint_engine = engine
         try:
             out = {"plain_s": step()}
             t0 = time.perf_counter()
@@ -204,15 +204,15 @@ def agree_worker(args: argparse.Namespace) -> dict[str, float]:
         ["parallel.sp=2", f"train.out_dir={args.tmp}/agree-run"],
     )
     space = run_space(cfg)
-    rt = build_setup(cfg, space, open_world(cfg, device="cpu"))
+    setup = build_setup(cfg, space, open_world(cfg, device="cpu"))
     batch = random_batch(space, cfg.data.micro_batch_size, args.debug_seq, seed=0)
     for _ in range(2):
-        train_step(rt, [batch])
+        train_step(setup, [batch])
     steps = []
     for _ in range(args.debug_steps):
         dist.barrier()
         t0 = time.perf_counter()
-        train_step(rt, [batch])
+        train_step(setup, [batch])
         steps.append(time.perf_counter() - t0)
     # agree() and the bare collective (a tensor made once, no list round trip), for
     # comparison, in interleaved blocks

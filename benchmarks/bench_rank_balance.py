@@ -52,19 +52,19 @@ def worker(args: argparse.Namespace) -> dict:
     space = TokenSpace.from_vocab(vocab)
     tracker = TensorMemoryTracker()
     tracker.__enter__()
-    rt = build_setup(cfg, space, open_world(cfg, device="cpu"))
-    balance = rt.model.target_exchange
-    train_step(rt, [random_batch(space, 1, 16 * args.P, seed=1)], grad_norm=False)  # warm-up
+    setup = build_setup(cfg, space, open_world(cfg, device="cpu"))
+    balance = setup.model.target_exchange
+    train_step(setup, [random_batch(space, 1, 16 * args.P, seed=1)], grad_norm=False)  # warm-up
     batch = random_batch(space, 1, args.seq_len, seed=args.seed, max_doc=args.max_doc or None)
     out = {}
     for name, exchange in (("unbalanced", None), ("balanced", balance)):
-        rt.model.target_exchange = exchange
+        setup.model.target_exchange = exchange
         gc.collect()
         tracker.peak = start = tracker.live
-        train_step(rt, [batch], grad_norm=False)
+        train_step(setup, [batch], grad_norm=False)
         out[name] = tracker.peak - start
     tracker.__exit__(None, None, None)
-    local = rt.slice_of(batch)
+    local = setup.slice_of(batch)
     kept = local.label_modality[local.labels != -100]
     out["targets"] = torch.bincount(kept, minlength=len(vocab)).tolist()
     return out

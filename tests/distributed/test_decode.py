@@ -74,9 +74,9 @@ def _evaluate(mesh: Mesh) -> dict:
     cfg = RunConfig(model=ModelConfig(**MODEL))
     state = _model().state_dict()
     world = World(mesh, torch.device("cpu"), "gloo" if mesh.distributed else "none")
-    rt = build_inference_setup(cfg, SPACE, world, lambda m: m.load_state_dict(state))
+    setup = build_inference_setup(cfg, SPACE, world, lambda m: m.load_state_dict(state))
     batches = [random_batch(SPACE, 1, 64, seed=s, min_doc=9) for s in range(3)]
-    return asdict(evaluate_batches(rt, batches))
+    return asdict(evaluate_batches(setup, batches))
 
 
 def _worker(rank, world):

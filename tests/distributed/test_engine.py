@@ -67,7 +67,7 @@ def _engine_backward(engine, local: Batch, mesh: Mesh):
     return forward_backward(engine, local, weights, mesh)[1]
 
 
-def _runtime(cfg: RunConfig, sp: int) -> Setup:
+def _setup(cfg: RunConfig, sp: int) -> Setup:
     """This rank's model → Ulysses → engine, as training builds it."""
     cfg.parallel.sp = sp
     space = TokenSpace.from_vocab(cfg.model.modalities)
@@ -80,8 +80,8 @@ def _engine_grads(rank, world, sp, stages, gas):
     results = {}
     for stage in stages:
         cfg = _cfg(stage, gas)
-        rt = _runtime(cfg, sp)
-        engine, mesh = rt.engine, rt.mesh
+        setup = _setup(cfg, sp)
+        engine, mesh = setup.engine, setup.mesh
         micro = [random_batch(SPACE, mesh.dp, 128, seed=10 + k) for k in range(gas)]
         want_losses, want = _reference_grads(cfg, micro)
         got_losses = []
@@ -170,9 +170,11 @@ def _offload_params(rank, world, steps, stages):
         ref_opt = torch.optim.AdamW(
             ref.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay
         )
-        rt = _runtime(cfg, world)  # sp = world
-        engine, mesh = rt.engine, rt.mesh
-        assert isinstance(rt.optimizer.optimizer, DeepSpeedCPUAdam), type(rt.optimizer.optimizer)
+        setup = _setup(cfg, world)  # sp = world
+        engine, mesh = setup.engine, setup.mesh
+        assert isinstance(setup.optimizer.optimizer, DeepSpeedCPUAdam), type(
+            setup.optimizer.optimizer
+        )
         w = loss_weights(SPACE.modalities, {})
         for step in range(steps):
             b = random_batch(SPACE, 1, 128, seed=100 + step)
@@ -218,16 +220,16 @@ def _schedule_lrs(rank, world, kind):
             "train.steps=8",
         ],
     )
-    rt = _runtime(cfg, 1)
-    params = rt.engine.module.parameters
-    batch = random_batch(rt.space, 1, 64, seed=0)
+    setup = _setup(cfg, 1)
+    params = setup.engine.module.parameters
+    batch = random_batch(setup.space, 1, 64, seed=0)
     lrs, moved = [], []
     for _ in range(8):
         before = [p.detach().clone() for p in params()]
-        lrs.append(rt.optimizer.param_groups[0]["lr"])  # what this step applies
-        train_step(rt, [batch])
+        lrs.append(setup.optimizer.param_groups[0]["lr"])  # what this step applies
+        train_step(setup, [batch])
         moved.append(any(not torch.equal(a, p) for a, p in zip(before, params())))
-    return lrs, moved, rt.engine.lr_scheduler.state_dict()
+    return lrs, moved, setup.engine.lr_scheduler.state_dict()
 
 
 @pytest.mark.parametrize("kind", ["WarmupCosineLR", "WarmupLR"])

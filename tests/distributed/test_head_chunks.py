@@ -176,12 +176,14 @@ def _engine_case(rank, world) -> bool:
                 f"parallel.head_chunks={chunks}",
             ],
         )
-        rt = build_setup(cfg, SPACE, open_world(cfg, device="cpu"))
-        rows = batch.rows(rt.mesh.dp_rank, rt.mesh.dp_rank + 1)
-        loss, _ = forward_backward(rt.engine, rt.slice_of(rows), rt.weights, rt.mesh)
-        grads = {n: safe_get_full_grad(p).clone() for n, p in rt.engine.module.named_parameters()}
+        setup = build_setup(cfg, SPACE, open_world(cfg, device="cpu"))
+        rows = batch.rows(setup.mesh.dp_rank, setup.mesh.dp_rank + 1)
+        loss, _ = forward_backward(setup.engine, setup.slice_of(rows), setup.weights, setup.mesh)
+        grads = {
+            n: safe_get_full_grad(p).clone() for n, p in setup.engine.module.named_parameters()
+        }
         out.append((loss, grads))
-        rt.engine.destroy()
+        setup.engine.destroy()
     (loss1, g1), (loss2, g2) = out
     assert_close(loss2, loss1, rtol=1e-6, atol=1e-7)
     for name in g1:

@@ -193,15 +193,15 @@ def _engine_run(rank, world, stages):
         out = []
         for switches in ([], SWITCHES):
             cfg = _engine_cfg(stage, world, switches)
-            rt = build_setup(cfg, ENGINE_SPACE, open_world(cfg, device="cpu"))
-            local = sp_slice(batch, rt.mesh.sp_rank, world)
-            loss, _ = forward_backward(rt.engine, local, rt.weights, rt.mesh)
+            setup = build_setup(cfg, ENGINE_SPACE, open_world(cfg, device="cpu"))
+            local = sp_slice(batch, setup.mesh.sp_rank, world)
+            loss, _ = forward_backward(setup.engine, local, setup.weights, setup.mesh)
             grads = {
                 n: (safe_get_full_grad(p) if stage > 0 else p.grad).clone()
-                for n, p in rt.engine.module.named_parameters()
+                for n, p in setup.engine.module.named_parameters()
             }
             out.append((loss.detach(), grads))
-            rt.engine.destroy()
+            setup.engine.destroy()
         (loss0, g0), (loss1, g1) = out
         assert_close(loss1, loss0, rtol=1e-6, atol=1e-7)
         for name in g0:

@@ -240,19 +240,19 @@ def _engine_ring(rank, world):
     # as training builds it: open_world → Mesh.build(ring) → apply_ulysses → DeepSpeed
     # ZeRO-2, Setup.slice_of slices the zigzag layout
     from deepspeed.utils import safe_get_full_grad
-    from test_engine import SPACE, _cfg, _engine_backward, _reference_grads, _runtime
+    from test_engine import SPACE, _cfg, _engine_backward, _reference_grads, _setup
 
     cfg = _cfg(2)
     cfg.parallel.ring = world
-    rt = _runtime(cfg, world)
-    assert rt.mesh.ring_size == world
+    setup = _setup(cfg, world)
+    assert setup.mesh.ring_size == world
     b = random_batch(SPACE, 1, 128, seed=10)
     want_losses, want = _reference_grads(cfg, [b])
-    report = _engine_backward(rt.engine, rt.slice_of(b), rt.mesh)
-    for name, p in rt.engine.module.named_parameters():
+    report = _engine_backward(setup.engine, setup.slice_of(b), setup.mesh)
+    for name, p in setup.engine.module.named_parameters():
         assert_close(safe_get_full_grad(p), want[name], rtol=1e-4, atol=1e-6)
     assert report.total == pytest.approx(want_losses[0], rel=1e-6)
-    rt.engine.step()
+    setup.engine.step()
 
 
 def test_ring_through_the_runtime_and_deepspeed():

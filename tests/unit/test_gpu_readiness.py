@@ -457,7 +457,7 @@ def test_deepspeed_is_handed_the_host_model_and_peaks_start_after_set_up(monkeyp
     monkeypatch.setattr(step, "resolve_kernel", lambda name, device, dtype: "sdpa_varlen")
     cfg = load_config(RunConfig, None, ["deepspeed.precision=bf16", "model.hidden_size=32"])
     world = World(Mesh.single(), torch.device("cuda", 0), "nccl")
-    rt = step.build_setup(cfg, TokenSpace.from_vocab({"dna": 10}), world)
+    setup = step.build_setup(cfg, TokenSpace.from_vocab({"dna": 10}), world)
     assert seen["devices"] == {"cpu"} and seen["dtypes"] == {torch.float32}
     assert seen["reset_after_engine"] is True
-    assert rt.device == torch.device("cuda", 0)
+    assert setup.device == torch.device("cuda", 0)

@@ -106,7 +106,7 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
         payload["checkpoint"], payload["manifest"], opts, payload["world"]
     )
     world = open_world(cfg, engine=False)
-    rt = build_inference_setup(cfg, trained.space, world, trained.load_into)
+    setup = build_inference_setup(cfg, trained.space, world, trained.load_into)
     mesh = world.mesh
     options = StreamOptions.from_config(cfg.data).in_order()
     d = cfg.data
@@ -125,7 +125,7 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
             )
             batches = bar
         result = evaluate_batches(
-            rt, batches, units_for(trained.space, trained.tokenizers), opts.edges
+            setup, batches, units_for(trained.space, trained.tokenizers), opts.edges
         )
     finally:
         if bar is not None:

@@ -128,7 +128,7 @@ def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str
     )
     device = None if opts.device == "auto" else opts.device
     world = open_world(cfg, engine=False, device=device)
-    rt = build_inference_setup(
+    setup = build_inference_setup(
         cfg, trained.space, world, trained.load_into, trained.dtype(opts.dtype)
     )
     tok = trained.tokenizer(opts.modality, opts.tokenizer)
@@ -139,12 +139,14 @@ def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str
     if world.mesh.sp > 1:
         from ulysses_mm.parallel.decode import SequenceParallelDecoder
 
-        sp = SequenceParallelDecoder(rt.model, world.mesh, len(prompt), opts.new_tokens)
+        sp = SequenceParallelDecoder(setup.model, world.mesh, len(prompt), opts.new_tokens)
         decoder, agree = sp, sp.agree
     else:
-        decoder, agree = CachedDecoder(rt.model, len(prompt) + opts.new_tokens), agree_local
-    with _prefill_progress(rt.model, world.mesh.rank == 0):
-        result = generate(rt.model, decoder, grammar, prompt, opts.new_tokens, opts.sampling, agree)
+        decoder, agree = CachedDecoder(setup.model, len(prompt) + opts.new_tokens), agree_local
+    with _prefill_progress(setup.model, world.mesh.rank == 0):
+        result = generate(
+            setup.model, decoder, grammar, prompt, opts.new_tokens, opts.sampling, agree
+        )
     if world.device.type == "cuda":
         torch.cuda.synchronize(world.device)
     seconds = time.perf_counter() - t0

@@ -110,8 +110,8 @@ class StepRunner:
             self.tracker = self.counter = TensorMemoryTracker()
             self.tracker.__enter__()
         try:
-            self.rt = build_setup(cfg, self.space, world)
-            self.model, self.kernel = self.rt.model, self.rt.kernel
+            self.setup = build_setup(cfg, self.space, world)
+            self.model, self.kernel = self.setup.model, self.setup.kernel
             warm = 16 * self.mesh.sp
             self.step(self.batch(warm, min(warm, 64), seed=1))
         except BaseException:
@@ -126,7 +126,7 @@ class StepRunner:
 
     def step(self, batch: Batch) -> None:
         """One training step on ``batch`` (untimed, unmeasured)."""
-        train_step(self.rt, [batch], grad_norm=False)
+        train_step(self.setup, [batch], grad_norm=False)
 
     def measure(self, seq_len: int, doc_len: int | None = None, steps: int = 1) -> MeasuredStep:
         """``steps`` training steps of ``seq_len`` tokens (documents of ``doc_len``,
@@ -149,7 +149,7 @@ class StepRunner:
         else:
             self.counter.peak = self.counter.live
         base = self.counter.live
-        host = self.rt.offload.host if self.rt.offload is not None else HostCounter()
+        host = self.setup.offload.host if self.setup.offload is not None else HostCounter()
         host.reset_peak()
         host0 = host.live
         t0 = time.perf_counter()

@@ -151,15 +151,15 @@ class EvalResult:
 
 @torch.no_grad()
 def evaluate_batches(
-    rt: Setup,
+    setup: Setup,
     batches: Iterable[Batch],
     units: Mapping[str, Unit] | None = None,
     edges: Sequence[int] | None = None,
 ) -> EvalResult:
-    """Evaluate whole samples (each sliced for this rank here) through ``rt.engine``.
+    """Evaluate whole samples (each sliced for this rank here) through ``setup.engine``.
 
     ``edges``: position bins (default :func:`log_edges`); ``units``: :func:`units_for`."""
-    space, device = rt.space, rt.device
+    space, device = setup.space, setup.device
     mods = list(space.modalities)
     edge_list = list(edges) if edges is not None else log_edges()
     edge_t = torch.tensor(edge_list, dtype=torch.long, device=device)
@@ -176,9 +176,9 @@ def evaluate_batches(
     for batch in batches:
         count += 1
         samples += batch.input_ids.shape[0]
-        local = rt.slice_of(batch)
+        local = setup.slice_of(batch)
         bins = position_bins(local, edge_t)
-        _, report = forward_loss(rt.engine, local, rt.weights, rt.mesh, bins, nb)
+        _, report = forward_loss(setup.engine, local, setup.weights, setup.mesh, bins, nb)
         sums.add(report)
         assert report.by_bin is not None
         by_bin += report.by_bin.double()
@@ -188,13 +188,15 @@ def evaluate_batches(
             hit = sel & (bins >= 0)
             bin_counts[i] += torch.bincount(bins[hit], minlength=nb)[:nb].double()
             if m in tables:
-                unit_counts[i] += tables[m][rt.model.heads.head_index(local.labels[sel], m)].sum()
+                unit_counts[i] += tables[m][
+                    setup.model.heads.head_index(local.labels[sel], m)
+                ].sum()
     reduced = torch.cat([by_bin.flatten(), bin_counts.flatten(), unit_counts])
     seen = torch.tensor([float(samples)], dtype=torch.float64, device=device)
-    if rt.mesh.distributed:
-        dist.all_reduce(reduced, group=rt.mesh.world_group)
-        dist.all_reduce(seen, group=rt.mesh.world_group)
-        seen /= rt.mesh.sp  # every sp rank of a dp group read the same samples
+    if setup.mesh.distributed:
+        dist.all_reduce(reduced, group=setup.mesh.world_group)
+        dist.all_reduce(seen, group=setup.mesh.world_group)
+        seen /= setup.mesh.sp  # every sp rank of a dp group read the same samples
     m_, b_ = len(mods), nb
     by_bin = reduced[: m_ * b_].view(m_, b_).cpu()
     bin_counts = reduced[m_ * b_ : 2 * m_ * b_].view(m_, b_).cpu()
@@ -215,7 +217,7 @@ def evaluate_batches(
             bins_out[m] = rows
     return EvalResult(
         modalities=mods,
-        loss=sums.weighted_mean(rt.weights.tolist()),
+        loss=sums.weighted_mean(setup.weights.tolist()),
         nats=sums.means(),
         targets={m: c for m, c in sums.counts.items() if c},
         units={m: (units[m].name, float(unit_counts[i])) for i, m in enumerate(mods) if m in units},

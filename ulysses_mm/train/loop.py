@@ -122,9 +122,13 @@ class Trainer:
         )
         self.units = units_for(self.space, self.tokenizers)
         stage_lr = self._stage_lr if len(self.stages) > 1 else None
-        self.rt = build_setup(self.stage.cfg, self.space, self.world, stage_lr=stage_lr)
-        self.engine, self.optimizer, self.model = self.rt.engine, self.rt.optimizer, self.rt.model
-        self.weights = self.rt.weights
+        self.setup = build_setup(self.stage.cfg, self.space, self.world, stage_lr=stage_lr)
+        self.engine, self.optimizer, self.model = (
+            self.setup.engine,
+            self.setup.optimizer,
+            self.setup.model,
+        )
+        self.weights = self.setup.weights
         self.options = StreamOptions.from_config(d)
         self.saver = Saver(self.engine, self.ckpt, self.run_dir / "checkpoints-staging", cfg.train)
         self.step = 0
@@ -177,7 +181,7 @@ class Trainer:
             mesh = Mesh.build(p.sp, p.dp, p.ring)  # collective: every rank enters together
             self.world = replace(self.world, mesh=mesh)
             self.mesh = mesh
-            self.rt.world = self.world
+            self.setup.world = self.world
             apply_ulysses(self.model, mesh, head_groups=p.head_chunks)
             apply_loss_balance(self.model, mesh)
         if old.model.rope != new.model.rope:
@@ -231,7 +235,7 @@ class Trainer:
         t0 = time.perf_counter()
         sums = ModalitySums(self.space.modalities)
         lr = float(self.optimizer.param_groups[0]["lr"])  # the rate this step applies
-        result = train_step(self.rt, iter(fulls))
+        result = train_step(self.setup, iter(fulls))
         for report in result.reports:
             sums.add(report)
         totals = [report.total for report in result.reports]
@@ -285,7 +289,7 @@ class Trainer:
                 yield batch[0]
 
         try:
-            result = evaluate_batches(self.rt, batches(), self.units)
+            result = evaluate_batches(self.setup, batches(), self.units)
         finally:
             stream.close()
             self.engine.train()

@@ -227,7 +227,7 @@ class StepResult:
     grad_norm: float = math.nan
 
 
-def train_step(rt: Setup, batches: Iterable[Batch], grad_norm: bool = True) -> StepResult:
+def train_step(setup: Setup, batches: Iterable[Batch], grad_norm: bool = True) -> StepResult:
     """One optimizer step over ``batches`` (the micro-batches of gradient accumulation,
     whole samples: each is sliced for this rank here): forward, backward and the
     engine's step for each (DeepSpeed steps the optimizer at the accumulation boundary)."""
@@ -237,16 +237,16 @@ def train_step(rt: Setup, batches: Iterable[Batch], grad_norm: bool = True) -> S
     nxt = next(it, None)
     while nxt is not None:
         batch, nxt = nxt, next(it, None)
-        local = rt.slice_of(batch)
+        local = setup.slice_of(batch)
         _, report = forward_backward(
-            rt.engine, local, rt.weights, rt.mesh, engine_mesh=rt.engine_mesh
+            setup.engine, local, setup.weights, setup.mesh, engine_mesh=setup.engine_mesh
         )
         out.reports.append(report)
-        if grad_norm and nxt is None and rt.engine.zero_optimization_stage() == 0:
-            pending = _grad_norm(rt.model)  # reduced already; ZeRO-0 keeps no norm
-        rt.engine.step()
+        if grad_norm and nxt is None and setup.engine.zero_optimization_stage() == 0:
+            pending = _grad_norm(setup.model)  # reduced already; ZeRO-0 keeps no norm
+        setup.engine.step()
     if grad_norm:
-        out.grad_norm = _float(rt.engine.get_global_grad_norm(), pending)
+        out.grad_norm = _float(setup.engine.get_global_grad_norm(), pending)
     return out
 
 
