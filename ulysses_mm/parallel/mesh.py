@@ -264,10 +264,8 @@ class _RankLogFile(logging.FileHandler):
         super().emit(record)
 
 
-def _quiet_deepspeed(backend: str, log_dir: Path) -> Any:
-    """Import DeepSpeed for ``backend`` with its output where it belongs: in a ``train`` or
-    ``demo`` run its logger goes to ``log_dir/deepspeed-rank-N.log`` (and to the terminal
-    too under ``-v``), not between our progress lines (see ``DEEPSPEED_LOG_ENV``).
+def import_deepspeed(backend: str) -> Any:
+    """Import DeepSpeed for a run over ``backend`` (every route: ours, the HF examples).
 
     Off NCCL the accelerator is named (``DS_ACCELERATOR=cpu``, unless the user set one):
     the device is the CPU then, and DeepSpeed would otherwise warn on every rank that it
@@ -278,12 +276,21 @@ def _quiet_deepspeed(backend: str, log_dir: Path) -> Any:
     probe (``deepspeed.ops.__compatible_ops__``), kept in its module to be edited so."""
     if backend != "nccl":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import deepspeed.ops
-    from deepspeed.utils import logger
+    import deepspeed  # lazy: DeepSpeed reads DS_ACCELERATOR when it is imported
+    import deepspeed.ops  # lazy: as deepspeed
 
     if backend == "gloo":
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return deepspeed
+
+
+def _quiet_deepspeed(backend: str, log_dir: Path) -> Any:
+    """:func:`import_deepspeed` with its output where it belongs: in a ``train`` or
+    ``demo`` run its logger goes to ``log_dir/deepspeed-rank-N.log`` (and to the terminal
+    too under ``-v``), not between our progress lines (see ``DEEPSPEED_LOG_ENV``)."""
+    deepspeed = import_deepspeed(backend)
+    from deepspeed.utils import logger  # lazy: as deepspeed
+
     mode = os.environ.get(DEEPSPEED_LOG_ENV, "")
     if not mode:
         return deepspeed
