@@ -122,11 +122,11 @@ def sweep_worker(
     from ulysses_mm.train.flops import peak_tflops
 
     cfg = from_dict(RunConfig, cfg_dict)
-    world = open_world(cfg)
-    mesh = world.mesh
+    place = open_world(cfg)
+    mesh = place.mesh
     rank0 = mesh.rank == 0
     t_build = time.time()
-    runner = StepRunner(cfg, world)
+    runner = StepRunner(cfg, place)
     tflops = peak_tflops(cfg, runner.device) or float("nan")  # unknown peak: MFU nan
     if rank0:
         _append(

@@ -22,7 +22,7 @@ from ulysses_mm.model.generate import Sampling, generate
 from ulysses_mm.model.kv_cache import CachedDecoder
 from ulysses_mm.parallel import Mesh, apply_loss_balance, apply_ulysses
 from ulysses_mm.parallel.decode import SequenceParallelDecoder
-from ulysses_mm.parallel.mesh import World
+from ulysses_mm.parallel.mesh import Place
 from ulysses_mm.tokenize.grammar import Grammar
 from ulysses_mm.tokenize.registry import load_tokenizer
 from ulysses_mm.train.evaluate import evaluate_batches
@@ -73,8 +73,8 @@ def _decode(ring: int) -> dict:
 def _evaluate(mesh: Mesh) -> dict:
     cfg = RunConfig(model=ModelConfig(**MODEL))
     state = _model().state_dict()
-    world = World(mesh, torch.device("cpu"), "gloo" if mesh.distributed else "none")
-    setup = build_inference_setup(cfg, SPACE, world, lambda m: m.load_state_dict(state))
+    place = Place(mesh, torch.device("cpu"), "gloo" if mesh.distributed else "none")
+    setup = build_inference_setup(cfg, SPACE, place, lambda m: m.load_state_dict(state))
     batches = [random_batch(SPACE, 1, 64, seed=s, min_doc=9) for s in range(3)]
     return asdict(evaluate_batches(setup, batches))
 

@@ -436,7 +436,7 @@ def test_deepspeed_is_handed_the_host_model_and_peaks_start_after_set_up(monkeyp
     exists, so logged peaks are training's. A GPU world is faked: nothing touches CUDA."""
     from ulysses_mm.core.tokenspace import TokenSpace
     from ulysses_mm.parallel import Mesh
-    from ulysses_mm.parallel.mesh import World
+    from ulysses_mm.parallel.mesh import Place
     from ulysses_mm.train import step
 
     seen: dict[str, object] = {}
@@ -456,8 +456,8 @@ def test_deepspeed_is_handed_the_host_model_and_peaks_start_after_set_up(monkeyp
     monkeypatch.setattr(step, "loss_weights", lambda mods, weights, device: None)
     monkeypatch.setattr(step, "resolve_kernel", lambda name, device, dtype: "sdpa_varlen")
     cfg = load_config(RunConfig, None, ["deepspeed.precision=bf16", "model.hidden_size=32"])
-    world = World(Mesh.single(), torch.device("cuda", 0), "nccl")
-    setup = step.build_setup(cfg, TokenSpace.from_vocab({"dna": 10}), world)
+    place = Place(Mesh.single(), torch.device("cuda", 0), "nccl")
+    setup = step.build_setup(cfg, TokenSpace.from_vocab({"dna": 10}), place)
     assert seen["devices"] == {"cpu"} and seen["dtypes"] == {torch.float32}
     assert seen["reset_after_engine"] is True
     assert setup.device == torch.device("cuda", 0)

@@ -1,5 +1,6 @@
 """The process layout: one explicit value with named axes ``dp`` and ``sp``, and the
-:class:`World` (the mesh, the device, the backend) that :func:`open_world` joins.
+:class:`Place` (this process's mesh, device and backend) that :func:`open_world` returns
+once it has joined the world.
 
 world = dp × sp with sp innermost: global rank = dp_rank · sp + sp_rank, so the ranks of an
 SP group are consecutive (on GPUs they share a node and the all-to-all stays on NVLink).
@@ -219,7 +220,7 @@ def close_world() -> None:
 
 
 @dataclass(frozen=True)
-class World:
+class Place:
     """This process's place in the run: the mesh, its device and the backend."""
 
     mesh: Mesh
@@ -306,7 +307,7 @@ def _quiet_deepspeed(backend: str, log_dir: Path) -> Any:
     return deepspeed
 
 
-def open_world(cfg: RunConfig, engine: bool = True, device: str | None = None) -> World:
+def open_world(cfg: RunConfig, engine: bool = True, device: str | None = None) -> Place:
     """Join the launched world (or the process group already made), build the mesh of
     ``parallel.sp`` × ``parallel.dp`` and pick the device: this rank's GPU under NCCL,
     else the CPU (``device`` overrides). ``engine``: also initialise DeepSpeed's
@@ -330,4 +331,4 @@ def open_world(cfg: RunConfig, engine: bool = True, device: str | None = None) -
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
-    return World(mesh, dev, backend if dist.is_initialized() else "none")
+    return Place(mesh, dev, backend if dist.is_initialized() else "none")

@@ -105,9 +105,9 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
     trained, cfg, manifest = plan or _plan(
         payload["checkpoint"], payload["manifest"], opts, payload["world"]
     )
-    world = open_world(cfg, engine=False)
-    setup = build_inference_setup(cfg, trained.space, world, trained.load_into)
-    mesh = world.mesh
+    place = open_world(cfg, engine=False)
+    setup = build_inference_setup(cfg, trained.space, place, trained.load_into)
+    mesh = place.mesh
     options = StreamOptions.from_config(cfg.data).in_order()
     d = cfg.data
     stream = WindowStream(manifest, mesh.dp_rank, mesh.dp, d.micro_batch_size, d.seq_len, options)

@@ -127,35 +127,35 @@ def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str
         parallel=replace(trained.cfg.parallel, sp=payload["world"], dp=1, ring=1),
     )
     device = None if opts.device == "auto" else opts.device
-    world = open_world(cfg, engine=False, device=device)
+    place = open_world(cfg, engine=False, device=device)
     setup = build_inference_setup(
-        cfg, trained.space, world, trained.load_into, trained.dtype(opts.dtype)
+        cfg, trained.space, place, trained.load_into, trained.dtype(opts.dtype)
     )
     tok = trained.tokenizer(opts.modality, opts.tokenizer)
     prompt: list[int] = payload["prompt"]
     grammar = Grammar(tok, trained.space, end=not opts.ignore_doc_end)
     t0 = time.perf_counter()
     decoder: Decoder
-    if world.mesh.sp > 1:
+    if place.mesh.sp > 1:
         from ulysses_mm.parallel.decode import SequenceParallelDecoder
 
-        sp = SequenceParallelDecoder(setup.model, world.mesh, len(prompt), opts.new_tokens)
+        sp = SequenceParallelDecoder(setup.model, place.mesh, len(prompt), opts.new_tokens)
         decoder, agree = sp, sp.agree
     else:
         decoder, agree = CachedDecoder(setup.model, len(prompt) + opts.new_tokens), agree_local
-    with _prefill_progress(setup.model, world.mesh.rank == 0):
+    with _prefill_progress(setup.model, place.mesh.rank == 0):
         result = generate(
             setup.model, decoder, grammar, prompt, opts.new_tokens, opts.sampling, agree
         )
-    if world.device.type == "cuda":
-        torch.cuda.synchronize(world.device)
+    if place.device.type == "cuda":
+        torch.cuda.synchronize(place.device)
     seconds = time.perf_counter() - t0
     return {
         "ids": result.ids,
         "sampled": result.sampled,
         "ended": result.ended,
         "seconds": seconds,
-        "device": str(world.device),
+        "device": str(place.device),
     }
 
 

@@ -36,7 +36,7 @@ from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.loader.synthetic import single_modality_batch
 from ulysses_mm.model.offload import HostCounter
-from ulysses_mm.parallel.mesh import World, open_world
+from ulysses_mm.parallel.mesh import Place, open_world
 from ulysses_mm.train.step import build_setup, train_step
 
 
@@ -96,11 +96,11 @@ class StepRunner:
 
     On CPU every tensor storage is counted from construction to :meth:`close`."""
 
-    def __init__(self, cfg: RunConfig, world: World) -> None:
+    def __init__(self, cfg: RunConfig, place: Place) -> None:
         from ulysses_mm.tools.memory import TensorMemoryTracker
 
-        self.cfg, self.world = cfg, world
-        self.mesh, self.device = world.mesh, world.device
+        self.cfg, self.place = cfg, place
+        self.mesh, self.device = place.mesh, place.device
         self.space = run_space(cfg)
         self.tracker: TensorMemoryTracker | None = None
         self.counter: Any
@@ -110,7 +110,7 @@ class StepRunner:
             self.tracker = self.counter = TensorMemoryTracker()
             self.tracker.__enter__()
         try:
-            self.setup = build_setup(cfg, self.space, world)
+            self.setup = build_setup(cfg, self.space, place)
             self.model, self.kernel = self.setup.model, self.setup.kernel
             warm = 16 * self.mesh.sp
             self.step(self.batch(warm, min(warm, 64), seed=1))
@@ -184,10 +184,10 @@ class StepRunner:
 
 
 def measure_step(
-    cfg: RunConfig, seq_len: int, world: World, doc_len: int | None = None
+    cfg: RunConfig, seq_len: int, place: Place, doc_len: int | None = None
 ) -> MeasuredStep:
     """Build the run's engine on this rank, warm it up, measure one step of ``seq_len``."""
-    runner = StepRunner(cfg, world)
+    runner = StepRunner(cfg, place)
     try:
         return runner.measure(seq_len, doc_len)
     finally:

@@ -69,8 +69,8 @@ def _flat_grads(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, Any]:
     cfg = from_dict(RunConfig, cfg_dict)
-    world = open_world(cfg, engine=False)
-    mesh, device = world.mesh, world.device
+    place = open_world(cfg, engine=False)
+    mesh, device = place.mesh, place.device
     kernel = resolve_kernel(cfg.parallel.attention, device.type, torch.float32)  # verify runs fp32
     space = TokenSpace.from_vocab(cfg.model.modalities or DEFAULT_MODALITIES)
     weights = loss_weights(space.modalities, cfg.model.loss_weights, device)
@@ -134,7 +134,7 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
         "ring_skipped": ring_stats["skipped"],
         "ring_work": work,
         "kernel": kernel,
-        "backend": world.backend,
+        "backend": place.backend,
         "loss_single": ref_report.total,
         "loss_parallel": par_report.total,
         "per_modality_single": ref_report.per_modality,

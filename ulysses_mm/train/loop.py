@@ -98,9 +98,9 @@ class Trainer:
         self.stage = self.stages[0]
         # the engine is built on the first stage's layout; later stages lay the model out
         # again on meshes of their own (the engine's gradient average stays the first's)
-        self.world = open_world(self.stage.cfg)
-        self.mesh = self.world.mesh
-        self.device = self.world.device
+        self.place = open_world(self.stage.cfg)
+        self.mesh = self.place.mesh
+        self.device = self.place.device
         self.rank0 = self.mesh.rank == 0
         self.run_dir = Path(cfg.train.out_dir)
         self.ckpt = checkpoint.CheckpointDir.of(cfg)
@@ -122,7 +122,7 @@ class Trainer:
         )
         self.units = units_for(self.space, self.tokenizers)
         stage_lr = self._stage_lr if len(self.stages) > 1 else None
-        self.setup = build_setup(self.stage.cfg, self.space, self.world, stage_lr=stage_lr)
+        self.setup = build_setup(self.stage.cfg, self.space, self.place, stage_lr=stage_lr)
         self.engine, self.optimizer, self.model = (
             self.setup.engine,
             self.setup.optimizer,
@@ -179,9 +179,9 @@ class Trainer:
         if (old.parallel.sp, old.parallel.ring, old.parallel.head_chunks) != layout:
             p = new.parallel
             mesh = Mesh.build(p.sp, p.dp, p.ring)  # collective: every rank enters together
-            self.world = replace(self.world, mesh=mesh)
+            self.place = replace(self.place, mesh=mesh)
             self.mesh = mesh
-            self.setup.world = self.world
+            self.setup.place = self.place
             apply_ulysses(self.model, mesh, head_groups=p.head_chunks)
             apply_loss_balance(self.model, mesh)
         if old.model.rope != new.model.rope:

@@ -44,7 +44,7 @@ from ulysses_mm.parallel import (
     global_loss,
 )
 from ulysses_mm.parallel.loss import loss_weights
-from ulysses_mm.parallel.mesh import World
+from ulysses_mm.parallel.mesh import Place
 from ulysses_mm.parallel.slice import sp_slice
 
 
@@ -89,7 +89,7 @@ class Setup:
     """What a rank trains with: the model, its DeepSpeed engine and the loss weights."""
 
     cfg: RunConfig
-    world: World
+    place: Place
     space: TokenSpace
     kernel: str
     model: MultimodalLM
@@ -105,11 +105,11 @@ class Setup:
 
     @property
     def mesh(self) -> Mesh:
-        return self.world.mesh
+        return self.place.mesh
 
     @property
     def device(self) -> torch.device:
-        return self.world.device
+        return self.place.device
 
     def slice_of(self, batch: Batch) -> Batch:
         """This rank's sequence-parallel slice of ``batch``, on its device."""
@@ -119,51 +119,51 @@ class Setup:
 def build_setup(
     cfg: RunConfig,
     space: TokenSpace,
-    world: World,
+    place: Place,
     stats: CommStats | None = None,
     stage_lr: Callable[[int], float] | None = None,
 ) -> Setup:
-    """Model → :func:`lay_out` → DeepSpeed engine for this rank of ``world``
+    """Model → :func:`lay_out` → DeepSpeed engine on this process's ``place``
     (``stage_lr``: a staged run's re-warm-up factor of each step, on the schedule's lr)."""
     from ulysses_mm.train.engine import build_engine
 
-    kernel = resolve_kernel(cfg.parallel.attention, world.device.type, cfg.deepspeed.precision)
+    kernel = resolve_kernel(cfg.parallel.attention, place.device.type, cfg.deepspeed.precision)
     offload = Offload() if cfg.model.offload_checkpoints else None
-    model = build_parallel_model(cfg, space, world.mesh, kernel, stats, offload)
-    engine, optimizer, scheduler = build_engine(model, cfg, world.mesh, stage_lr)
-    if world.device.type == "cuda":
+    model = build_parallel_model(cfg, space, place.mesh, kernel, stats, offload)
+    engine, optimizer, scheduler = build_engine(model, cfg, place.mesh, stage_lr)
+    if place.device.type == "cuda":
         # logged and measured peaks are those of training, not of setting up
-        torch.cuda.synchronize(world.device)
-        torch.cuda.reset_peak_memory_stats(world.device)
-    weights = loss_weights(space.modalities, cfg.model.loss_weights, world.device)
+        torch.cuda.synchronize(place.device)
+        torch.cuda.reset_peak_memory_stats(place.device)
+    weights = loss_weights(space.modalities, cfg.model.loss_weights, place.device)
     return Setup(
-        cfg, world, space, kernel, model, engine, optimizer, scheduler, weights, world.mesh, offload
+        cfg, place, space, kernel, model, engine, optimizer, scheduler, weights, place.mesh, offload
     )
 
 
 def build_inference_setup(
     cfg: RunConfig,
     space: TokenSpace,
-    world: World,
+    place: Place,
     load: Callable[[MultimodalLM], None],
     dtype: torch.dtype | None = None,
 ) -> Setup:
-    """What evaluation and generation run on this rank of ``world``: the run's model with
+    """What evaluation and generation run on this process's ``place``: the run's model with
     its weights put in by ``load``, its memory policy, Ulysses (all heads at once) and the
-    loss balance applied over ``world.mesh``, cast to ``dtype``
+    loss balance applied over ``place.mesh``, cast to ``dtype``
     (default: the training precision, as DeepSpeed casts it) on the device, in eval mode.
     No engine and no optimizer state: ``engine`` is the model itself, which
     :func:`forward_loss` takes as it takes an engine."""
     dtype = dtype or PRECISION_DTYPES[cfg.deepspeed.precision]
-    kernel = resolve_kernel(cfg.parallel.attention, world.device.type, dtype)
+    kernel = resolve_kernel(cfg.parallel.attention, place.device.type, dtype)
     model = build_model(cfg.model, space, kernel, seed=cfg.train.seed)
     load(model)
     offload = apply_memory_policy(model, cfg.model)
-    apply_ulysses(model, world.mesh)  # all heads at once: no backward to save memory for
-    apply_loss_balance(model, world.mesh)
-    model.to(device=world.device, dtype=dtype).eval()
-    weights = loss_weights(space.modalities, cfg.model.loss_weights, world.device)
-    return Setup(cfg, world, space, kernel, model, model, None, None, weights, None, offload)
+    apply_ulysses(model, place.mesh)  # all heads at once: no backward to save memory for
+    apply_loss_balance(model, place.mesh)
+    model.to(device=place.device, dtype=dtype).eval()
+    weights = loss_weights(space.modalities, cfg.model.loss_weights, place.device)
+    return Setup(cfg, place, space, kernel, model, model, None, None, weights, None, offload)
 
 
 def _is_engine(module: nn.Module) -> bool:
