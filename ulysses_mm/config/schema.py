@@ -7,12 +7,21 @@ manifests or the world is checked by ``train.plan`` before any process starts.""
 
 from __future__ import annotations
 
+import difflib
 import signal
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ulysses_mm.config.parse import SEED_MAX, ConfigError, check_ranges, from_dict, range_of
+from ulysses_mm.config.parse import (
+    SEED_MAX,
+    ConfigError,
+    check_ranges,
+    deep_merge,
+    from_dict,
+    range_of,
+    to_dict,
+)
 from ulysses_mm.config.parse import option as _help
 from ulysses_mm.core.storage import Location
 
@@ -495,61 +504,103 @@ class DeepSpeedConfig:
             )
 
 
-@dataclass
-class StageData:
-    """What a stage may change of ``data``."""
-
-    seq_len: int | None = _help(
-        "Tokens per sample in this stage: windows cut from the shards' samples, whose "
-        "length it must divide (None = the stage before's).",
-        None,
-        ge=1,
-    )
-    micro_batch_size: int | None = _help(
-        "Samples per DP rank per micro-step in this stage (None = the stage before's).",
-        None,
-        ge=1,
-    )
+# What a stage may set (train.stages[i]): each entry a key, or a section whose every key a
+# stage may set. One line here makes a key stage-settable; the value is checked by the
+# schema like any other, on the stage's whole run config (RunConfig.stage_configs).
+STAGE_KEYS = (
+    "data.seq_len",
+    "data.micro_batch_size",
+    "model.rope",  # another kind starts from its own defaults, θ kept
+    "parallel.sp",
+    "parallel.ring",
+    "parallel.head_chunks",
+)
 
 
-@dataclass
-class StageParallel:
-    """What a stage may change of ``parallel`` (dp follows: world / sp)."""
-
-    sp: int | None = _help("parallel.sp in this stage (None = the stage before's).", None, ge=1)
-    ring: int | None = _help("parallel.ring in this stage (None = the stage before's).", None, ge=1)
-    head_chunks: int | None = _help(
-        "parallel.head_chunks in this stage (None = the stage before's).", None, ge=1
-    )
+def _stage_key_allowed(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in STAGE_KEYS)
 
 
-@dataclass
-class StageModel:
-    """What a stage may change of ``model``."""
-
-    rope: dict[str, Any] = _help(
-        "model.rope keys set from this stage on (kind, theta, factor, …), over the stage before's.",
-        factory=dict,
-    )
+def _allowed_text() -> str:
+    return ", ".join(k + ".*" if k == "model.rope" else k for k in STAGE_KEYS)
 
 
 @dataclass
 class StageConfig:
-    """One stage of a run that grows its context: ``steps`` optimizer steps with the
-    settings it gives, each unset one the stage before's (the first stage's: the run's)."""
+    """A stage's own keys (the rest of a stage are the dotted keys it sets, over the stage
+    before's: :data:`STAGE_KEYS`)."""
 
-    steps: int = _help("Optimizer steps of this stage.", 0)
+    steps: int = _help("Optimizer steps of this stage.", 1, ge=1)
     warmup_steps: int = _help(
         "Linear re-warm-up over the stage's first steps: the run's lr times k/W at its "
-        "step k <= W (0 = none).",
+        "step k <= W (0 = none; at most the stage's steps).",
         0,
         ge=0,
     )
-    data: StageData = _help("data.seq_len and data.micro_batch_size.", factory=StageData)
-    model: StageModel = _help("model.rope.", factory=StageModel)
-    parallel: StageParallel = _help(
-        "parallel.sp, parallel.ring and parallel.head_chunks.", factory=StageParallel
-    )
+
+
+def _dotted(mapping: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """The leaves of a mapping as (dotted key, value): ``{data: {seq_len: 4}}`` and
+    ``{data.seq_len: 4}`` both give ``("data.seq_len", 4)``."""
+    for key, value in mapping.items():
+        if isinstance(value, Mapping):
+            yield from _dotted(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+def stage_overrides(i: int, stage: Any) -> dict[str, Any]:
+    """``train.stages[i]`` as the flat mapping the run keeps: ``steps``, ``warmup_steps``
+    and the dotted keys it sets (given nested, ``data: {seq_len: 512}``, or dotted,
+    ``data.seq_len: 512``). A key :data:`STAGE_KEYS` does not allow, a key given twice or
+    a warm-up longer than the stage is one line naming the stage."""
+    where = f"train.stages[{i}]"
+    if not isinstance(stage, Mapping):
+        raise ConfigError(
+            f"{where}: expected a mapping (steps: N and the keys it sets), got {stage!r}"
+        )
+    own = {k: stage[k] for k in StageConfig.__dataclass_fields__ if k in stage}
+    if "steps" not in own:
+        raise ConfigError(f"{where}: give its steps (steps: N)")
+    spec = from_dict(StageConfig, own, where)
+    check_ranges(where, spec)
+    if spec.warmup_steps > spec.steps:
+        raise ConfigError(
+            f"{where}.warmup_steps={spec.warmup_steps} is longer than the stage "
+            f"(steps: {spec.steps}); give at most {spec.steps}"
+        )
+    out: dict[str, Any] = {"steps": spec.steps, "warmup_steps": spec.warmup_steps}
+    rest = {k: v for k, v in stage.items() if k not in own}
+    for key, value in _dotted(rest):
+        if not _stage_key_allowed(key):
+            near = difflib.get_close_matches(key, STAGE_KEYS, n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            raise ConfigError(
+                f"{where}: {key} is not a key a stage may set{hint}; a stage sets steps, "
+                f"warmup_steps and {_allowed_text()}"
+            )
+        if key in out:
+            raise ConfigError(f"{where}: {key} is given twice (nested and dotted); give it once")
+        if value is not None:  # null: the stage before's, as a key left out
+            out[key] = value
+    return out
+
+
+def _nested(dotted: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``{"data.seq_len": 4}`` as ``{"data": {"seq_len": 4}}``."""
+    out: dict[str, Any] = {}
+    for key, value in dotted.items():
+        *sections, leaf = key.split(".")
+        node = out
+        for n, name in enumerate(sections):
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                above = ".".join(sections[: n + 1])
+                raise ConfigError(f"{where}: {above} and {key} both set {above}; give one")
+        if isinstance(node.get(leaf), dict):
+            raise ConfigError(f"{where}: {key} and keys under it both set {key}; give one")
+        node[leaf] = value
+    return out
 
 
 @dataclass
@@ -577,9 +628,10 @@ class TrainConfig:
         0.0,
         ge=0,
     )
-    stages: list[StageConfig] = _help(
-        "Stages that grow the context within the run (length, RoPE, SP layout, "
-        "micro-batch, re-warm-up), in order; their steps add up to train.steps "
+    stages: list[dict[str, Any]] = _help(
+        "Stages that grow the context within the run, in order, each its steps, "
+        "warmup_steps (a re-warm-up, at most its steps) and the keys it sets over the stage "
+        f"before's, nested or dotted: {_allowed_text()}; their steps add up to train.steps "
         "([] = one stage: the run as configured).",
         factory=list,
     )
@@ -644,18 +696,12 @@ class TrainConfig:
                 )
             if name in ("SIGKILL", "SIGSTOP"):
                 raise ConfigError(f"train.stop_signals: {name} cannot be caught")
-        for i, stage in enumerate(self.stages):
-            where = f"train.stages[{i}]"
-            if stage.steps < 1:
-                raise ConfigError(f"{where}.steps must be >= 1, got {stage.steps}")
-            check_ranges(where, stage)
-            check_ranges(f"{where}.data", stage.data)
-            check_ranges(f"{where}.parallel", stage.parallel)
-        if self.stages and sum(s.steps for s in self.stages) != self.steps:
-            steps = " + ".join(str(s.steps) for s in self.stages)
+        self.stages = [stage_overrides(i, stage) for i, stage in enumerate(self.stages)]
+        if self.stages and sum(s["steps"] for s in self.stages) != self.steps:
+            steps = " + ".join(str(s["steps"]) for s in self.stages)
             raise ConfigError(
                 f"train.stages: their steps add up to {steps} = "
-                f"{sum(s.steps for s in self.stages)}, but train.steps={self.steps}; "
+                f"{sum(s['steps'] for s in self.stages)}, but train.steps={self.steps}; "
                 "make them equal"
             )
 
@@ -694,6 +740,29 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         if self.train.stages:  # each stage is a whole run config: checked here, named
-            from ulysses_mm.config.stages import run_stages
+            self.stage_configs()
 
-            run_stages(self)
+    def stage_configs(self) -> list[RunConfig]:
+        """Each stage's whole run config (its ``train.stages`` empty): the stage's keys over
+        the stage before's config (the first's over this one), built and checked by the
+        schema like any run config; a bad one raises one line naming the stage
+        (``train.stages[1]: model.rope.kind=yarn needs …``). [] without stages."""
+        if not self.train.stages:
+            return []
+        base = to_dict(self)
+        base["train"]["stages"] = []
+        out = []
+        for i, stage in enumerate(self.train.stages):
+            where = f"train.stages[{i}]"
+            keys = {k: v for k, v in stage.items() if "." in k}
+            kind = keys.get("model.rope.kind")
+            if kind is not None and kind != base["model"]["rope"]["kind"]:
+                # another kind starts from its own defaults: the keys of the kind before go
+                # (a kind refuses keys it does not use), θ stays unless the stage sets it
+                base["model"]["rope"] = {"theta": base["model"]["rope"]["theta"]}
+            base = deep_merge(base, _nested(keys, where))
+            try:
+                out.append(from_dict(RunConfig, base))
+            except ConfigError as e:
+                raise ConfigError(f"{where}: {e}") from None
+        return out

@@ -1,23 +1,20 @@
 """A run's shape in time: ``train.stages`` as whole run configs, one per stage.
 
-Each stage is the run config with the stage's settings over the stage before's (the first
-stage's over the run's own): ``data.seq_len``, ``data.micro_batch_size``, ``model.rope.*``
-(a stage that names another RoPE kind starts from that kind's defaults, θ kept) and
-``parallel.sp`` / ``ring`` / ``head_chunks``. A stage is therefore checked by the
-same schema as any run, and everything downstream (the pre-flight, the loop, the
-estimate) takes a stage's :class:`~ulysses_mm.config.RunConfig` as it takes a run's. A run
+A stage is its steps, a re-warm-up, and the keys it sets over the stage before's (the first
+stage's over the run's own), dotted (``data.seq_len: 512``) or nested (``data: {seq_len:
+512}``). Which keys a stage may set is one list, :data:`~ulysses_mm.config.schema.STAGE_KEYS`
+(``data.seq_len``, ``data.micro_batch_size``, ``model.rope.*``, the SP layout); a stage is
+checked by building its whole :class:`~ulysses_mm.config.RunConfig`
+(:meth:`~ulysses_mm.config.RunConfig.stage_configs`), so everything downstream (the
+pre-flight, the loop, the estimate) takes a stage's config as it takes a run's. A run
 without stages is one stage: the run as configured.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-from ulysses_mm.config.parse import ConfigError, deep_merge, from_dict, to_dict
-
-if TYPE_CHECKING:
-    from ulysses_mm.config.schema import RunConfig
+from ulysses_mm.config.schema import RunConfig
 
 
 @dataclass(frozen=True)
@@ -58,43 +55,14 @@ class Stage:
         return f"stage {self.index} (steps {self.start + 1}-{self.end})"
 
 
-def _overrides(stage: Any) -> dict[str, Any]:
-    """The keys a stage sets, as a partial run config."""
-    out: dict[str, Any] = {}
-    data = {k: v for k, v in to_dict(stage.data).items() if v is not None}
-    parallel = {k: v for k, v in to_dict(stage.parallel).items() if v is not None}
-    if data:
-        out["data"] = data
-    if parallel:
-        out["parallel"] = parallel
-    if stage.model.rope:
-        out["model"] = {"rope": dict(stage.model.rope)}
-    return out
-
-
 def run_stages(cfg: RunConfig) -> list[Stage]:
-    """The run's stages, each a whole run config; a stage whose settings make a bad run
-    config raises one line naming it (``train.stages[1]: model.rope.kind=yarn needs …``)."""
-    from ulysses_mm.config.schema import RunConfig
-
+    """The run's stages, each with its whole run config."""
     if not cfg.train.stages:
         return [Stage(0, 0, cfg.train.steps, 0, cfg)]
-    base = to_dict(cfg)
-    base["train"]["stages"] = []
     stages, start = [], 0
-    for i, stage in enumerate(cfg.train.stages):
-        kind = stage.model.rope.get("kind")
-        if kind is not None and kind != base["model"]["rope"]["kind"]:
-            # another kind starts from its own defaults: the keys of the kind before go
-            # (a kind refuses keys it does not use), θ stays unless the stage sets it
-            base["model"]["rope"] = {"theta": base["model"]["rope"]["theta"]}
-        base = deep_merge(base, _overrides(stage))
-        try:
-            run = from_dict(RunConfig, base)
-        except ConfigError as e:
-            raise ConfigError(f"train.stages[{i}]: {e}") from None
-        stages.append(Stage(i, start, stage.steps, stage.warmup_steps, run))
-        start += stage.steps
+    for i, (stage, run) in enumerate(zip(cfg.train.stages, cfg.stage_configs(), strict=True)):
+        stages.append(Stage(i, start, stage["steps"], stage["warmup_steps"], run))
+        start += stage["steps"]
     return stages
 
 
