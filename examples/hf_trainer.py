@@ -81,23 +81,22 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
 
+    import transformers
     from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     from transformers import Trainer, TrainingArguments
 
     from ulysses_mm.config import DataConfig
     from ulysses_mm.hf import ShardDataset, isolate_documents
-    from ulysses_mm.hf.trainer import ShardStateCallback, weights_only_checkpoints
+    from ulysses_mm.hf.trainer import (
+        ShardStateCallback,
+        start_deepspeed,
+        weights_only_checkpoints,
+    )
 
+    # DeepSpeed started as ulysses-mm train starts it: on CPU its communication over gloo
+    # (Accelerate starts it only off the CPU; then use_cpu=True below), nothing compiled
+    start_deepspeed()
     cpu = not torch.cuda.is_available()
-    if cpu:
-        # Accelerate starts DeepSpeed's communication only off the CPU (accelerate/state.py,
-        # PartialState: `if not cpu ...: deepspeed.comm.init_distributed`), and without
-        # use_cpu on a host without CUDA it counts one process, so the dataloader would not be
-        # split and DeepSpeed's adapter would train every sample sp times. On CPU: use_cpu=True,
-        # and DeepSpeed's communication started here, over gloo, as Accelerate does on GPUs.
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
     if not args.cross_documents:
         isolate_documents("sdpa")  # before Accelerate hands `sdpa` to DeepSpeed's Ulysses
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -134,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         disable_tqdm=True,
         use_cpu=cpu,
     )
+    # disable_tqdm does not reach the bar save_pretrained draws for each checkpoint
+    transformers.utils.logging.disable_progress_bar()
     trainer = Trainer(
         model=model,
         args=training,

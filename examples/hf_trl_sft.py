@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0, help="model init and data order seed")
     args = p.parse_args(argv)
 
+    import transformers
     from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
     from hf_trainer import build_model, deepspeed_config  # the sibling example
     from trl import SFTConfig, SFTTrainer
@@ -56,14 +57,11 @@ def main(argv: list[str] | None = None) -> None:
     from ulysses_mm.config import DataConfig
     from ulysses_mm.hf import isolate_documents
     from ulysses_mm.hf.tokenizer import build_tokenizer
-    from ulysses_mm.hf.trainer import weights_only_checkpoints
+    from ulysses_mm.hf.trainer import start_deepspeed, weights_only_checkpoints
     from ulysses_mm.hf.trl import sft_callbacks, shard_dataset, trl_dataset
 
+    start_deepspeed()  # ulysses-mm: on CPU over gloo, nothing compiled (see hf_trainer.py)
     cpu = not torch.cuda.is_available()
-    if cpu:  # Accelerate starts DeepSpeed's communication only off the CPU (see hf_trainer.py)
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend="gloo")
     isolate_documents("sdpa")  # ulysses-mm: before Accelerate hands `sdpa` to DeepSpeed
     dataset = trl_dataset(args.data, data=DataConfig(seed=args.seed))  # ulysses-mm
     manifest = shard_dataset(dataset).stream.order.manifests[0]
@@ -94,12 +92,14 @@ def main(argv: list[str] | None = None) -> None:
         report_to=[],
         deepspeed=deepspeed_config(args.zero),
         parallelism_config=parallelism,
-        gradient_checkpointing=False,  # a tiny model
+        activation_checkpointing=False,  # a tiny model
         bf16=not cpu,
         seed=args.seed,
         disable_tqdm=True,
         use_cpu=cpu,
     )
+    # disable_tqdm does not reach the bar save_pretrained draws for each checkpoint
+    transformers.utils.logging.disable_progress_bar()
     trainer = SFTTrainer(
         model=model,
         args=config,

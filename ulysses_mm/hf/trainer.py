@@ -18,7 +18,8 @@ a multiple of sp (DeepSpeed's adapter reads sp micro-batches at a time).
 :func:`weights_only_checkpoints` makes DeepSpeed's torch checkpoint engine, which the
 Trainer resumes through and which by default unpickles whatever a checkpoint holds, load
 weights only, with just the DeepSpeed classes its states hold allowed, as our own engine
-does.
+does. :func:`start_deepspeed` starts DeepSpeed as ``ulysses-mm train`` does: nothing
+compiled on a CPU run, no warning that is not the user's to act on.
 """
 
 from __future__ import annotations
@@ -29,15 +30,36 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
 from ulysses_mm.core.errors import ConfigError, DataError
 from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.hf.dataset import ShardDataset
-from ulysses_mm.train.engine import safe_engine_class
+from ulysses_mm.parallel.mesh import import_deepspeed
+from ulysses_mm.train.engine import quiet_deprecated_collectives, safe_engine_class
 
 DATA_STATE = "ulysses_mm_data.json"
+
+
+def start_deepspeed() -> None:
+    """DeepSpeed for a ``Trainer`` or ``SFTTrainer`` run, started as ``ulysses-mm train``
+    starts it; call it first (the ``TrainingArguments`` import DeepSpeed).
+
+    The deprecation warnings of the torch collectives DeepSpeed's ZeRO calls are filtered
+    (:func:`~ulysses_mm.train.engine.quiet_deprecated_collectives`). On a host without CUDA
+    DeepSpeed is imported for gloo (:func:`~ulysses_mm.parallel.mesh.import_deepspeed`: the
+    CPU named as its accelerator, its shared-memory op, which training never calls, not
+    compiled) and its communication started here, over gloo: Accelerate starts it only off
+    the CPU (``accelerate/state.py``, ``PartialState``: ``if not cpu ...:
+    deepspeed.comm.init_distributed``). The arguments then need ``use_cpu=True``: without
+    it, on a host without CUDA, Accelerate counts one process and does not split the
+    dataloader, and DeepSpeed's SP adapter would train every sample sp times."""
+    quiet_deprecated_collectives()
+    if torch.cuda.is_available():
+        return
+    import_deepspeed("gloo").init_distributed(dist_backend="gloo", verbose=False)
 
 
 def world_size() -> int:
@@ -52,7 +74,7 @@ def parallelism_config(args: Any) -> Any:
     one Accelerate built from its environment (``AcceleratorState``)."""
     pc = getattr(args, "parallelism_config", None)
     if pc is None:
-        from accelerate.state import AcceleratorState
+        from accelerate.state import AcceleratorState  # lazy: read on the YAML route only
 
         pc = AcceleratorState._shared_state.get("parallelism_config")
     return pc
@@ -123,8 +145,9 @@ class ShardStateCallback(TrainerCallback):
 def weights_only_checkpoints() -> Iterator[None]:
     """Inside the block DeepSpeed's torch checkpoint engine loads with
     ``weights_only=True`` (an allow-list of its own classes) instead of unpickling."""
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine  # lazy: DeepSpeed
 
+    TorchCheckpointEngine = torch_checkpoint_engine.TorchCheckpointEngine
     original = TorchCheckpointEngine.load
     TorchCheckpointEngine.load = safe_engine_class().load  # type: ignore[method-assign]
     try:

@@ -11,11 +11,17 @@ average: the optimizer then sees exactly the single-process gradient.
 Checkpoints are read back without unpickling arbitrary objects: the engine's checkpoint
 reader is replaced by one that calls ``torch.load(weights_only=True)`` with only the few
 DeepSpeed classes its state holds allow-listed.
+
+The engine's ZeRO stages call torch collectives that torch marks deprecated; the
+``FutureWarning`` each rank would print names torch's code, not a thing the user can
+change, so :func:`quiet_deprecated_collectives` filters exactly those messages.
 """
 
 from __future__ import annotations
 
 import copy
+import re
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +30,28 @@ import torch
 from ulysses_mm.config import RunConfig, deep_merge
 from ulysses_mm.parallel.mesh import Mesh
 from ulysses_mm.train.schedule import lr_schedule
+
+# The torch.distributed functions DeepSpeed (0.19) calls that torch (2.13) marks
+# deprecated, each warning once per rank from torch's collective wrapper.
+DEPRECATED_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+    "all_reduce_coalesced",
+)
+
+
+def quiet_deprecated_collectives() -> None:
+    """Filter torch's ``FutureWarning`` on the :data:`DEPRECATED_COLLECTIVES` (by its
+    message and torch's module), in this process; every other warning still shows."""
+    names = "|".join(re.escape(n) for n in DEPRECATED_COLLECTIVES)
+    warnings.filterwarnings(
+        "ignore",
+        message=rf"`torch\.distributed\.({names})` ",
+        category=FutureWarning,
+        module=r"torch\.distributed\.",
+    )
 
 
 class SequenceParallelMPU:
@@ -103,17 +131,17 @@ def ds_config(cfg: RunConfig, mesh: Mesh) -> dict[str, Any]:
 
 
 def _safe_globals() -> list[Any]:
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # lazy: DeepSpeed
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # lazy: DeepSpeed
+    from deepspeed.utils.tensor_fragment import fragment_address  # lazy: DeepSpeed
 
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 def safe_engine_class():
-    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.runtime.checkpoint_engine import torch_checkpoint_engine  # lazy: DeepSpeed
 
-    class SafeTorchCheckpointEngine(TorchCheckpointEngine):
+    class SafeTorchCheckpointEngine(torch_checkpoint_engine.TorchCheckpointEngine):
         """DeepSpeed's torch checkpoint engine, loading with ``weights_only=True``."""
 
         def load(self, path: str, map_location=None):
@@ -131,8 +159,9 @@ def build_engine(
 ):
     """``deepspeed.initialize`` for this run; returns (engine, optimizer, scheduler).
     ``stage_lr`` multiplies the schedule's lr of each step (a staged run's re-warm-ups)."""
-    import deepspeed
+    import deepspeed  # lazy: after import_deepspeed named the accelerator (open_world)
 
+    quiet_deprecated_collectives()
     engine, optimizer, _, scheduler = deepspeed.initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
