@@ -143,3 +143,56 @@ def test_evaluate_quotes_bits_per_frame_a_row_weighing_its_frames(run, capsys):
     assert main(["evaluate", str(run["ckpt"]), path, "--json"]) == 0, capsys.readouterr().err
     video = json.loads(capsys.readouterr().out)["modalities"]["video"]
     assert video["bits_per_frame"] > 0 and np.isfinite(video["bits_per_frame"])
+
+
+def _hostile_codecs(root):
+    """(name, spec, the words its one line must hold): a codec directory each, damaged as a
+    user's download or a wrong setting damages it."""
+    emu3 = write_emu3(root / "emu3-vq")
+    cosmos = write_cosmos(root / "dv", temporal=4, spatial=8, levels=8)
+    cases = []
+
+    def spec(name, model, **params):
+        base = dict(FRAMES) | ({"format": "cosmos", "temporal": 4, "spatial": 8}
+                              if model.name.startswith("dv") else {})  # fmt: skip
+        return write_spec(root / f"{name}.json", model, 512 if "format" in base else 256,
+                          **{**base, **params})  # fmt: skip
+
+    config = root / "emu3-config"
+    config.mkdir()
+    (config / "config.json").write_bytes(b"\xff\xfe\x00garbage")
+    cases.append(("config", spec("config", config), f"{config / 'config.json'} is not JSON"))
+    weights = root / "emu3-weights"
+    weights.mkdir()
+    (weights / "config.json").write_text((emu3 / "config.json").read_text())
+    (weights / "model.safetensors").write_bytes(b"garbage" * 100)
+    bad = weights / "model.safetensors"
+    cases.append(("weights", spec("weights", weights), f"{bad} is not a readable safetensors"))
+    jit = root / "dv-jit"
+    jit.mkdir()
+    (jit / "encoder.jit").write_bytes((cosmos / "encoder.jit").read_bytes())
+    (jit / "decoder.jit").write_bytes(b"garbage")
+    cases.append(("jit", spec("jit", jit), f"{jit / 'decoder.jit'} is not a TorchScript"))
+    cases.append(("window", spec("window", emu3, window_frames=0), "window_frames (0)"))
+    cases.append(("gpu", spec("gpu", emu3, device="cuda:7"), "params.device is 'cuda:7'"))
+    cases.append(("device", spec("device", emu3, device="gpu"), "params.device 'gpu'"))
+    return cases
+
+
+def test_a_damaged_codec_is_one_line_at_load_naming_its_file(tmp_path, capsys):
+    """Garbage in config.json or the weights, a window of 0 frames, a GPU that is not there:
+    ``tokenizer eval`` and ``prepare`` each say so in one line naming the file, once, before
+    any clip is decoded, and prepare writes nothing."""
+    require_fixture(CLIP.is_file(), "tests/data sample files")
+    cases = _hostile_codecs(tmp_path)
+    capsys.readouterr()  # save_pretrained's bar
+    for name, spec, words in cases:
+        assert main(["tokenizer", "eval", str(spec), str(CLIP)]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and str(spec) in err, (name, err)
+        out = tmp_path / f"shards-{name}"
+        args = [f"sources=[{CLIP}]", f"tokenizers=[{spec}]", f"output={out}", "progress=false"]
+        assert main(["prepare", str(REPO / "pipelines" / "video.yaml"), *args]) == 2, name
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err and CLIP.name not in err, (name, err)
+        assert not out.exists(), name

@@ -13,20 +13,52 @@ downloaded), each behind the same four numbers and two calls.
 
 Shapes in the calls below: ``frames [t, H, W, 3]`` uint8 in, ``ids [t', h, w]`` int64
 out, and back.
+
+The weights load on first use (a spec is read by commands that never code a frame), but
+what can be checked without loading them is checked when the codec is opened, so a fault
+is one line naming the directory and the file, once, before any input is decoded: the
+device (a GPU the spec names is there), ``config.json`` (JSON of an Emu3VQVAE), the weight
+files (a safetensors header that reads, TorchScript archives). A load that still fails is
+the same one line.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import zipfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from safetensors import SafetensorError, safe_open
 
-from ulysses_mm.core.errors import DataError
+from ulysses_mm.core.errors import DataError, UnsupportedError, first_line
 
 FORMATS = ("emu3", "cosmos")
+_DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+
+
+def check_device(where: str, device: str) -> None:
+    """``params.device`` names a device this process has: ``auto``, ``cpu``, or a CUDA
+    device torch sees (one line naming the spec otherwise, before anything is decoded)."""
+    if not _DEVICE.fullmatch(device):
+        raise DataError(f"{where}: params.device {device!r} must be auto, cpu, cuda or cuda:N")
+    if not device.startswith("cuda"):
+        return
+    import torch  # lazy: only a spec that names a GPU needs torch to check for it
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        have = f"{count} CUDA device(s)" if count else "no CUDA device"
+        if torch.version.cuda is None:
+            have += f" (torch {torch.__version__} is built without CUDA)"
+        raise UnsupportedError(
+            f"{where}: params.device is {device!r} but this machine has {have}; set "
+            "params.device to auto (a GPU where there is one) or cpu"
+        )
 
 
 class VideoCodec(ABC):
@@ -98,7 +130,15 @@ class VideoCodec(ABC):
 
     def _load(self) -> None:
         if not self._loaded:
-            self._open()
+            try:
+                self._open()
+            except DataError:
+                raise
+            except Exception as e:  # the files' fault (what loads them is a few lines)
+                raise DataError(
+                    f"{self.where}: cannot load the {type(self).__name__} in {self.path} "
+                    f"({first_line(e)})"
+                ) from None
             self._loaded = True
 
     @abstractmethod
@@ -126,17 +166,24 @@ class Emu3Codec(VideoCodec):
             cfg = json.loads(config.read_text())
         except OSError as e:
             raise DataError(f"{where}: cannot read {config}: {e.strerror or e}") from None
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: {config} is not JSON: {e}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DataError(f"{where}: {config} is not JSON ({first_line(e)})") from None
         kind = cfg.get("model_type") if isinstance(cfg, dict) else None
         if kind != "emu3_vqgan":
             raise DataError(
                 f"{where}: {config} is model_type {kind!r}; format 'emu3' reads an Emu3VQVAE "
                 "(model_type 'emu3_vqgan', e.g. the vq model saved on its own)"
             )
-        self.temporal = int(cfg.get("temporal_downsample_factor", 4))
-        self.spatial = 2 ** (len(cfg.get("channel_multiplier", (1, 2, 2, 4))) - 1)
-        self.codebook = int(cfg.get("codebook_size", 32768))
+        temporal = cfg.get("temporal_downsample_factor", 4)
+        levels = cfg.get("channel_multiplier", (1, 2, 2, 4))
+        codebook = cfg.get("codebook_size", 32768)
+        for key, value in (("temporal_downsample_factor", temporal), ("codebook_size", codebook)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise DataError(f"{where}: {config}: {key} must be an integer >= 1, got {value!r}")
+        if not isinstance(levels, (list, tuple)) or not levels:
+            raise DataError(f"{where}: {config}: channel_multiplier must be a list, got {levels!r}")
+        self.temporal, self.spatial, self.codebook = temporal, 2 ** (len(levels) - 1), codebook
+        _check_safetensors(where, path)
         self.model: Any = None
 
     def _open(self) -> None:
@@ -175,8 +222,13 @@ class CosmosCodec(VideoCodec):
     ) -> None:
         super().__init__(where, path, device, dtype)
         for name in ("encoder.jit", "decoder.jit"):
-            if not (path / name).is_file():
-                raise DataError(f"{where}: format 'cosmos' needs {path / name} (not found)")
+            f = path / name
+            if not f.is_file():
+                raise DataError(f"{where}: format 'cosmos' needs {f} (not found)")
+            if not _is_torchscript(f):
+                raise DataError(
+                    f"{where}: {f} is not a TorchScript archive (torch.jit.save writes one)"
+                )
         self.temporal, self.spatial, self.codebook = temporal, spatial, codebook
         self.encoder: Any = None
         self.decoder: Any = None
@@ -194,13 +246,53 @@ class CosmosCodec(VideoCodec):
         return self.decoder(ids).permute(0, 2, 1, 3, 4)  # [b, 3, t, H, W] -> [b, t, 3, H, W]
 
 
+def _is_torchscript(f: Path) -> bool:
+    """Whether ``f`` is a TorchScript archive: a zip holding ``data.pkl`` and
+    ``constants.pkl`` (its entries are read, nothing is unpickled)."""
+    try:
+        with zipfile.ZipFile(f) as z:
+            names = {n.rsplit("/", 1)[-1] for n in z.namelist()}
+    except (OSError, zipfile.BadZipFile):
+        return False
+    return {"data.pkl", "constants.pkl"} <= names
+
+
+def _check_safetensors(where: str, path: Path) -> None:
+    """The Emu3VQVAE's weight files in ``path`` (``model.safetensors``, or those an index
+    names) each have a safetensors header that reads and fits the file (nothing else is
+    read); a directory with neither is refused."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({path / str(f) for f in weight_map.values()})
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+            raise DataError(f"{where}: {index} is not a safetensors index") from None
+    elif (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    else:
+        raise DataError(
+            f"{where}: {path} has no model.safetensors (the weights save_pretrained writes)"
+        )
+    for f in files:
+        try:
+            with safe_open(str(f), framework="numpy"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise DataError(
+                f"{where}: {f} is not a readable safetensors file ({first_line(e)})"
+            ) from None
+
+
 def open_codec(where: str, spec_dir: Path, params: dict[str, Any], codebook: int) -> VideoCodec:
-    """The codec a ``video-codec`` spec names (``params.model`` relative to the spec)."""
+    """The codec a ``video-codec`` spec names (``params.model`` relative to the spec),
+    checked as far as it can be without loading its weights."""
     path = Path(params["model"]).expanduser()
     path = path if path.is_absolute() else (spec_dir / path)
     if not path.is_dir():
         raise DataError(f"{where}: params.model {params['model']!r} is not a directory ({path})")
     device, dtype = params["device"], params["dtype"]
+    check_device(where, device)
     if params["format"] == "emu3":
         return Emu3Codec(where, path, device, dtype)
     return CosmosCodec(

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ulysses_mm.core.errors import DataError
+from ulysses_mm.core.errors import DataError, UserError
 from ulysses_mm.core.tokenspace import EOF, TokenSpace
 from ulysses_mm.tokenize.base import Entry, Tokenizer, TokenizerSpec, TokenUnit
 from ulysses_mm.tokenize.params import ParamSchema, check_choice
@@ -88,12 +88,14 @@ class CodecVideoTokenizer(VideoTokenizer):
                 f"{where}: 'size' ({self.size}) must be a multiple of the codec's spatial "
                 f"factor {c.spatial}"
             )
-        window = p["window_frames"] or c.frames(3 if c.causal else 1)
+        window = p["window_frames"]
+        if window is None:
+            window = c.frames(3 if c.causal else 1)
         if not c.whole(window):
             step = "1 + k·" if c.causal else "k·"
             raise DataError(
-                f"{where}: params.window_frames ({window}) must be {step}{c.temporal} frames "
-                "(whole latent steps of the codec)"
+                f"{where}: params.window_frames ({window}) must be {step}{c.temporal} frames, "
+                f"k >= {0 if c.causal else 1} (whole latent steps of the codec)"
             )
         self.window = int(window)  # frames per codec call
         self.rows_per_window = c.latents(self.window)
@@ -186,8 +188,8 @@ class CodecVideoTokenizer(VideoTokenizer):
         average over a window: a causal codec's first step holds one)."""
         try:
             tok = load()
-        except (LookupError, OSError, ValueError):
-            return None  # the codec is not here: nats per token only
+        except (LookupError, OSError, ValueError, UserError):
+            return None  # the codec is not here or not usable here: nats per token only
         assert isinstance(tok, CodecVideoTokenizer)
         return TokenUnit("frame", np.zeros(size), eof=tok.frames_per_row)
 
