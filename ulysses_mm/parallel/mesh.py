@@ -307,10 +307,10 @@ def _quiet_deepspeed(backend: str, log_dir: Path) -> Any:
     return deepspeed
 
 
-def open_world(cfg: RunConfig, engine: bool = True, device: str | None = None) -> Place:
+def open_world(cfg: RunConfig, deepspeed_comm: bool = True, device: str | None = None) -> Place:
     """Join the launched world (or the process group already made), build the mesh of
     ``parallel.sp`` × ``parallel.dp`` and pick the device: this rank's GPU under NCCL,
-    else the CPU (``device`` overrides). ``engine``: also initialise DeepSpeed's
+    else the CPU (``device`` overrides). ``deepspeed_comm``: also initialise DeepSpeed's
     communication (a lone process then gets a one-rank group, which DeepSpeed needs)."""
     backend = default_backend(cfg.parallel.backend)
     if dist.is_initialized():
@@ -318,10 +318,10 @@ def open_world(cfg: RunConfig, engine: bool = True, device: str | None = None) -
         _group_env()
     elif in_launched_world():
         init_distributed(backend, cfg.parallel.timeout_s)
-    elif engine:
+    elif deepspeed_comm:
         _single_process_env()
         init_distributed(backend, cfg.parallel.timeout_s)
-    if engine:
+    if deepspeed_comm:
         deepspeed = _quiet_deepspeed(backend, Path(cfg.train.out_dir) / "logs")
         deepspeed.init_distributed(backend, verbose=False)
     mesh = Mesh.build(cfg.parallel.sp, cfg.parallel.dp, cfg.parallel.ring)

@@ -105,7 +105,7 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
     trained, cfg, manifest = plan or _plan(
         payload["checkpoint"], payload["manifest"], opts, payload["world"]
     )
-    place = open_world(cfg, engine=False)
+    place = open_world(cfg, deepspeed_comm=False)
     setup = build_inference_setup(cfg, trained.space, place, trained.load_into)
     mesh = place.mesh
     options = StreamOptions.from_config(cfg.data).in_order()

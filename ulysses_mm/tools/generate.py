@@ -127,7 +127,7 @@ def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str
         parallel=replace(trained.cfg.parallel, sp=payload["world"], dp=1, ring=1),
     )
     device = None if opts.device == "auto" else opts.device
-    place = open_world(cfg, engine=False, device=device)
+    place = open_world(cfg, deepspeed_comm=False, device=device)
     setup = build_inference_setup(
         cfg, trained.space, place, trained.load_into, trained.dtype(opts.dtype)
     )

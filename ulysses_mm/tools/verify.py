@@ -69,7 +69,7 @@ def _flat_grads(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, Any]:
     cfg = from_dict(RunConfig, cfg_dict)
-    place = open_world(cfg, engine=False)
+    place = open_world(cfg, deepspeed_comm=False)
     mesh, device = place.mesh, place.device
     kernel = resolve_kernel(cfg.parallel.attention, device.type, torch.float32)  # verify runs fp32
     space = TokenSpace.from_vocab(cfg.model.modalities or DEFAULT_MODALITIES)
