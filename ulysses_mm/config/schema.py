@@ -11,13 +11,14 @@ import difflib
 import signal
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from ulysses_mm.config.parse import (
     SEED_MAX,
     ConfigError,
     check_ranges,
     deep_merge,
+    describe,
     from_dict,
     range_of,
     to_dict,
@@ -295,7 +296,10 @@ AttentionKernel = Literal["auto", "flash_varlen", "sdpa_varlen", "sdpa_dense", "
 @dataclass
 class ParallelConfig:
     """How processes are laid out: world = dp × sp, sp innermost (ranks of one SP group
-    are consecutive, so on GPUs they share a node)."""
+    are consecutive, so on GPUs they share a node). The run's
+    :class:`~ulysses_mm.core.layout.Layout` is built from it once the world is known."""
+
+    RENAMED: ClassVar[dict[str, str]] = {"head_chunks": "head_groups"}  # old key: new key
 
     sp: int = _help(
         "Sequence-parallel size: the ranks that split one sample's sequence, U × R (the "
@@ -311,7 +315,7 @@ class ParallelConfig:
         1,
         ge=1,
     )
-    head_chunks: int = _help(
+    head_groups: int = _help(
         "Attention in C groups of heads: the q/k/v all-to-all and the local kernel run for "
         "H/(U·C) query heads at a time, recomputed per group in backward, so one group's "
         "q/k/v and working set are alive instead of all heads'. C must divide each rank's "
@@ -513,7 +517,7 @@ STAGE_KEYS = (
     "model.rope",  # another kind starts from its own defaults, θ kept
     "parallel.sp",
     "parallel.ring",
-    "parallel.head_chunks",
+    "parallel.head_groups",
 )
 
 
@@ -573,7 +577,9 @@ def stage_overrides(i: int, stage: Any) -> dict[str, Any]:
     rest = {k: v for k, v in stage.items() if k not in own}
     for key, value in _dotted(rest):
         if not _stage_key_allowed(key):
-            near = difflib.get_close_matches(key, STAGE_KEYS, n=1)
+            # a key the run does not have is a typo: the closest stage key is offered
+            typo = key not in {row[0] for row in describe(RunConfig)}
+            near = difflib.get_close_matches(key, STAGE_KEYS, n=1) if typo else []
             hint = f" (did you mean {near[0]}?)" if near else ""
             raise ConfigError(
                 f"{where}: {key} is not a key a stage may set{hint}; a stage sets steps, "
