@@ -1,19 +1,19 @@
-"""``prepare`` on the local engine and on Ray, side by side: time, tokens/s, driver memory, bytes.
+"""``prepare`` on the local executor and on Ray, side by side: time, tokens/s, driver memory, bytes.
 
 A generated corpus (made in a temporary directory, never shipped): ``--fasta`` FASTA files
 of 50 records each and ``--audio`` short WAV files (44.1 kHz stereo, resampled to the
 spec's 16 kHz mono), through one pipeline (``dna-base`` + ``audio-mulaw-16k``) cut into
 ``--partitions`` partitions. It is prepared by:
 
-- the local engine with 1 worker (the reference bytes);
+- the local executor with 1 worker (the reference bytes);
 - Ray with 1 worker and with 2 (``workers`` = partition tasks at once, on a local Ray of
   that many CPUs).
 
-Each engine is its own driver process, which runs ``prepare`` ``--repeats`` times (the
+Each executor is its own driver process, which runs ``prepare`` ``--repeats`` times (the
 fastest counts: the host may be shared), timed around ``prepare`` alone (a local Ray's
 start is left out and printed apart); its peak RSS is the driver's own (``ru_maxrss``),
 the workers not counted. ``identical`` says every file of the dataset (shards and manifest) equals the
-local engine's. The driver is then run again on ``--many`` inputs (small FASTA files) to show
+local executor's. The driver is then run again on ``--many`` inputs (small FASTA files) to show
 that its memory does not grow with the number of inputs. The last line is::
 
     ray_speedup_2w=S driver_rss_mb=M identical=true|false
@@ -64,10 +64,10 @@ def make_corpus(root: Path, fasta: int, audio: int, bases: int, seconds: float) 
 
 _RUN = """
 import json, os, resource, sys, time
-engine, workers, repeats, output = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+executor, workers, repeats, output = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 start = 0.0
-if engine == "ray":
+if executor == "ray":
     import ray
     t = time.perf_counter()
     ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
@@ -75,7 +75,7 @@ if engine == "ray":
 walls = []
 for r in range(repeats):  # each into an output of its own; the last one is compared
     out = output if r == repeats - 1 else f"{output}-{r}"
-    extra = [f"engine={engine}", f"workers={workers}", f"output={out}"]
+    extra = [f"engine={executor}", f"workers={workers}", f"output={out}"]
     cfg = load_pipeline_config(None, sys.argv[5:] + extra)
     t = time.perf_counter()
     result = prepare(cfg, out=open(os.devnull, "w"))
@@ -87,19 +87,19 @@ print(json.dumps({"wall": min(walls), "start": start, "rss": rss, "tokens": toke
 
 
 def run(
-    engine: str, workers: int, output: Path, overrides: list[str], repeats: int = 1
+    executor: str, workers: int, output: Path, overrides: list[str], repeats: int = 1
 ) -> dict[str, float]:
     """One driver process: ``repeats`` runs of ``prepare``, the fastest one's wall time."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", _RUN, engine, str(workers), str(repeats), str(output), *overrides],
+        [sys.executable, "-c", _RUN, executor, str(workers), str(repeats), str(output), *overrides],
         env=env,
         cwd=REPO,
         capture_output=True,
         text=True,
     )
     if proc.returncode:
-        raise SystemExit(f"{engine} x{workers} failed:\n{proc.stderr}")
+        raise SystemExit(f"{executor} x{workers} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -119,15 +119,15 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10.0, help="seconds per WAV file")
     ap.add_argument("--partitions", type=int, default=8, help="shards.partitions")
     ap.add_argument("--many", type=int, default=2000, help="inputs of the driver-memory run")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per engine; the fastest counts")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per executor; the fastest counts")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny sizes: a run of seconds (the smoke test)"
     )
     args = ap.parse_args()
-    engines = [("local", 1), ("ray", 1), ("ray", 2)]
-    if args.smoke:  # a tiny corpus, the local engine and one Ray of 2 workers, once
+    executors = [("local", 1), ("ray", 1), ("ray", 2)]
+    if args.smoke:  # a tiny corpus, the local executor and one Ray of 2 workers, once
         args.fasta, args.bases, args.audio, args.seconds = 2, 2000, 1, 0.5
-        args.partitions, args.repeats, engines = 2, 1, [("local", 1), ("ray", 2)]
+        args.partitions, args.repeats, executors = 2, 1, [("local", 1), ("ray", 2)]
     tmp = tempfile.TemporaryDirectory()
     root = Path(tmp.name)
     corpus = make_corpus(root, args.fasta, args.audio, args.bases, args.seconds)
@@ -145,19 +145,19 @@ def main() -> None:
         f"files x {args.seconds:g} s; {args.partitions} partitions; {os.cpu_count()} cores"
     )
     print(
-        f"{'engine':10s} {'workers':>7s} {'wall s':>7s} {'tokens/s':>10s} {'driver MB':>9s} identical"
+        f"{'executor':10s} {'workers':>7s} {'wall s':>7s} {'tokens/s':>10s} {'driver MB':>9s} identical"
     )
     results = {}
     reference = ""
-    for engine, workers in engines:
-        out = root / f"out-{engine}-{workers}"
-        r = run(engine, workers, out, [*common, *sources], args.repeats)
+    for executor, workers in executors:
+        out = root / f"out-{executor}-{workers}"
+        r = run(executor, workers, out, [*common, *sources], args.repeats)
         d = digest(out)
         reference = reference or d
-        results[(engine, workers)] = (r, d == reference)
-        note = f" (Ray started in {r['start']:.1f} s, not counted)" if engine == "ray" else ""
+        results[(executor, workers)] = (r, d == reference)
+        note = f" (Ray started in {r['start']:.1f} s, not counted)" if executor == "ray" else ""
         print(
-            f"{engine:10s} {workers:7d} {r['wall']:7.2f} {r['tokens'] / r['wall']:10.3g} "
+            f"{executor:10s} {workers:7d} {r['wall']:7.2f} {r['tokens'] / r['wall']:10.3g} "
             f"{r['rss']:9.0f} {str(d == reference).lower()}{note}"
         )
     # the driver's memory against the number of inputs: many small FASTA files
@@ -171,7 +171,7 @@ def main() -> None:
         f"driver peak RSS: {r2['rss']:.0f} MB at {inputs} inputs, {small['rss']:.0f} MB at "
         f"{args.many} inputs (Ray, 2 workers)"
     )
-    speedup = results[engines[-2]][0]["wall"] / r2["wall"]  # ray x1 (local x1 in a smoke run)
+    speedup = results[executors[-2]][0]["wall"] / r2["wall"]  # ray x1 (local x1 in a smoke run)
     identical = all(same for _, same in results.values())
     tmp.cleanup()
     line = (

@@ -1,5 +1,5 @@
 """``prepare`` at corpus scale: partitions packed on their own, the same bytes on the local
-engine and on Ray with any number of workers, a Ray worker killed mid-partition, a driver
+executor and on Ray with any number of workers, a Ray worker killed mid-partition, a driver
 killed and rerun, a partition failing for a reason that is not an input, and inputs
 streamed from S3 (a moto server on loopback). One local Ray for the module."""
 
@@ -49,7 +49,7 @@ def ray_local():
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[Path, Path, Path]:
-    """(root with the inputs and a pipeline, its 3-partition dataset by the local engine,
+    """(root with the inputs and a pipeline, its 3-partition dataset by the local executor,
     the same pipeline slowed down with the processes that read each input recorded)."""
     root = tmp_path_factory.mktemp("corpus")
     make_inputs(root)
@@ -120,7 +120,7 @@ def test_partitions_are_packed_on_their_own_and_read_back_whole(corpus):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_ray_writes_the_local_engines_bytes_with_any_number_of_workers(
+def test_ray_writes_the_local_executors_bytes_with_any_number_of_workers(
     ray_local, corpus, tmp_path, workers
 ):
     pipeline, local, _ = corpus
@@ -130,7 +130,7 @@ def test_ray_writes_the_local_engines_bytes_with_any_number_of_workers(
             pipeline, [*PARTS, f"output={out}", "engine=ray", f"workers={workers}"]
         )
     )
-    assert (result.engine, result.partitions) == ("ray", 3)
+    assert (result.executor, result.partitions) == ("ray", 3)
     assert files_of(out) == files_of(local)
 
 
@@ -161,20 +161,20 @@ def test_a_ray_worker_killed_mid_partition_is_retried_and_the_bytes_do_not_chang
     assert not outcome["result"].crashed  # type: ignore[attr-defined]
 
 
-def test_an_input_that_kills_its_ray_worker_twice_is_skipped_as_on_the_local_engine(
+def test_an_input_that_kills_its_ray_worker_twice_is_skipped_as_on_the_local_executor(
     ray_local, tmp_path
 ):
     make_inputs(tmp_path, n_dna=2, bad=False)
     (tmp_path / "data" / "crash.seq").write_text("ACGT\nCRASH\n")
     pipeline = write_pipeline(tmp_path, str(tmp_path / "out"))
     entries = {}
-    for engine in ("local", "ray"):
+    for executor in ("local", "ray"):
         cfg = load_pipeline_config(
-            pipeline, ["progress=false", f"output={tmp_path / engine}", f"engine={engine}"]
+            pipeline, ["progress=false", f"output={tmp_path / executor}", f"engine={executor}"]
         )
         result = prepare(cfg)
         assert [Path(c).name for c in result.crashed] == ["crash.seq"]
-        entries[engine] = [e.to_dict() for e in result.manifest.inputs]
+        entries[executor] = [e.to_dict() for e in result.manifest.inputs]
     assert entries["ray"] == entries["local"]
     assert files_of(tmp_path / "ray") == files_of(tmp_path / "local")
 
@@ -183,7 +183,7 @@ def test_an_input_a_ray_task_died_on_twice_is_skipped_even_as_its_first(tmp_path
     """The partition function a Ray task runs, in this process: the first input it would
     tokenize has the attempts of two dead workers behind it, so it is recorded as crashed
     and the partition is packed from the rest."""
-    from ulysses_mm.shards.prepare.engine import CRASHES_TO_SKIP, plan_partition, run_partition
+    from ulysses_mm.shards.prepare.executor import CRASHES_TO_SKIP, plan_partition, run_partition
     from ulysses_mm.shards.prepare.partition import Job, PartitionTask
     from ulysses_mm.shards.prepare.pool import WorkerConfig, loaded
     from ulysses_mm.shards.prepare.route import load_specs, staging_dir
@@ -266,12 +266,12 @@ def test_a_partition_failing_for_a_reason_other_than_an_input_fails_the_run_in_o
     ray_local, corpus, tmp_path
 ):
     pipeline, _, _ = corpus
-    for engine in ("local", "ray"):
-        out = tmp_path / engine
+    for executor in ("local", "ray"):
+        out = tmp_path / executor
         out.mkdir()
         (out / "part-00001").write_text("a file where partition 1's folder goes")
         with pytest.raises(PrepareError) as err:
-            prepare(load_pipeline_config(pipeline, [*PARTS, f"output={out}", f"engine={engine}"]))
+            prepare(load_pipeline_config(pipeline, [*PARTS, f"output={out}", f"engine={executor}"]))
         line = str(err.value)
         assert "\n" not in line and line.startswith(
             "partition 1 (5 inputs: genome02.seq … notes.txt) failed"
@@ -321,7 +321,7 @@ def _fasta(rng: np.random.Generator, records: int, bases: int) -> str:
 
 def test_s3_sources_by_glob_stream_into_the_same_bytes(ray_local, tmp_path, s3_server):
     """FASTA inputs in a bucket, listed by a ``**`` glob and read as streams (never copied
-    to the worker), give the shards the same files give on local disk, on both engines."""
+    to the worker), give the shards the same files give on local disk, on both executors."""
     rng = np.random.default_rng(3)
     data = tmp_path / "genomes"
     for rel, n in [("a/x.fa", 2), ("a/b/y.fa", 3), ("z.fa", 1)]:
@@ -347,8 +347,8 @@ def test_s3_sources_by_glob_stream_into_the_same_bytes(ray_local, tmp_path, s3_s
             None, [*base, f"sources=[{data}/**/*.fa]", f"output={tmp_path / 'local'}"]
         )
     ).manifest
-    for engine in ("local", "ray"):
-        url = f"s3://corpus/out-{engine}"
+    for executor in ("local", "ray"):
+        url = f"s3://corpus/out-{executor}"
         result = prepare(
             load_pipeline_config(
                 None,
@@ -357,8 +357,8 @@ def test_s3_sources_by_glob_stream_into_the_same_bytes(ray_local, tmp_path, s3_s
                     "sources=[s3://corpus/genomes/**/*.fa]",
                     f"output={url}",
                     f"storage_options={json.dumps(opts)}",
-                    f"engine={engine}",
-                    f"staging={tmp_path / ('stage-' + engine)}",
+                    f"engine={executor}",
+                    f"staging={tmp_path / ('stage-' + executor)}",
                 ],
             )
         )
@@ -373,7 +373,7 @@ def test_s3_sources_by_glob_stream_into_the_same_bytes(ray_local, tmp_path, s3_s
         assert m.inputs[1].reason.startswith("s3://corpus/genomes/a/bad.fa#bad: character 'U'")
         assert [(s.url, s.sha256) for s in m.shards] == [(s.url, s.sha256) for s in local.shards]
         assert result.partitions == 2
-        assert not (tmp_path / f"stage-{engine}").exists()
+        assert not (tmp_path / f"stage-{executor}").exists()
 
 
 def test_a_streaming_tokenizer_reads_a_bucket_object_without_a_local_copy(
@@ -402,14 +402,14 @@ def test_a_streaming_tokenizer_reads_a_bucket_object_without_a_local_copy(
     assert outcome.ok and outcome.documents == 2 and outcome.tokens == 2 * 303
 
 
-def test_the_local_engine_never_imports_ray(tmp_path):
+def test_the_local_executor_never_imports_ray(tmp_path):
     """Ray is an optional extra: a local prepare and the CLI import it only for engine=ray."""
     make_inputs(tmp_path, n_dna=1, bad=False)
     pipeline = write_pipeline(tmp_path, str(tmp_path / "out"), workers=1)
     probe = (
         "import sys\n"
         "from ulysses_mm import cli\n"
-        "from ulysses_mm.shards.prepare import ray_engine\n"
+        "from ulysses_mm.shards.prepare import ray_executor\n"
         "from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare\n"
         f"prepare(load_pipeline_config({str(pipeline)!r}))\n"
         "assert 'ray' not in sys.modules, 'ray was imported'\n"

@@ -41,7 +41,7 @@ class ShardConfig:
     )
     partition_bytes: int = _help(
         "Cut the sorted inputs into partitions of about this many input bytes, each packed "
-        "and written on its own (part-PPPPP/shard-N.tar) and a unit of work for the engine "
+        "and written on its own (part-PPPPP/shard-N.tar) and a unit of work for the executor "
         "(an input larger than this is a partition of its own; 0 = one partition). One "
         "partition is laid out as shard-N.tar.",
         1 << 30,

@@ -2,7 +2,7 @@
 on this machine or on a Ray cluster.
 
 The sorted inputs are cut into partitions (:mod:`ulysses_mm.shards.prepare.partition`, a
-function of the inputs' sizes alone), and an engine (:mod:`ulysses_mm.shards.prepare.engine`:
+function of the inputs' sizes alone), and an executor (:mod:`ulysses_mm.shards.prepare.executor`:
 this machine's process pool, or Ray's tasks) does each partition:
 
 1. **Tokenize**. Each input is routed by its file name to one of the pipeline's
@@ -14,7 +14,7 @@ this machine's process pool, or Ray's tasks) does each partition:
 2. **Pack and write** (:mod:`ulysses_mm.shards.prepare.assemble`). The partition's inputs
    are taken in sorted order and their documents in file order, whatever order the workers
    finish in, so packing, document ids, shard boundaries and bytes are a function of the
-   inputs and the config alone, on any engine with any number of workers. Shards appear
+   inputs and the config alone, on any executor with any number of workers. Shards appear
    under their final names only when complete (:mod:`ulysses_mm.shards.prepare.publish`);
    the partition's fragment is written last, so a killed run, started again, skips the
    partitions it finished.
@@ -63,7 +63,7 @@ from ulysses_mm.shards.manifest import (
     PartitionEntry,
     ShardEntry,
 )
-from ulysses_mm.shards.prepare.engine import Engine, LocalEngine, Progress, human
+from ulysses_mm.shards.prepare.executor import Executor, LocalExecutor, Progress, human
 from ulysses_mm.shards.prepare.partition import (
     Job,
     PartitionResult,
@@ -156,7 +156,7 @@ class PrepareResult:
     reused: int  # inputs taken from the staging directory
     seconds: float
     crashed: list[str] = field(default_factory=list)  # inputs whose worker process died
-    engine: str = "local"
+    executor: str = "local"
     partitions: int = 1
     resumed: int = 0  # partitions an earlier run had finished
 
@@ -191,13 +191,13 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
     unmatched_entries = [InputEntry(p, "skipped", reason="matches no file") for p in unmatched]
     if not inputs:  # before any folder or bar
         raise PrepareError(_nothing_written(unmatched_entries))
-    engine = _engine(cfg)  # an engine that cannot start fails here, before anything is written
+    executor = _executor(cfg)  # one that cannot start fails here, before anything is written
     dest.makedirs()
     dest.remove_stale_temps()
     staging.mkdir(parents=True, exist_ok=True)
     progress = Progress(len(inputs), len(tasks), cfg.progress)
     try:
-        results = engine.run(job, tasks, progress) if tasks else []
+        results = executor.run(job, tasks, progress) if tasks else []
     except BaseException:
         progress.close(keep=False)
         raise
@@ -220,7 +220,7 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
         reused=sum(r.reused_inputs for r in results),
         seconds=time.perf_counter() - t0,
         crashed=[c for r in results for c in r.crashed],
-        engine=engine.name,
+        executor=executor.name,
         partitions=len(tasks),
         resumed=sum(r.resumed for r in results),
     )
@@ -228,13 +228,13 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
     return result
 
 
-def _engine(cfg: PipelineConfig) -> Engine:
+def _executor(cfg: PipelineConfig) -> Executor:
     if cfg.engine == "ray":
-        from ulysses_mm.shards.prepare.ray_engine import RayEngine, check_ready
+        from ulysses_mm.shards.prepare.ray_executor import RayExecutor, check_ready
 
         check_ready(cfg.ray_address)
-        return RayEngine(cfg.ray_address, cfg.workers)
-    return LocalEngine(cfg.workers)
+        return RayExecutor(cfg.ray_address, cfg.workers)
+    return LocalExecutor(cfg.workers)
 
 
 def _manifest(
@@ -382,7 +382,7 @@ def print_summary(result: PrepareResult, out: TextIO) -> None:
         parts += f" ({result.resumed} finished by an earlier run)"
     print(
         f"  {result.seconds:.1f} s, {human(real / max(result.seconds, 1e-9))} tokens/s; "
-        f"{parts} on the {result.engine} engine",
+        f"{parts} on the {result.executor} executor",
         file=out,
     )
     for e in skipped:

@@ -1,7 +1,7 @@
 """What runs a pipeline's partitions: this machine's process pool, or Ray.
 
-Both engines do the same three things to a partition, with the same functions, so the
-bytes do not depend on the engine or on how many workers it has:
+Both executors do the same three things to a partition, with the same functions, so the
+bytes do not depend on the executor or on how many workers it has:
 
 1. :func:`~ulysses_mm.shards.prepare.partition.completed`: an earlier run finished it
    (fragment and shards checked): take that;
@@ -11,7 +11,7 @@ bytes do not depend on the engine or on how many workers it has:
 3. :func:`~ulysses_mm.shards.prepare.assemble.write_partition`: pack its inputs in input
    order into its shards and fragment.
 
-:func:`run_partition` is the three in one process: a Ray task runs it. :class:`LocalEngine`
+:func:`run_partition` is the three in one process: a Ray task runs it. :class:`LocalExecutor`
 tokenizes with a pool of worker processes, ahead of and across partitions, while this
 process packs the partitions one after the other, as they become ready.
 """
@@ -106,7 +106,7 @@ def human(n: float) -> str:
     return f"{n:.3g}P"
 
 
-class Engine(Protocol):
+class Executor(Protocol):
     name: str
 
     def run(
@@ -144,7 +144,7 @@ def run_partition(job: Job, task: PartitionTask) -> PartitionResult:
     it, else its inputs tokenized one after the other and packed into its shards.
 
     Before an input is tokenized, a count of attempts at it is left in the staging
-    directory and removed after: when the engine runs the partition again because its
+    directory and removed after: when the executor runs the partition again because its
     process died, an input found with :data:`CRASHES_TO_SKIP` attempts is the one that
     killed it (twice, so a worker killed from outside costs nothing) and is recorded as
     skipped; its partition then finishes."""
@@ -188,7 +188,7 @@ def run_partition(job: Job, task: PartitionTask) -> PartitionResult:
 # ------------------------------------------------------------------ the local pool
 
 
-class LocalEngine:
+class LocalExecutor:
     """Partitions on this machine: ``workers`` processes tokenize inputs (across
     partitions, a bounded number ahead), this process packs each partition in turn."""
 

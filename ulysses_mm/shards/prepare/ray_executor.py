@@ -1,8 +1,8 @@
-"""The Ray engine: each partition is one Ray task running
-:func:`~ulysses_mm.shards.prepare.engine.run_partition`, anywhere in the cluster.
+"""The Ray executor: each partition is one Ray task running
+:func:`~ulysses_mm.shards.prepare.executor.run_partition`, anywhere in the cluster.
 
 Ray is imported here only, and this module only when a pipeline says ``engine: ray``
-(``ulysses-mm prepare PIPELINE --engine ray``), so the local engine needs no Ray. With no
+(``ulysses-mm prepare PIPELINE --engine ray``), so the local executor needs no Ray. With no
 address a local Ray is started (``workers`` CPUs, default all) and shut down at the end; an
 address (``auto``, ``HOST:PORT``, ``ray://HOST:PORT``) joins a running cluster, whose
 nodes must have ulysses-mm installed and see the pipeline's tokenizer specs at the same
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ulysses_mm.core.errors import ConfigError, StorageError, UnsupportedError, first_line
-from ulysses_mm.shards.prepare.engine import Progress, partition_failed, run_partition
+from ulysses_mm.shards.prepare.executor import Progress, partition_failed, run_partition
 from ulysses_mm.shards.prepare.partition import Job, PartitionResult, PartitionTask
 
 MAX_RETRIES = 3  # attempts after a worker process dies, per partition
@@ -135,7 +135,7 @@ def connect(address: str, cpus: int) -> tuple[Any, bool]:
     return ray, True
 
 
-class RayEngine:
+class RayExecutor:
     """Partitions as Ray tasks, at most ``workers`` at a time (0: as many as the cluster
     has CPUs for, ``cpus`` each)."""
 
