@@ -360,13 +360,38 @@ def test_config_from_hf_prints_the_checkpoints_rope(hf, want, tmp_path, capsys):
             dict(rope_type="yarn", original_max_position_embeddings=32),
             r"its yarn RoPE has no factor",
         ),
-        (dict(rope_type="linear", factor=-2.0), r"model\.rope\.factor must be > 0"),
+        (
+            dict(rope_type="linear", factor=-2.0),
+            r"model\.rope\.factor must be .*1024.*, got -2\.0",
+        ),
+        (
+            dict(rope_type="yarn", factor=1e308, original_max_position_embeddings=32),
+            r"model\.rope\.factor must be .*1024.*, got 1e\+308",
+        ),
+        (
+            dict(rope_type="yarn", factor="8", original_max_position_embeddings=32),
+            r"config\.json: rope_parameters\.factor is the string '8', not a number; write it "
+            r"without quotes$",
+        ),
+        (
+            dict(rope_type="default", rope_theta="5e5"),
+            r"config\.json: rope_parameters\.rope_theta is the string '5e5', not a number; "
+            r"write it without quotes$",
+        ),
         (
             dict(rope_type="default", partial_rotary_factor=0.5),
             r"partial_rotary_factor 0\.5 is not supported",
         ),
     ],
-    ids=["longrope", "yarn-without-factor", "negative-factor", "partial"],
+    ids=[
+        "longrope",
+        "yarn-without-factor",
+        "negative-factor",
+        "huge-factor",
+        "string-factor",
+        "string-theta",
+        "partial",
+    ],
 )
 def test_a_rope_we_cannot_compute_is_one_line(rope, message, tmp_path):
     path = _config_json(tmp_path / "hf", model_type="llama", rope_parameters=rope)
@@ -382,3 +407,75 @@ def test_keys_a_kind_does_not_use_are_refused():
         RopeConfig(**KINDS[-1], truncate=False)
     with pytest.raises(ConfigError, match=r"model\.rope\.kind=yarn needs model\.rope\.factor"):
         RopeConfig(kind="yarn", original_max_position_embeddings=8)
+
+
+@pytest.mark.parametrize("kind", ["linear", "dynamic", "yarn", "llama3"])
+def test_a_factor_is_bounded_for_every_kind_and_below_1_warns_once_in_one_line(kind):
+    """1e308 (yarn would scale attention ×72) is refused naming the key and its range; a
+    shrink (0.25) is computed as transformers computes it, with one warning line, as
+    transformers gives one."""
+    base = next(kw for kw in KINDS if kw["kind"] == kind)
+    with pytest.raises(ConfigError, match=r"^model\.rope\.factor must be .*1024.*, got 1e\+308$"):
+        RopeConfig(**base | {"factor": 1e308})
+    RopeConfig(**base | {"factor": 1024.0})  # the bound itself is a factor
+    with pytest.warns(UserWarning) as caught:
+        rope = RopeConfig(**base | {"factor": 0.25})
+    (w,) = caught
+    assert str(w.message) == (
+        f"model.rope.factor=0.25 is below 1: the {kind} RoPE shrinks the context instead of "
+        "extending it (transformers warns of it too)"
+    )
+    cfg = ModelConfig(head_dim=16, rope=rope)
+    ours = RotaryEmbedding(16, cfg.rope, cfg.max_position_embeddings)
+    hf = _hf_rotary(cfg)
+    assert torch.equal(ours.inv_freq, hf.inv_freq)
+    assert ours.attention_scaling == hf.attention_scaling
+
+
+def test_numbers_written_as_strings_are_refused_alike_in_yaml_and_in_config_json(tmp_path):
+    """The run schema takes YAML numbers only (text never turns into a number silently),
+    for θ as for the factor, saying why it got text (quotes, or YAML 1.1 reading an exponent
+    without a dot as text); config.json's RoPE the same, its top-level rope_theta too."""
+    for key, value, why in (
+        ("theta", "5e5", " (YAML reads 5e5 as text; write 5.0e+5)"),
+        ("factor", "8", "; write it without quotes"),
+    ):
+        rope = {"kind": "linear", "factor": 2.0} | {key: value}
+        with pytest.raises(ConfigError) as e:
+            from_dict(RunConfig, {"model": {"rope": rope}})
+        assert str(e.value) == f"model.rope.{key}: expected a number, got str {value!r}{why}"
+    text = yaml.safe_load("model: {rope: {theta: 5e5}}")  # PyYAML: YAML 1.1
+    with pytest.raises(ConfigError, match=r"write 5\.0e\+5\)$"):
+        from_dict(RunConfig, text)
+    assert (
+        from_dict(RunConfig, yaml.safe_load("model: {rope: {theta: 5.0e+5}}")).model.rope.theta
+        == 5e5
+    )
+    path = _config_json(tmp_path / "hf", model_type="llama", rope_theta="5e5")
+    with pytest.raises(InitFromError) as e:
+        hf_model_fields(path)
+    assert str(e.value) == (
+        f"init_from {path}: {path / 'config.json'}: rope_theta is the string '5e5', not a "
+        "number; write it without quotes"
+    )
+    path = _config_json(tmp_path / "hf2", model_type="llama", hidden_size="64")
+    with pytest.raises(InitFromError, match=r": hidden_size is the string '64', not a number"):
+        hf_model_fields(path)
+
+
+def test_a_qwen3_head_dim_is_its_own_null_refused_absent_128(tmp_path):
+    """transformers' Qwen3Config refuses head_dim null and defaults an absent one to 128
+    (not hidden_size / heads, as Llama's does)."""
+    path = _config_json(tmp_path / "null", model_type="qwen3", head_dim=None)
+    with pytest.raises(InitFromError) as e:
+        hf_model_fields(path)
+    assert str(e.value).startswith(f"init_from {path}: {path / 'config.json'}: a Qwen3's head_dim")
+    assert "\n" not in str(e.value)
+    absent = {k: v for k, v in SHAPE.items() if k != "head_dim"}
+    for model_type, want in (("qwen3", 128), ("llama", 64 // 4)):
+        d = tmp_path / model_type
+        d.mkdir()
+        (d / "config.json").write_text(
+            json.dumps(absent | dict(vocab_size=VOCAB, model_type=model_type))
+        )
+        assert hf_model_fields(d)["head_dim"] == want

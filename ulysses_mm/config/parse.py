@@ -136,6 +136,26 @@ def _closest(name: str, options: Iterable[str]) -> str:
     return match[0] if match else ""
 
 
+def _as_text(value: Any) -> str:
+    """Why a number arrived as a string, for its refusal (a key takes YAML numbers only, so
+    text never turns into a number silently): quoted, or an exponent that YAML 1.1 reads as
+    text (PyYAML reads ``5e5`` as a string and ``5.0e+5`` as a number)."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        float(value)
+    except ValueError:
+        return ""
+    if not isinstance(yaml.safe_load(value), str):
+        return "; write it without quotes"
+    mantissa, e, exponent = value.strip().lower().partition("e")
+    if not e or not mantissa or not exponent:
+        return ""
+    mantissa += "" if "." in mantissa else ".0"
+    exponent = exponent if exponent[0] in "+-" else "+" + exponent
+    return f" (YAML reads {value} as text; write {mantissa}e{exponent})"
+
+
 def _is_mapping_type(tp: Any) -> bool:
     return get_origin(tp) is dict or tp is dict or dataclasses.is_dataclass(tp)
 
@@ -194,11 +214,15 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
+        raise ConfigError(
+            f"{path}: expected an integer, got {type(value).__name__} {value!r}{_as_text(value)}"
+        )
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+        raise ConfigError(
+            f"{path}: expected a number, got {type(value).__name__} {value!r}{_as_text(value)}"
+        )
     if tp is str:
         if isinstance(value, str):
             return value

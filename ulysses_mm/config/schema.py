@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import signal
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
@@ -57,6 +58,10 @@ ROPE_USES: dict[str, tuple[str, ...]] = {
     ),
     "llama3": ROPE_NEEDS["llama3"],
 }
+# model.rope.factor is how many times longer the context gets: published models use 4 to
+# 40 (Llama 3.1: 8, DeepSeek V3: 40); a value past this is a typo (yarn's cos/sin scale,
+# 0.1·ln(factor) + 1, is 1.7 at 1024 and 72 at 1e308)
+ROPE_FACTOR_MAX = 1024.0
 
 
 @dataclass
@@ -76,7 +81,11 @@ class RopeConfig:
         "default",
     )
     factor: float | None = _help(
-        "Scaling factor (context growth) of linear, dynamic, yarn and llama3.", None, gt=0
+        "Scaling factor (context growth) of linear, dynamic, yarn and llama3; below 1 it "
+        "shrinks the context (a warning, as transformers gives).",
+        None,
+        gt=0,
+        le=ROPE_FACTOR_MAX,
     )
     original_max_position_embeddings: int | None = _help(
         "The context the model was pretrained at (yarn, llama3). dynamic: the length past "
@@ -124,6 +133,13 @@ class RopeConfig:
             raise ConfigError(
                 f"model.rope.high_freq_factor ({self.high_freq_factor}) must be above "
                 f"model.rope.low_freq_factor ({self.low_freq_factor})"
+            )
+        if self.factor is not None and self.factor < 1:
+            warnings.warn(
+                f"model.rope.factor={self.factor:g} is below 1: the {self.kind} RoPE shrinks "
+                "the context instead of extending it (transformers warns of it too)",
+                UserWarning,
+                stacklevel=2,
             )
 
     def original_length(self, max_position_embeddings: int) -> int | None:

@@ -42,6 +42,14 @@ ARCH_FIELDS = (
 )
 
 
+# config.json's numbers read into the model section (its RoPE's are read by _rope)
+_NUMBERS = (
+    *(k for k in ARCH_FIELDS if k not in ("qk_norm", "attention_bias")),
+    "max_position_embeddings",
+    "vocab_size",
+)
+
+
 class InitFromError(DataError):
     """A checkpoint that cannot start this run; ``str(e)`` is one line naming the directory."""
 
@@ -66,6 +74,7 @@ def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
     ``rope_parameters``, θ from them or from the top-level ``rope_theta``, and the
     original length where transformers takes it (llama3 and yarn: a top-level
     ``original_max_position_embeddings`` first; dynamic: ``max_position_embeddings``)."""
+    section = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise InitFromError(f"{where}: rope_parameters {params!r} is not a mapping")
@@ -77,13 +86,16 @@ def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise InitFromError(f"{where}: partial_rotary_factor {partial} is not supported (only 1)")
-    theta = params.get("rope_theta", hf.get("rope_theta"))
-    out: dict[str, Any] = {"theta": float(theta if theta is not None else 10000.0), "kind": kind}
+    theta = _number(params, "rope_theta", where, section)
+    theta = _number(hf, "rope_theta", where) if theta is None else theta
+    out: dict[str, Any] = {"theta": 10000.0 if theta is None else theta, "kind": kind}
     # transformers reads only the keys a kind uses (and warns of the others)
-    out |= {k: params[k] for k in ROPE_USES[kind] if params.get(k) is not None}
+    out |= {
+        k: _number(params, k, where, section) for k in ROPE_USES[kind] if params.get(k) is not None
+    }
     max_positions = hf.get("max_position_embeddings")
     if kind in ("llama3", "yarn"):
-        original = hf.get("original_max_position_embeddings") or out.get(
+        original = _number(hf, "original_max_position_embeddings", where) or out.get(
             "original_max_position_embeddings", max_positions
         )
         if original is not None:
@@ -100,6 +112,20 @@ def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
     except ConfigError as e:
         raise InitFromError(f"{where}: its {kind} RoPE: {e}") from None
     return rope_fields(rope)
+
+
+def _number(hf: Mapping[str, Any], key: str, where: str, section: str = "") -> Any:
+    """``hf[key]`` (None when absent; ``section``: the mapping of config.json it is in),
+    refused in one line when it is a number written as a string, whichever key it is:
+    config.json's numbers are JSON numbers, as the run schema's are YAML numbers
+    (``"5e5"`` is text to transformers too: its arithmetic fails on it later)."""
+    value = hf.get(key)
+    if isinstance(value, str):
+        name = f"{section}.{key}" if section else key
+        raise InitFromError(
+            f"{where}: {name} is the string {value!r}, not a number; write it without quotes"
+        )
+    return value
 
 
 def rope_fields(rope: RopeConfig) -> dict[str, Any]:
@@ -127,7 +153,7 @@ def hf_model_fields(path: str | Path, hf: dict[str, Any] | None = None) -> dict[
     if kind == "qwen3" and hf.get("attention_bias"):
         raise InitFromError(f"{where}: a Qwen3 with attention_bias is not supported")
     try:
-        return _fields(hf, kind, where)
+        return _fields(hf, kind, f"{where}: {Path(path) / 'config.json'}")
     except InitFromError:
         raise
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
@@ -136,6 +162,8 @@ def hf_model_fields(path: str | Path, hf: dict[str, Any] | None = None) -> dict[
 
 
 def _fields(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+    for key in _NUMBERS:
+        _number(hf, key, where)
     heads = int(hf["num_attention_heads"])
     return dict(
         hidden_size=int(hf["hidden_size"]),
@@ -143,7 +171,7 @@ def _fields(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
         num_hidden_layers=int(hf["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+        head_dim=_head_dim(hf, kind, heads, where),
         qk_norm=kind == "qwen3",
         attention_bias=kind == "qwen2",
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -151,6 +179,20 @@ def _fields(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
         max_position_embeddings=int(hf.get("max_position_embeddings", 1 << 20)),
         vocab_size=int(hf["vocab_size"]),
     )
+
+
+def _head_dim(hf: dict[str, Any], kind: str, heads: int, where: str) -> int:
+    """The head dim transformers gives config ``hf``: Llama's and Qwen2's ``head_dim`` or
+    hidden_size / heads; Qwen3's ``head_dim``, 128 when absent, and ``null`` refused (its
+    config class refuses it: a Qwen3's head dim is not derived from the hidden size)."""
+    if kind != "qwen3":
+        return int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+    if "head_dim" in hf and hf["head_dim"] is None:
+        raise InitFromError(
+            f"{where}: a Qwen3's head_dim is null; write the checkpoint's head "
+            "dim there (Qwen3's config refuses null: it is not hidden_size / heads)"
+        )
+    return int(hf.get("head_dim", 128))
 
 
 def model_section(path: str | Path, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
