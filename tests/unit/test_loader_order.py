@@ -160,3 +160,33 @@ def test_sources_are_labelled_by_their_directory(two):
     a, b = two
     assert ShardStream([(a, 1), (b, 1)], 0, 1, 1).tally.source_labels == ["a", "b"]
     assert ShardStream([(a, 1), (a, 1)], 0, 1, 1).tally.source_labels == ["0.a", "1.a"]
+
+
+def test_a_short_eval_manifest_is_named_data_eval(two, tmp_path):
+    """Evaluation shards whose samples are shorter than the run's data.seq_len, or fewer
+    than one global micro-batch, or missing: the one line says they are data.eval's."""
+    from ulysses_mm.config import RunConfig, load_config
+    from ulysses_mm.core.errors import DataError, UserError
+    from ulysses_mm.train.plan import plan_run
+
+    a, _ = two
+    short = Manifest.load(str(prepare_dna(tmp_path, "short", records=6, seq_len=128, seed=3)))
+
+    def plan(*overrides: str):
+        return plan_run(load_config(RunConfig, None, [f"data.train={a.location}", *overrides]), 1)
+
+    with pytest.raises(DataError) as e:
+        plan(f"data.eval={short.location}", "data.seq_len=256")
+    assert str(e.value).startswith(
+        f"data.eval: data.seq_len=256 but the shards of {short.location} hold samples of 128"
+    )
+    few = short.num_samples + 1
+    with pytest.raises(DataError) as e:
+        plan(f"data.eval={short.location}", f"data.micro_batch_size={few}")
+    assert str(e.value) == (
+        f"data.eval: {short.location} holds {short.num_samples} samples, fewer than one "
+        f"global micro-batch (dp 1 × micro_batch {few})"
+    )
+    missing = tmp_path / "none" / "manifest.json"
+    with pytest.raises(UserError, match=r"^data\.eval: .*none/manifest\.json"):
+        plan(f"data.eval={missing}")

@@ -107,6 +107,16 @@ def naming(stage: Stage, staged: bool) -> Iterator[None]:
         raise type(e)(f"{stage.key}: {e}") from None
 
 
+@contextmanager
+def _about_eval() -> Iterator[None]:
+    """A user error raised inside is about the evaluation shards: it says ``data.eval``
+    (the messages of a manifest name its location, which may be the train's twin)."""
+    try:
+        yield
+    except UserError as e:
+        raise type(e)(f"data.eval: {e}") from None
+
+
 def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     """Every check the manifests, the world and the checkpoint decide, in one place: run
     by the parent before it starts processes (one line, exit 2) and by each rank again.
@@ -141,9 +151,11 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     check_kernel_config(cfg.parallel.attention, cfg.deepspeed.precision)
     if cfg.model.init_from:
         check_init_from(cfg.model, space, cfg.model.init_from)
-    eval_manifest = Manifest.load(d.location(d.eval), d.max_manifest_bytes) if d.eval else None
-    if eval_manifest is not None:
-        eval_manifest.check_token_space(space)
+    eval_manifest = None
+    if d.eval:
+        with _about_eval():
+            eval_manifest = Manifest.load(d.location(d.eval), d.max_manifest_bytes)
+            eval_manifest.check_token_space(space)
     stages = run_stages(cfg)
     staged = bool(cfg.train.stages)
     dps, seq_lens = [], []
@@ -198,8 +210,11 @@ def _check_stage(
         else:
             check_enough_windows(manifest, seq_len, dp, mb)
     if eval_manifest is not None:
-        eval_len = stage_seq_len(stage, eval_manifest) if stage.seq_len else eval_manifest.seq_len
-        check_enough_windows(eval_manifest, eval_len, dp, mb)
+        with _about_eval():
+            eval_len = (
+                stage_seq_len(stage, eval_manifest) if stage.seq_len else eval_manifest.seq_len
+            )
+            check_enough_windows(eval_manifest, eval_len, dp, mb)
     return dp, seq_len
 
 
