@@ -26,6 +26,7 @@ from ulysses_mm.core.checks import (
     out_file_arg,
     seed_arg,
 )
+from ulysses_mm.tools.estimate.stages import check_stages_fit
 from ulysses_mm.train.stop import EXIT_STOPPED, StopRecord, young_interval_s
 
 _VERBOSE_HELP = (
@@ -74,7 +75,6 @@ def add_demo(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from ulysses_mm.train.loop import run_train
-    from ulysses_mm.train.plan import resolve_resume
 
     started = time.time()
     _verbose(args)
@@ -84,14 +84,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.max_minutes is not None:
         overrides.append(f"train.max_minutes={args.max_minutes}")
     cfg = load_config(RunConfig, args.config, overrides)
-    if cfg.train.gpu_mem_gib:  # every stage against the budget, before any process starts
-        from ulysses_mm.tools.estimate.stages import check_stages_fit
-        from ulysses_mm.train.plan import plan_run, world_size
-
-        world = world_size(args.nproc)
-        plan = plan_run(cfg, world, resolve_resume(cfg))
-        check_stages_fit(cfg, world, plan.manifest.seq_len, space=plan.space)
-    result = run_train(cfg, args.nproc, started)
+    # the pre-flight checks every stage against train.gpu_mem_gib, before any process starts
+    result = run_train(cfg, args.nproc, started, memory=check_stages_fit)
     if os.environ.get("RANK", "0") != "0":
         return 75 if result.get("stopped") else 0
     if result.get("complete"):

@@ -138,6 +138,12 @@ def launch_local(
     return elastic_launch(config, fn)(*args)
 
 
+def in_process(nproc: int | None) -> bool:
+    """Whether :func:`run_world` runs its ranks' function in this process: a rank of a
+    launched world, or one process (``nproc`` 1 or None)."""
+    return in_launched_world() or not nproc or nproc == 1
+
+
 def run_world(
     fn: Callable[..., Any],
     nproc: int | None,
@@ -155,8 +161,9 @@ def run_world(
     logs = str(log_dir or tempfile.mkdtemp(prefix="ulysses-mm-logs-"))
     for stale in Path(logs).glob("rank-*.error"):  # an earlier run's, in the same run dir
         stale.unlink(missing_ok=True)
-    if in_launched_world() or not nproc or nproc == 1:
+    if in_process(nproc):
         return [_guarded(fn, logs, *args)]
+    assert nproc is not None  # in_process: None is one process
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 

@@ -42,7 +42,14 @@ from ulysses_mm.train.evaluate import EvalResult, evaluate_batches, units_for
 from ulysses_mm.train.flops import causal_pairs, peak_tflops, train_flops
 from ulysses_mm.train.logger import MetricsLogger
 from ulysses_mm.train.metrics import ModalitySums, peak_memory_mb
-from ulysses_mm.train.plan import plan_run, resolve_resume, resume_record, world_size
+from ulysses_mm.train.plan import (
+    MemoryCheck,
+    RunPlan,
+    plan_run,
+    resolve_resume,
+    resume_record,
+    world_size,
+)
 from ulysses_mm.train.samples import wandb_media, write_samples
 from ulysses_mm.train.saver import Saver
 from ulysses_mm.train.step import build_setup, train_step
@@ -78,7 +85,8 @@ class _Stop(Exception):
 
 class Trainer:
     """One rank of a training run: the plan, the setup (model → Ulysses → engine), the
-    stream of this rank's samples, the logger; :meth:`run` steps to ``train.steps``."""
+    stream of this rank's samples, the logger; :meth:`run` steps to ``train.steps``.
+    ``plan``: the parent's, when this rank runs in the parent's process (else it plans)."""
 
     def __init__(
         self,
@@ -86,6 +94,7 @@ class Trainer:
         resume: bool = False,
         stop: StopRequests | None = None,
         started: float | None = None,
+        plan: RunPlan | None = None,
     ) -> None:
         self.cfg = cfg
         self.stop = stop or StopRequests([])
@@ -108,7 +117,7 @@ class Trainer:
             if cfg.train.resume == "restart" and not resume:
                 set_aside(cfg)
             (self.run_dir / STOPPED_FILE).unlink(missing_ok=True)
-        plan = plan_run(cfg, self.mesh.world_size, resume)
+        plan = plan or plan_run(cfg, self.mesh.world_size, resume)
         self.manifest, self.eval_manifest, self.space = (
             plan.manifest,
             plan.eval_manifest,
@@ -463,9 +472,12 @@ def set_aside(cfg: RunConfig) -> Path | None:
     return dest
 
 
-def train_worker(cfg_dict: dict[str, Any], resume: bool, started: float) -> dict[str, Any]:
+def train_worker(
+    cfg_dict: dict[str, Any], resume: bool, started: float, plan: RunPlan | None = None
+) -> dict[str, Any]:
     """One rank of ``ulysses-mm train``: the stop signals handled from the first moment,
-    so a signal during the setup stops the run at its first step boundary."""
+    so a signal during the setup stops the run at its first step boundary. ``plan``: the
+    parent's, when the rank runs in the parent's process."""
     cfg = from_dict(RunConfig, cfg_dict)
     rank0 = int(os.environ.get("RANK", "0")) == 0
     announce = None
@@ -473,7 +485,7 @@ def train_worker(cfg_dict: dict[str, Any], resume: bool, started: float) -> dict
         announce = "ulysses-mm train: ended at once by a second {signal}; latest is unchanged"
     stop = StopRequests(cfg.train.stop_signals, announce).install()
     try:
-        trainer = Trainer(cfg, resume, stop, started)
+        trainer = Trainer(cfg, resume, stop, started, plan)
         result = trainer.run()
         if dist.is_initialized():
             dist.barrier()  # every rank's part of the stop is done before any leaves
@@ -489,11 +501,18 @@ def train_worker(cfg_dict: dict[str, Any], resume: bool, started: float) -> dict
     return vars(result)
 
 
-def run_train(cfg: RunConfig, nproc: int | None, started: float | None = None) -> dict[str, Any]:
+def run_train(
+    cfg: RunConfig,
+    nproc: int | None,
+    started: float | None = None,
+    memory: MemoryCheck | None = None,
+) -> dict[str, Any]:
     """Train in this process's launched world, or start ``nproc`` local processes.
     ``train.resume`` decides whether the run continues from its checkpoint; a run whose
     checkpoint is at ``train.steps`` already is not started again (``complete`` in the
-    result)."""
+    result). The run is planned once here (:func:`~ulysses_mm.train.plan.plan_run`, with
+    ``memory``: the check of ``train.gpu_mem_gib``); a rank in this process trains on
+    that plan, a rank of its own process plans again."""
     started = started if started is not None else time.time()
     if nproc and in_launched_world():
         raise UserError(
@@ -501,7 +520,7 @@ def run_train(cfg: RunConfig, nproc: int | None, started: float | None = None) -
         )
     resume = resolve_resume(cfg)
     # what the config decides fails here, not in a rank
-    plan = plan_run(cfg, world_size(nproc), resume)
+    plan = plan_run(cfg, world_size(nproc), resume, memory)
     run_dir = Path(cfg.train.out_dir)
     if resume and plan.resumed.get("step") == cfg.train.steps:
         ckpt = checkpoint.CheckpointDir.of(cfg)
@@ -520,6 +539,7 @@ def run_train(cfg: RunConfig, nproc: int | None, started: float | None = None) -
             to_dict(cfg),
             resume,
             started,
+            plan if launch.in_process(nproc) else None,
             log_dir=run_dir / "logs",
             signals=signals,
         )[0]

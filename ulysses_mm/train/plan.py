@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ulysses_mm.config import RunConfig, Stage, run_stages, stage_of, to_dict
 from ulysses_mm.core import checks
@@ -117,7 +117,20 @@ def _about_eval() -> Iterator[None]:
         raise type(e)(f"data.eval: {e}") from None
 
 
-def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
+class MemoryCheck(Protocol):
+    """The memory budget's check (the estimate's ``check_stages_fit``): every stage of the
+    run on ``world`` GPUs (a stage whose data.seq_len is 0 at ``manifest_seq_len``, the
+    shards' length) within ``train.gpu_mem_gib``, else one ConfigError naming the first
+    stage over it."""
+
+    def __call__(
+        self, cfg: RunConfig, world: int, manifest_seq_len: int, *, space: TokenSpace
+    ) -> None: ...
+
+
+def plan_run(
+    cfg: RunConfig, world: int, resume: bool = False, memory: MemoryCheck | None = None
+) -> RunPlan:
     """Every check the manifests, the world and the checkpoint decide, in one place: run
     by the parent before it starts processes (one line, exit 2) and by each rank again.
 
@@ -128,8 +141,8 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     against the precision, a pretrained start (``model.init_from``) against the model, the
     data's token space against the model's and the checkpoint's (every mixed manifest's
     alike), the node cache, and that a resumed run has a checkpoint. A stage's error
-    names the stage. (The memory budget, ``train.gpu_mem_gib``, is the estimate's: the
-    CLI checks it.)"""
+    names the stage. With ``train.gpu_mem_gib`` set, ``memory`` (the parent's) checks
+    every stage against it once the data's length and token space are known."""
     entries = train_entries(cfg)
     d = cfg.data
     sources = [(Manifest.load(d.location(loc), d.max_manifest_bytes), w) for loc, w, _ in entries]
@@ -168,6 +181,8 @@ def plan_run(cfg: RunConfig, world: int, resume: bool = False) -> RunPlan:
     if resume:
         ranks = dps[0] * stages[0].cfg.parallel.sp
         resumed = check_resume(cfg, space, manifest.seq_len, ranks=ranks)
+    if memory is not None and cfg.train.gpu_mem_gib:
+        memory(cfg, world, manifest.seq_len, space=space)
     windows = staged or any(seq_lens[0] != m.seq_len for m, _ in sources)
     return RunPlan(
         manifest, eval_manifest, space, seq_lens[0], sources, modalities, stages, windows, resumed
