@@ -8,6 +8,7 @@ global batch), which every layout must match."""
 from __future__ import annotations
 
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -117,8 +118,29 @@ def test_the_export_loads_in_transformers_with_the_last_stage_rope(data, staged,
 
 
 def test_report_marks_where_each_stage_begins(staged, tmp_path):
+    """The report's curves are the logged rows, and its PNG (9 × 7 in at 110 dpi) draws
+    one dotted red line through both panels where each later stage begins."""
+    import matplotlib.image as mpimg
+    import numpy as np
+
     from ulysses_mm.tools.report import loss_series, plot, read_metrics
 
-    run, _ = staged
-    assert loss_series(read_metrics(run)).stage_starts == [(5, 1, 4096), (9, 2, LONGEST)]
-    assert plot(run, tmp_path / "loss.png").stat().st_size > 0
+    run, rows = staged
+    series = loss_series(read_metrics(run))
+    assert series.stage_starts == [(5, 1, 4096), (9, 2, LONGEST)]
+    assert series.steps == list(range(1, 13))
+    assert series.total == [rows[s]["loss"] for s in range(1, 13)]
+    assert series.lr == [rows[s]["lr"] for s in range(1, 13)]
+    png = plot(run, tmp_path / "loss.png")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert struct.unpack(">II", data[16:24]) == (990, 770)  # width, height
+    img = mpimg.imread(png)
+    assert img.shape[:2] == (770, 990)
+    r, g, b = img[..., 0], img[..., 1], img[..., 2]
+    red = (r - g > 0.25) & (r - b > 0.25)  # tab:red, the stage lines and their labels
+    columns = np.nonzero(red.sum(axis=0) >= 200)[0]  # a line through both panels
+    lines = np.split(columns, np.nonzero(np.diff(columns) > 1)[0] + 1)
+    assert len(lines) == 2, columns  # steps 4.5 and 8.5
+    left, right = (line.mean() for line in lines)
+    assert 0.25 < left / 990 < 0.5 < right / 990 < 0.8
