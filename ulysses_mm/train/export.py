@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from ulysses_mm.config import ConfigError, ModelConfig, RunConfig, from_dict, read_yaml
+from ulysses_mm.core.errors import StorageError
 from ulysses_mm.core.storage import atomic_local_dir
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, PAD, TokenSpace
 from ulysses_mm.train.checkpoint import (
@@ -75,9 +77,36 @@ def hf_config_for(model: ModelConfig, vocab_size: int, dtype: torch.dtype) -> An
     )
 
 
-def export(checkpoint: str | Path, out: str | Path) -> Path:
-    from safetensors.torch import load_file, save_file
+# what an export directory holds: the model, its config, the token space and (from a run
+# that has one) the tokenizer record
+EXPORT_FILES = ("config.json", "model.safetensors", SPACE_FILE, TOKENIZERS_FILE)
 
+
+def check_export_dir(out: Path) -> None:
+    """``out`` is absent, empty or an earlier export (its files are export's, the model
+    and the token space among them): an export replaces the directory whole, so a
+    directory of other files (a run, a checkpoint, a folder of one's own) is refused in
+    one line before anything is read or written."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise StorageError(f"{out} is a file; give a directory to write the model in")
+    names = sorted(p.name for p in out.iterdir())
+    others = [n for n in names if n not in EXPORT_FILES]
+    if others or (names and not {"model.safetensors", SPACE_FILE} <= set(names)):
+        shown = ", ".join(others[:3] or names[:3]) + (", …" if len(others or names) > 3 else "")
+        raise StorageError(
+            f"{out} holds files that are not an earlier export's ({shown}); export "
+            "replaces its directory whole: give a new or empty directory"
+        )
+
+
+def export(checkpoint: str | Path, out: str | Path) -> Path:
+    """Write checkpoint ``checkpoint`` (a run dir, its checkpoints dir or a step dir) as a
+    transformers model in directory ``out``: new, empty, or an earlier export it
+    replaces (:func:`check_export_dir`)."""
+    out = Path(out)
+    check_export_dir(out)
     src = read_checkpoint_dir(Path(checkpoint))
     cfg = from_dict(RunConfig, read_yaml(src / CONFIG_FILE))
     space = TokenSpace.from_dict(json.loads((src / SPACE_FILE).read_text()))
@@ -85,7 +114,6 @@ def export(checkpoint: str | Path, out: str | Path) -> Path:
     state = hf_state_dict(weights, space)
     dtype = next(iter(state.values())).dtype
     hf_config = hf_config_for(cfg.model, space.vocab_size, dtype)
-    out = Path(out)
     with atomic_local_dir(out, replace=True) as tmp:  # whole or absent, plain file modes
         hf_config.save_pretrained(tmp)
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
