@@ -12,7 +12,7 @@ from ulysses_mm.config.schema import STAGE_KEYS
 
 ALLOWED = (
     "a stage sets steps, warmup_steps and data.seq_len, data.micro_batch_size, model.rope.*, "
-    "parallel.sp, parallel.ring, parallel.head_chunks"
+    "parallel.sp, parallel.ring, parallel.head_groups"
 )
 
 
@@ -188,3 +188,20 @@ def test_a_config_file_names_itself_and_the_stage(tmp_path):
     assert str(e.value) == (
         f"{path}: train.stages[0]: model.num_hidden_layers is not a key a stage may set; {ALLOWED}"
     )
+
+
+def test_an_old_key_name_in_a_stage_is_read_with_a_one_line_hint():
+    with pytest.warns(FutureWarning) as caught:
+        cfg = from_dict(
+            RunConfig,
+            {
+                "model": {"num_attention_heads": 8},
+                "train": {"steps": 2, "stages": [{"steps": 2, "parallel": {"head_chunks": 2}}]},
+            },
+        )
+    assert [str(w.message) for w in caught] == [
+        "'train.stages[0].parallel.head_chunks' is now 'train.stages[0].parallel.head_groups'; "
+        "rename it in the config"
+    ]
+    assert cfg.train.stages == [{"steps": 2, "warmup_steps": 0, "parallel.head_groups": 2}]
+    assert run_stages(cfg)[0].cfg.parallel.head_groups == 2

@@ -7,8 +7,10 @@ manifests or the world is checked by ``train.plan`` before any process starts.""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import signal
+import typing
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -591,7 +593,14 @@ def stage_overrides(i: int, stage: Any) -> dict[str, Any]:
         )
     out: dict[str, Any] = {"steps": spec.steps, "warmup_steps": spec.warmup_steps}
     rest = {k: v for k, v in stage.items() if k not in own}
-    for key, value in _dotted(rest):
+    for given, value in _dotted(rest):
+        key = _current_name(given)
+        if key != given:  # an old name still read, as in a run config, with a hint
+            warnings.warn(
+                f"'{where}.{given}' is now '{where}.{key}'; rename it in the config",
+                FutureWarning,
+                stacklevel=2,
+            )
         if not _stage_key_allowed(key):
             # a key the run does not have is a typo: the closest stage key is offered
             typo = key not in {row[0] for row in describe(RunConfig)}
@@ -606,6 +615,18 @@ def stage_overrides(i: int, stage: Any) -> dict[str, Any]:
         if value is not None:  # null: the stage before's, as a key left out
             out[key] = value
     return out
+
+
+def _current_name(key: str) -> str:
+    """``key`` with a field's old name (its section's ``RENAMED``) replaced by the new one."""
+    parts = key.split(".")
+    section: Any = RunConfig
+    for n, name in enumerate(parts):
+        if not dataclasses.is_dataclass(section):
+            break
+        parts[n] = name = getattr(section, "RENAMED", {}).get(name, name)
+        section = typing.get_type_hints(section).get(name)
+    return ".".join(parts)
 
 
 def _nested(dotted: Mapping[str, Any], where: str) -> dict[str, Any]:
