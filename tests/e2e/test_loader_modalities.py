@@ -166,8 +166,8 @@ def test_a_modality_visits_its_samples_once_an_epoch_shard_by_shard(mixed):
         assert orders[0].tolist() != orders[1].tolist()
         # a shard's samples stay together (up to the buffer's blending at the seams)
         shards = source.shards_of(orders[0])
-        runs = 1 + int((shards[1:] != shards[:-1]).sum())
-        assert runs <= 3 * len(np.unique(shards)), (source.modality, runs)
+        blocks = 1 + int((shards[1:] != shards[:-1]).sum())
+        assert blocks <= 3 * len(np.unique(shards)), (source.modality, blocks)
     members = np.concatenate([s.members for s in st.order.sources])
     assert sorted(members.tolist()) == list(range(mixed.num_samples))  # every modality weighted
 

@@ -284,22 +284,22 @@ def test_audio_interleaved_per_chunk(fitted: Path, tmp_path: Path) -> None:
     t = doc.tokens.astype(np.int64)
     v, a = space.boundary_token("video"), space.boundary_token("audio")
     assert t[0] == DOC_START and t[1] == v and t[-1] == DOC_END
-    # runs: <|video|> 4 frames <|audio|> 0.4 s of samples, five times
+    # spans: <|video|> 4 frames <|audio|> 0.4 s of samples, five times
     marks = np.flatnonzero((t == v) | (t == a))
     assert t[marks].tolist() == [v, a] * 5
     ar, vr = space.range("audio"), space.range("video")
     for i in range(5):
-        video_run = t[marks[2 * i] + 1 : marks[2 * i + 1]]
+        video_span = t[marks[2 * i] + 1 : marks[2 * i + 1]]
         end = marks[2 * i + 2] if 2 * i + 2 < len(marks) else len(t) - 1
-        audio_run = t[marks[2 * i + 1] + 1 : end]
-        assert len(video_run) == 4 * 65 and (video_run[64::65] == EOF).all()
-        assert ((video_run != EOF) == ((video_run >= vr.start) & (video_run < vr.stop))).all()
-        assert abs(len(audio_run) - 6400) <= 1  # 0.4 s at 16 kHz
-        assert ((audio_run >= ar.start) & (audio_run < ar.stop)).all()
+        audio_span = t[marks[2 * i + 1] + 1 : end]
+        assert len(video_span) == 4 * 65 and (video_span[64::65] == EOF).all()
+        assert ((video_span != EOF) == ((video_span >= vr.start) & (video_span < vr.stop))).all()
+        assert abs(len(audio_span) - 6400) <= 1  # 0.4 s at 16 kHz
+        assert ((audio_span >= ar.start) & (audio_span < ar.stop)).all()
     frames, wave = tok.decode_av(t, space)
     assert frames.shape == (20, 64, 64, 3)
     assert abs(len(wave) - 32000) <= 5
-    assert [read_index(f) for f in tok.decode(t, space)] != []  # video decodes past audio runs
+    assert [read_index(f) for f in tok.decode(t, space)] != []  # video decodes past audio spans
     peak = np.fft.rfftfreq(len(wave), 1 / 16000)[np.abs(np.fft.rfft(wave)).argmax()]
     assert peak == pytest.approx(500, abs=3)
     with pytest.raises(KeyError, match="audio"):

@@ -304,7 +304,7 @@ def test_audio_interleaves_with_ragged_frames(tmp_path):
     (doc,) = tok.encode_file(str(path), space)
     t = doc.tokens.astype(np.int64)
     assert int((t == EOF).sum()) == 16
-    assert int((t == space.boundary_token("audio")).sum()) == 4  # one audio run per chunk
+    assert int((t == space.boundary_token("audio")).sum()) == 4  # one audio span per chunk
     video, wave = tok.decode_av(t, space)
     assert video.shape == (16, 64, 64, 3) and wave.size > 1.5 * 16000
 

@@ -99,7 +99,7 @@ class TokenSpace:
         return self.ranges[self.index(modality)]
 
     def boundary_token(self, modality: str) -> int:
-        """Id of ``<|modality|>``, the token that opens a run of that modality."""
+        """Id of ``<|modality|>``, the token that opens a span of that modality."""
         return len(BASE_SPECIALS) + self.index(modality)
 
     def dtype(self) -> np.dtype:
@@ -142,7 +142,7 @@ def token_modalities(tokens: np.ndarray, doc_ids: np.ndarray, space: TokenSpace)
     """Modality index of every token of a packed sample ([..., N] int arrays); -1 for pad.
 
     A token in a modality range belongs to that modality. ``<|m|>`` belongs to m (it opens
-    a run of m). Any other special (``<doc>``, ``</doc>``, ``<eof>``) takes the modality of
+    a span of m). Any other special (``<doc>``, ``</doc>``, ``<eof>``) takes the modality of
     the nearest preceding non-special token of its document, or, at the start of a
     document, of the first following one. So a document that interleaves video and audio
     routes each target to the right head, and ``</doc>`` is predicted by the head of the

@@ -2,7 +2,7 @@
 
 Documents of random length and modality are laid end to end as the packer would lay them:
 ``<doc> <|m|> tokens… </doc>``, a document sometimes switching modality mid-way (as an
-interleaved clip does), a video run holding ``<eof>`` tokens, and the tail of the last
+interleaved clip does), a video span holding ``<eof>`` tokens, and the tail of the last
 sample padded. The layout depends only on the seed.
 """
 
@@ -21,11 +21,11 @@ def random_document(rng: np.random.Generator, space: TokenSpace, length: int) ->
     while len(doc) < length - 1:
         m = mods[rng.integers(len(mods))]
         r = space.range(m)
-        run = int(rng.integers(1, max(2, length // 2)))
+        span_len = int(rng.integers(1, max(2, length // 2)))
         doc.append(space.boundary_token(m))
-        body = rng.integers(r.start, r.stop, size=run).tolist()
-        if m == "video" and run > 4:
-            body[run // 2] = EOF
+        body = rng.integers(r.start, r.stop, size=span_len).tolist()
+        if m == "video" and span_len > 4:
+            body[span_len // 2] = EOF
         doc.extend(body)
     doc = doc[: length - 1] + [DOC_END]
     return doc

@@ -191,13 +191,13 @@ def modality_tokens(sample: PackedSample, space: TokenSpace) -> dict[str, np.nda
         t = tokens[start : start + length]
         md = mods[start : start + length]
         for mi in np.unique(md[md >= 0]).tolist():
-            run = t[md == mi]
-            eofs = np.flatnonzero(run == EOF)
+            ids = t[md == mi]
+            eofs = np.flatnonzero(ids == EOF)
             if len(eofs):
                 lo = int(eofs[0]) + 1 if pos > 0 else 0
-                run = run[lo : int(eofs[-1]) + 1]
-            if len(run):
-                out.setdefault(space.modalities[mi], []).append(run)
+                ids = ids[lo : int(eofs[-1]) + 1]
+            if len(ids):
+                out.setdefault(space.modalities[mi], []).append(ids)
     return {m: np.concatenate(parts) for m, parts in out.items()}
 
 
@@ -230,8 +230,8 @@ def decode_sample(manifest: Manifest, sample: PackedSample) -> list[Decoded]:
 # -------------------------------------------------------------------- figure
 
 
-def _runs(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(starts, lengths, values) of runs of equal values."""
+def _spans(values: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, lengths, values) of the spans of equal values."""
     if not len(values):
         return np.zeros(0, np.int64), np.zeros(0, np.int64), values
     edges = np.flatnonzero(np.diff(values)) + 1
@@ -281,7 +281,7 @@ def render_png(
     if space is not None:
         doc, _ = segments_to_ids(seg, n)
         mods = token_modalities(sample.tokens.astype(np.int64), doc, space)
-        starts, lengths, vals = _runs(mods)
+        starts, lengths, vals = _spans(mods)
         for i in range(len(names)):
             sel = vals == i
             if sel.any():

@@ -155,8 +155,8 @@ class Packer:
         same = segments[1:, SEG_DOC] == segments[:-1, SEG_DOC]
         if same.any():  # a document's pieces from consecutive blocks: one row
             head = np.concatenate([[True], ~same])
-            run = np.cumsum(head) - 1
-            lengths = np.bincount(run, weights=segments[:, SEG_LENGTH]).astype(np.int64)
+            row = np.cumsum(head) - 1  # the merged row of each piece
+            lengths = np.bincount(row, weights=segments[:, SEG_LENGTH]).astype(np.int64)
             segments = segments[head]
             segments[:, SEG_LENGTH] = lengths
         self._buf[self._fill :] = PAD

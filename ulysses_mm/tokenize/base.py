@@ -182,7 +182,7 @@ class TokenBlock:
 
 @dataclass(frozen=True)
 class Interleave:
-    """A second modality's run after every ``chunk_frames`` frames: ``<|modality|>``, that
+    """A second modality's span after every ``chunk_frames`` frames: ``<|modality|>``, that
     chunk's ids (``ids_per_second`` over ``seconds_per_chunk``, the chunk's edges rounded
     as the tokenizer cuts them), then back to the kind's own modality."""
 
@@ -194,14 +194,14 @@ class Interleave:
 
 @dataclass(frozen=True)
 class Layout:
-    """What may follow what inside a kind's run (read by the generic Grammar). Default:
+    """What may follow what inside a kind's span (read by the generic Grammar). Default:
     any id of the range, or ``</doc>``.
 
     ``frame``: exactly that many ids per frame, then ``<eof>`` (forced); ``ragged``: frames
     of any length, ``<eof>`` may be sampled and is forced at ``max_frame`` ids (0: never);
     ``groups``: the ids cycle through ``groups`` blocks of ``group_size`` consecutive local
     ids (a codec's quantizers), ``</doc>`` only before the first; ``interleave``: another
-    modality's run after every chunk of frames."""
+    modality's span after every chunk of frames."""
 
     frame: int = 0
     ragged: bool = False

@@ -68,12 +68,12 @@ class Grammar:
             self.seconds_per_chunk = layout.interleave.seconds_per_chunk
             self.rate = layout.interleave.ids_per_second
         # state
-        self.in_run = ""  # the modality of the current run ("" before <|m|>)
+        self.in_span = ""  # the modality of the current span ("" before <|m|>)
         self.in_frame = 0  # video ids of the unfinished frame
         self.frames_in_chunk = 0
         self.chunks = 0  # chunks of frames done (each followed by its audio)
         self.in_audio = 0  # audio ids of the current chunk's audio so far
-        self.ids_in_run = 0
+        self.ids_in_span = 0
 
     def _chunk_samples(self, c: int) -> int:
         """Audio samples of chunk ``c``, as the tokenizer cuts them (rounded edges)."""
@@ -82,16 +82,16 @@ class Grammar:
 
     def feed(self, token: int) -> None:
         space = self.space
-        if len(BASE_SPECIALS) <= token < space.num_specials:  # <|m|>: a run of m begins
-            run = space.modalities[token - len(BASE_SPECIALS)]
-            if run == self.modality and self.in_run == self.audio and self.audio is not None:
+        if len(BASE_SPECIALS) <= token < space.num_specials:  # <|m|>: a span of m begins
+            opened = space.modalities[token - len(BASE_SPECIALS)]
+            if opened == self.modality and self.in_span == self.audio and self.audio is not None:
                 self.chunks += 1  # back to video after a chunk's audio
                 self.frames_in_chunk = 0
-            self.in_run, self.ids_in_run = run, 0
-            if run == self.audio:
+            self.in_span, self.ids_in_span = opened, 0
+            if opened == self.audio:
                 self.in_audio = 0
             return
-        if token == EOF and self.in_run == self.modality:
+        if token == EOF and self.in_span == self.modality:
             self.in_frame = 0
             self.frames_in_chunk += 1
             if self.audio is not None and self.frames_in_chunk > self.chunk:
@@ -99,20 +99,20 @@ class Grammar:
             return
         if token < space.num_specials:
             return
-        self.ids_in_run += 1
-        if self.in_run == self.modality:
+        self.ids_in_span += 1
+        if self.in_span == self.modality:
             self.in_frame += 1
-        elif self.in_run == self.audio:
+        elif self.in_span == self.audio:
             self.in_audio += 1
 
     def next(self) -> Next:
         m = self.modality
-        if not self.in_run:
+        if not self.in_span:
             return Next(m, forced=self.space.boundary_token(m))
         if self.audio is not None:
-            if self.in_run == m and self.frames_in_chunk == self.chunk and not self.in_frame:
+            if self.in_span == m and self.frames_in_chunk == self.chunk and not self.in_frame:
                 return Next(m, forced=self.space.boundary_token(self.audio))
-            if self.in_run == self.audio:
+            if self.in_span == self.audio:
                 if self.in_audio >= self._chunk_samples(self.chunks):
                     return Next(m, forced=self.space.boundary_token(m))
                 return Next(self.audio, self.audio_lo, self.audio_hi)
@@ -125,7 +125,7 @@ class Grammar:
                 return Next(m, forced=EOF)
             return Next(m, self.lo, self.hi, (EOF,))
         if self.quantizers > 1 and self.codebook:
-            q = self.ids_in_run % self.quantizers
+            q = self.ids_in_span % self.quantizers
             lo = self.lo + q * self.codebook
             return Next(m, lo, lo + self.codebook, self.end if q == 0 else ())
         return Next(m, self.lo, self.hi, self.end)

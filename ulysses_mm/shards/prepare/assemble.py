@@ -55,8 +55,8 @@ class Assembler:
         self.writer = writer
         self.entries: list[InputEntry] = []
         self.counts = np.zeros(len(space.modalities), dtype=np.int64)  # per modality
-        # the token stream as runs of one modality: [modality index, tokens]
-        self.runs: list[list[int]] = []
+        # the token stream as spans of one modality: [modality index, tokens]
+        self.spans: list[list[int]] = []
 
     def add(self, result: Result) -> None:
         """The next input in input order."""
@@ -97,10 +97,10 @@ class Assembler:
             seg = sample.segments
             np.add.at(self.counts, seg[:, SEG_MODALITY], seg[:, SEG_LENGTH])
             for m, n in zip(seg[:, SEG_MODALITY].tolist(), seg[:, SEG_LENGTH].tolist()):
-                if self.runs and self.runs[-1][0] == m:
-                    self.runs[-1][1] += n
+                if self.spans and self.spans[-1][0] == m:
+                    self.spans[-1][1] += n
                 else:
-                    self.runs.append([m, n])
+                    self.spans.append([m, n])
             self.writer.write(sample)
 
 
@@ -148,7 +148,7 @@ def write_partition(
         documents=assembler.packer.next_doc,
         samples=assembler.packer.next_sample,
         counts=[int(c) for c in assembler.counts],
-        runs=[(m, t) for m, t in assembler.runs],
+        spans=[(m, t) for m, t in assembler.spans],
         reused_inputs=reused,
         crashed=crashed,
     )

@@ -59,12 +59,12 @@ def partition_inputs(
             cum += s
         cuts = [i for i in range(1, n) if parts[i] != parts[i - 1]]
     elif partition_bytes > 0:
-        cuts, run = [], 0
+        cuts, filled = [], 0
         for i, s in enumerate(sizes):
-            if i and run + s > partition_bytes:
+            if i and filled + s > partition_bytes:
                 cuts.append(i)
-                run = 0
-            run += s
+                filled = 0
+            filled += s
     else:
         cuts = []
     bounds = [0, *cuts, n]
@@ -129,7 +129,7 @@ class PartitionResult:
     documents: int
     samples: int
     counts: list[int]  # real tokens per modality (token-space order)
-    runs: list[tuple[int, int]]  # the partition's token stream as (modality index, tokens)
+    spans: list[tuple[int, int]]  # the partition's token stream as (modality index, tokens)
     # how this run got it (not in the fragment)
     reused_inputs: int = 0  # inputs taken from the staging directory
     crashed: list[str] = field(default_factory=list)  # inputs whose worker process died
@@ -149,7 +149,7 @@ class PartitionResult:
             "documents": self.documents,
             "samples": self.samples,
             "counts": self.counts,
-            "runs": [list(r) for r in self.runs],
+            "runs": [list(r) for r in self.spans],
         }
         return (json.dumps(data, indent=1) + "\n").encode()
 
@@ -166,7 +166,7 @@ class PartitionResult:
             documents=int(d["documents"]),
             samples=int(d["samples"]),
             counts=[int(c) for c in d["counts"]],
-            runs=[(int(m), int(t)) for m, t in d["runs"]],
+            spans=[(int(m), int(t)) for m, t in d["runs"]],
         )
 
 

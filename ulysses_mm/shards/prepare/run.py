@@ -28,7 +28,10 @@ why each input failed, in one line.
 
 Paths: relative paths written in a pipeline file resolve against the file's directory
 (so ``pipelines/dna.yaml`` works from any working directory); relative paths given as
-``key=value`` overrides on the command line resolve against the current directory.
+``key=value`` overrides on the command line resolve against the current directory. A
+shipped pipeline named (``prepare dna``) is read from the wheel or the clone; from a wheel,
+where it writes (``output``, ``staging``) resolves against the working directory as if it
+were a clone's root (``../build/shards/dna`` -> ``./build/shards/dna``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from ulysses_mm.config import (
 )
 from ulysses_mm.core import storage
 from ulysses_mm.core.resources import shipped_tokenizer
+from ulysses_mm.core.shipped import find, installed
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.manifest import (
     MANIFEST_NAME,
@@ -81,6 +85,7 @@ __all__ = ["PrepareError", "PrepareResult", "load_pipeline_config", "prepare", "
 # Config keys holding paths, resolved against the pipeline file's directory (file values)
 # or the working directory (command-line values). URLs are left alone.
 _PATH_KEYS = ("sources", "tokenizers", "output", "staging")
+_WRITTEN_KEYS = ("output", "staging")
 # Config keys that say where and how a run happened, not what it produced: left out of
 # the manifest so equal data give equal manifest bytes (storage options may hold secrets).
 _RUN_ONLY_KEYS = (
@@ -116,28 +121,36 @@ def _resolve_spec(value: str, base: Path) -> str:
     return str(shipped) if shipped is not None else path
 
 
-def _resolve_paths(data: dict[str, Any], base: Path) -> dict[str, Any]:
+def _resolve_paths(
+    data: dict[str, Any], base: Path, written_base: Path | None = None
+) -> dict[str, Any]:
     out = dict(data)
     for key in _PATH_KEYS:
         resolve = _resolve_spec if key == "tokenizers" else _resolve_path
+        at = written_base if written_base is not None and key in _WRITTEN_KEYS else base
         value = out.get(key)
         if isinstance(value, str):
-            out[key] = resolve(value, base)
+            out[key] = resolve(value, at)
         elif isinstance(value, list):
-            out[key] = [resolve(v, base) if isinstance(v, str) else v for v in value]
+            out[key] = [resolve(v, at) if isinstance(v, str) else v for v in value]
     return out
 
 
 def load_pipeline_config(
     path: str | Path | None, overrides: Sequence[str] = (), cwd: Path | None = None
 ) -> PipelineConfig:
-    """defaults < the pipeline file (paths relative to it) < overrides (paths relative to
-    ``cwd``, default the working directory)."""
+    """defaults < the pipeline file (paths relative to it; a bare name is the shipped
+    pipeline) < overrides (paths relative to ``cwd``, default the working directory)."""
     data: dict[str, Any] = {}
+    here = (cwd or Path.cwd()).resolve()
     if path is not None:
-        data = _resolve_paths(read_yaml(path), Path(path).resolve().parent)
+        path = find("pipelines", path)
+        parent = path.resolve().parent
+        # the wheel is read-only: its pipelines write under here, as a clone's root would
+        written = here / parent.name if installed(parent) else None
+        data = _resolve_paths(read_yaml(path), parent, written)
     data = deep_merge(
-        data, _resolve_paths(parse_overrides(overrides), (cwd or Path.cwd()).resolve())
+        data, _resolve_paths(parse_overrides(overrides), here)
     )
     try:
         return from_dict(PipelineConfig, data)
@@ -170,8 +183,8 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
     specs, space = load_specs(cfg)
     staging = staging_dir(cfg)
     # the directories this run creates, so that a run that writes nothing removes them
-    new_dirs = [storage.missing_dirs(str(staging)), dest.missing_dirs()]
-    inputs, unmatched = storage.list_inputs(cfg.sources, dest.options)
+    new_dirs = [storage.Location(str(staging)).missing_dirs(), dest.missing_dirs()]
+    inputs, unmatched = storage.list_inputs(dest.at(s) for s in cfg.sources)
     ranges = partition_inputs(
         [f.size for f in inputs], cfg.shards.partition_bytes, cfg.shards.partitions
     )
@@ -250,7 +263,7 @@ def _manifest(
     multi = len(results) > 1
     shards: list[ShardEntry] = []
     parts: list[PartitionEntry] = []
-    runs: list[tuple[str, int]] = []
+    spans: list[tuple[str, int]] = []
     counts = [0] * len(space.modalities)
     first_sample = first_doc = 0
     for task, r in zip(tasks, results):
@@ -268,7 +281,7 @@ def _manifest(
         for e in r.entries:
             if e.status == "ok":
                 e.first_doc_id += first_doc
-        part_runs = [(space.modalities[m], t) for m, t in r.runs]
+        part_spans = [(space.modalities[m], t) for m, t in r.spans]
         parts.append(
             PartitionEntry(
                 first_input=task.first_input,
@@ -278,10 +291,10 @@ def _manifest(
                 samples=r.samples,
                 first_doc_id=first_doc,
                 documents=r.documents,
-                runs=len(part_runs),
+                runs=len(part_spans),
             )
         )
-        runs += part_runs
+        spans += part_spans
         counts = [a + b for a, b in zip(counts, r.counts)]
         first_sample += r.samples
         first_doc += r.documents
@@ -296,7 +309,7 @@ def _manifest(
         tokens={m: int(c) for m, c in zip(space.modalities, counts)},
         pad_tokens=first_sample * cfg.pack.seq_len - sum(counts),
         config=_recorded_config(cfg, multi),
-        modality_runs=runs,
+        modality_runs=spans,
         partitions=parts if multi else None,
     )
 

@@ -32,7 +32,7 @@ case-insensitive by convention and Biopython reads them uppercase.
 ``annotations`` (null, or ``{"spec": "<text spec>.json", "place": "document"|"prefix"}``):
 each record's header (FASTA/FASTQ: the whole title line; GenBank: id, description and
 the feature table, one feature a line) is also tokenized with that text tokenizer, as
-a text document just before the sequence's (``document``), or as a ``<|text|>`` run at
+a text document just before the sequence's (``document``), or as a ``<|text|>`` span at
 the start of the sequence's own document, so the bases can attend to it (``prefix``).
 The text modality must then be in the token space too (a companion spec).
 """

@@ -205,7 +205,7 @@ class VideoTokenizer(Tokenizer):
         in_audio = False
         for c in range(len(bounds) - 1):
             if in_audio:
-                out.append(np.array([v_tok]))  # back to video after an audio run
+                out.append(np.array([v_tok]))  # back to video after an audio span
             out.append(np.concatenate(frames[bounds[c] : bounds[c + 1]]))
             in_audio = bool(cut[c + 1] > cut[c])
             if in_audio:
@@ -238,13 +238,13 @@ class VideoTokenizer(Tokenizer):
             )
         return t, is_video, t[is_audio] - a_start
 
-    def video_run(self, tokens: np.ndarray, space: TokenSpace) -> tuple[np.ndarray, np.ndarray]:
+    def tracks(self, tokens: np.ndarray, space: TokenSpace) -> tuple[np.ndarray, np.ndarray]:
         """(the clip's video ids and ``<eof>`` in order, unified; audio local ids [n])."""
         t, is_video, audio = self.classify(tokens, space)
         return t[is_video | (t == EOF)], audio
 
     def decode(self, tokens: np.ndarray, space: TokenSpace) -> np.ndarray:
-        """Unified ids of one clip -> uint8 frames [t, size, size, 3] (audio runs skipped)."""
+        """Unified ids of one clip -> uint8 frames [t, size, size, 3] (audio spans skipped)."""
         return self.decode_ids(self.split(tokens, space)[0])
 
     def decode_av(self, tokens: np.ndarray, space: TokenSpace) -> tuple[np.ndarray, np.ndarray]:

@@ -325,7 +325,7 @@ class H264VideoTokenizer(VideoTokenizer):
         """(ragged video local ids, audio local ids [n]) of one clip's unified ids: video ids
         and ``<eof>`` in order (ids after the last ``<eof>`` are an unfinished frame and
         dropped); other specials dropped; audio ids only if this spec interleaves audio."""
-        seq, audio = self.video_run(tokens, space)
+        seq, audio = self.tracks(tokens, space)
         eofs = np.flatnonzero(seq == EOF)
         seq = seq[: eofs[-1] + 1] if eofs.size else seq[:0]
         video = np.where(seq == EOF, FRAME_END, seq - space.range(self.modality).start)

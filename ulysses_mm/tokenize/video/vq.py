@@ -122,7 +122,7 @@ class VqVideoTokenizer(VideoTokenizer):
 
         Video ids must come in whole frames, each closed by ``<eof>``; other specials are
         dropped; audio ids are accepted only if this spec interleaves audio."""
-        seq, audio = self.video_run(tokens, space)
+        seq, audio = self.tracks(tokens, space)
         eofs = np.flatnonzero(seq == EOF)
         lengths = np.diff(np.concatenate([[-1], eofs])) - 1
         n = self.tokens_per_frame

@@ -158,7 +158,7 @@ class CodecVideoTokenizer(VideoTokenizer):
     def split(self, tokens: np.ndarray, space: TokenSpace) -> tuple[np.ndarray, np.ndarray]:
         """(video local ids [rows, N], no audio) of one clip's unified ids: whole rows, each
         closed by ``<eof>``."""
-        seq, audio = self.video_run(tokens, space)
+        seq, audio = self.tracks(tokens, space)
         eofs = np.flatnonzero(seq == EOF)
         lengths = np.diff(np.concatenate([[-1], eofs])) - 1
         n = self.tokens_per_frame
