@@ -51,7 +51,7 @@ def make_samples(seed: int = 0, n_docs: int = 60, seq_len: int = 300) -> list[Pa
 
 def write_shards(directory: Path, samples, **kw) -> list[ShardRecord]:
     def publish(tmp: Path, record: ShardRecord) -> None:
-        storage.publish_file(tmp, str(directory / record.name))
+        storage.Location(str(directory / record.name)).publish(tmp)
 
     writer = ShardWriter(directory, publish, **kw)
     for s in samples:
@@ -288,13 +288,13 @@ def test_manifest_and_shards_over_fsspec_memory(tmp_path: Path):
     m = make_manifest(local)
     url = "memory://ulysses-test-shards/ds"
     for s in m.shards:
-        storage.publish_file(_copy(local / s.url, tmp_path), f"{url}/{s.url}")
+        storage.Location(f"{url}/{s.url}").publish(_copy(local / s.url, tmp_path))
     m.save(f"{url}/manifest.json")
     back = Manifest.load(f"{url}/manifest.json")
     assert back == m
     assert back.shard_location(0) == f"{url}/{m.shards[0].url}"
     assert read_verified_shard(back, 0) == (local / m.shards[0].url).read_bytes()
-    names = storage.list_names(url)
+    names = storage.Location(url).list_names()
     assert names == sorted([s.url for s in m.shards] + ["manifest.json"])
     fsspec.filesystem("memory").rm("/ulysses-test-shards", recursive=True)
 
@@ -310,14 +310,14 @@ def _copy(path: Path, tmp_path: Path) -> Path:
 
 def test_atomic_write_and_stale_temp_cleanup(tmp_path: Path):
     target = tmp_path / "d" / "x.json"
-    storage.atomic_write(str(target), b"one")
-    storage.atomic_write(str(target), b"two")
+    storage.Location(str(target)).atomic_write(b"one")
+    storage.Location(str(target)).atomic_write(b"two")
     assert target.read_bytes() == b"two"
     assert sorted(p.name for p in target.parent.iterdir()) == ["x.json"]
     stale = target.parent / storage.temp_name("shard-000001.tar")
     stale.write_bytes(b"partial")
     (target.parent / ".hidden-but-not-ours").write_bytes(b"keep")
-    assert storage.remove_stale_temps(str(target.parent)) == 1
+    assert storage.Location(str(target.parent)).remove_stale_temps() == 1
     assert sorted(p.name for p in target.parent.iterdir()) == [".hidden-but-not-ours", "x.json"]
 
 

@@ -5,15 +5,18 @@ checkpoints and metrics (``train``) all write through it. Of the package it impo
 the error types, so a failed remote read is one :class:`ReadError` line whatever the
 backend raised.
 
+A :class:`Location` is a path or URL together with its fsspec storage options and read
+timeouts: the one value the rest of the package passes around and reads, writes, lists and
+removes through, so the options travel with the URL instead of beside it. The module's
+free functions need no options: they work on names (:func:`is_url`, :func:`join`,
+:func:`temp_name`) or on local files (:func:`atomic_local_file`, :func:`atomic_local_dir`,
+:func:`atomic_write_local`), and :func:`list_inputs` expands input patterns.
+
 Every write goes to a temporary name in the destination's own directory (``.NAME.XXXX.tmp``)
 and is then renamed (local: ``os.replace``) or moved (object stores: upload to the temporary
 key, then ``fs.mv``, a server-side copy), so a reader listing the directory sees either the
 previous object or the complete new one. A run killed mid-write leaves only ``*.tmp`` names,
-which :func:`remove_stale_temps` clears on the next run.
-
-A :class:`Location` is a path or URL together with its fsspec storage options and read
-timeouts: the value the rest of the package passes around, so the options travel with the
-URL instead of beside it.
+which :meth:`Location.remove_stale_temps` clears on the next run.
 
 Inputs are expanded here too (paths, globs, directories, URL globs) so the pipeline works
 the same on a laptop and against a bucket.
@@ -35,11 +38,40 @@ from pathlib import Path
 from typing import IO, Any
 
 import fsspec
+from fsspec.asyn import sync
 
 from ulysses_mm.core.errors import StorageError, first_line
 
 _TEMP_RE = re.compile(r"^\..+\.[0-9a-z_]+\.tmp$")
 _CHUNK = 8 << 20
+
+
+# ------------------------------------------------------------------------ names
+
+
+def is_url(location: str) -> bool:
+    """True for ``proto://...`` (``file://`` included)."""
+    return "://" in location
+
+
+def join(location: str, name: str) -> str:
+    """``location/name`` for paths and URLs alike."""
+    if is_url(location):
+        return location.rstrip("/") + "/" + name
+    return os.path.join(location, name)
+
+
+def temp_name(name: str) -> str:
+    """A temporary sibling name of ``name`` that :meth:`Location.remove_stale_temps`
+    recognises."""
+    return f".{name}.{uuid.uuid4().hex[:12]}.tmp"
+
+
+def is_temp_name(name: str) -> bool:
+    return bool(_TEMP_RE.match(name))
+
+
+# ------------------------------------------------------------------------ locations
 
 
 @dataclass(frozen=True)
@@ -48,9 +80,8 @@ class Location:
     an endpoint) and the (connect, read) timeouts of a remote read (None: unbounded).
 
     The one value passed wherever a file or object is read or written, so the options
-    and timeouts travel with the URL instead of beside it. Its methods are this module's
-    functions at this location; :meth:`join` and :meth:`at` make siblings that keep the
-    options and timeouts."""
+    and timeouts travel with the URL instead of beside it; :meth:`join` and :meth:`at`
+    make siblings that keep them."""
 
     url: str
     options: Mapping[str, Any] = field(default_factory=dict, hash=False)
@@ -72,65 +103,295 @@ class Location:
 
     @property
     def is_local(self) -> bool:
-        return is_local(self.url)
+        """True for plain paths and ``file://`` URLs."""
+        return not is_url(self.url) or self.url.startswith("file://")
 
     @property
     def local_path(self) -> Path:
-        return local_path(self.url)
+        """The filesystem path of a local location (plain path or ``file://`` URL)."""
+        if self.url.startswith("file://"):
+            return Path(self.url[len("file://") :])
+        if is_url(self.url):
+            raise ValueError(f"{self.url} is not a local path")
+        return Path(self.url)
 
     @property
     def name(self) -> str:
         """The last part of the path or URL."""
         return self.url.rstrip("/").rsplit("/", 1)[-1]
 
+    def filesystem(self) -> tuple[fsspec.AbstractFileSystem, str]:
+        """(the fsspec filesystem, the path within it), opened with the options (and the
+        timeouts, in the backend's form, when set)."""
+        opts = _timeout_options(self.url, self.options, self.timeouts)
+        fs, path = fsspec.core.url_to_fs(self.url, **opts)
+        if self.timeouts and getattr(fs, "protocol", None) and "s3" in fs.protocol:
+            fs.retries = 1  # type: ignore[attr-defined]  # the caller owns the retry policy
+        return fs, path
+
     def exists(self) -> bool:
         """Whether it exists; a remote probe is bounded by the timeouts when set."""
-        if self.timeouts and not self.is_local:
-            return exists(self.url, with_timeouts(self.url, self.options, *self.timeouts))
-        return exists(self.url, self.options)
+        if self.is_local:
+            return self.local_path.exists()
+        fs, path = self.filesystem()
+        return bool(fs.exists(path))
 
     def read_bytes(self) -> bytes:
-        return read_bytes(self.url, self.options, self.timeouts)
+        """The bytes here. The timeouts bound a remote read, so a server that accepts and
+        then stalls raises instead of holding the caller. A remote read that fails raises
+        one :class:`ReadError` line (an ``OSError``), whatever the backend raised."""
+        if self.is_local:
+            return self.local_path.read_bytes()
+        fs, path = self.filesystem()
+        try:
+            return fs.cat_file(path)
+        except StorageError:
+            raise
+        # transport faults arrive as many types (OSError, aiohttp, botocore, asyncio timeouts)
+        except Exception as e:
+            raise remote_error(e, self.url, self.timeouts) from e
 
     def read_bytes_capped(self, max_bytes: int) -> bytes:
-        return read_bytes_capped(self.url, max_bytes, self.options, self.timeouts)
+        """Like :meth:`read_bytes`, but never more than ``max_bytes``: the size (``stat``,
+        fsspec ``info``, an HTTP Content-Length) is checked before the body is read, and a
+        body of unknown size is read in chunks and given up on past the cap. Over it:
+        :class:`TooLargeError` (its message names the size or says it is over the cap)."""
+
+        def over(size: int | None) -> TooLargeError:
+            said = f"{size} bytes" if size is not None else f"more than {max_bytes} bytes"
+            return TooLargeError(f"{said}, over the cap of {max_bytes} bytes", size, max_bytes)
+
+        def bounded(f: IO[bytes]) -> bytes:
+            parts, total = [], 0
+            while chunk := f.read(min(_CHUNK, max_bytes + 1 - total)):
+                parts.append(chunk)
+                total += len(chunk)
+                if total > max_bytes:
+                    raise over(None)
+            return b"".join(parts)
+
+        if self.is_local:
+            with open(self.local_path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > max_bytes:
+                    raise over(size)
+                return bounded(f)
+        fs, path = self.filesystem()
+        try:
+            if self.url.startswith(("http://", "https://")):
+                # One streamed GET: fsspec's HTTP open would first ask for the size (a HEAD,
+                # then a GET), each waiting out a stalled server's read timeout; the answer's
+                # Content-Length is checked instead. The response is released however the
+                # read ends (fsspec's stream file leaves an error status's connection open,
+                # which aiohttp reports on stderr when it is collected).
+                async def get() -> bytes:
+                    session = await fs.set_session()
+                    async with session.get(fs.encode_url(path), **fs.kwargs) as r:
+                        fs._raise_not_found_for_status(r, path)
+                        length = r.headers.get("Content-Length", "")
+                        if length.isdigit() and int(length) > max_bytes:
+                            raise over(int(length))
+                        parts, total = [], 0
+                        async for chunk in r.content.iter_chunked(_CHUNK):
+                            parts.append(chunk)
+                            total += len(chunk)
+                            if total > max_bytes:
+                                raise over(None)
+                        return b"".join(parts)
+
+                return bytes(sync(fs.loop, get))
+            size = fs.info(path).get("size")
+            if isinstance(size, int) and size > max_bytes:
+                raise over(size)
+            with fs.open(path, "rb") as f:
+                return bounded(f)
+        except StorageError:
+            raise
+        except Exception as e:  # as in read_bytes: one ReadError line
+            raise remote_error(e, self.url, self.timeouts) from e
 
     def atomic_write(self, data: bytes) -> None:
-        atomic_write(self.url, data, self.options)
+        """Write ``data`` here; the final name only ever holds complete bytes."""
+        if self.is_local:
+            atomic_write_local(self.local_path, data)
+            return
+        fd, tmp = tempfile.mkstemp(suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            self.publish(Path(tmp))
+        finally:
+            Path(tmp).unlink(missing_ok=True)
 
     def publish(self, local_file: Path) -> None:
-        """Make the finished ``local_file`` visible here in one step (:func:`publish_file`)."""
-        publish_file(local_file, self.url, self.options)
+        """Make the finished ``local_file`` visible here in one step.
+
+        A local destination is renamed into place (``local_file`` must be on the same
+        filesystem, e.g. a temporary name in the destination directory); a remote one is
+        uploaded to a temporary key, then moved, and the local file is removed."""
+        if self.is_local:
+            dest = self.local_path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(local_file, dest)
+            _fsync_dir(dest.parent)
+            return
+        fs, path = self.filesystem()
+        parent, _, name = path.rpartition("/")
+        tmp = f"{parent}/{temp_name(name)}" if parent else temp_name(name)
+        try:
+            fs.put_file(str(local_file), tmp)
+            fs.mv(tmp, path)
+        except BaseException:
+            try:
+                if fs.exists(tmp):
+                    fs.rm(tmp)
+            except Exception:
+                pass
+            raise
+        local_file.unlink(missing_ok=True)
 
     def makedirs(self) -> None:
-        makedirs(self.url, self.options)
+        if self.is_local:
+            self.local_path.mkdir(parents=True, exist_ok=True)
+            return
+        fs, path = self.filesystem()
+        fs.makedirs(path, exist_ok=True)
 
     def missing_dirs(self) -> list[str]:
-        return missing_dirs(self.url, self.options)
+        """The directories :meth:`makedirs` would create, deepest first (for a URL: the
+        location itself, if absent)."""
+        if self.is_local:
+            path = self.local_path.absolute()
+            return [str(p) for p in (path, *path.parents) if not p.exists()]
+        return [] if self.exists() else [self.url]
 
     def remove(self) -> None:
-        remove(self.url, self.options)
+        """Delete the file or object if it exists."""
+        if self.is_local:
+            self.local_path.unlink(missing_ok=True)
+            return
+        fs, path = self.filesystem()
+        if fs.exists(path):
+            fs.rm(path)
 
     def remove_empty_dir(self) -> bool:
-        return remove_empty_dir(self.url, self.options)
+        """Remove the directory (or URL prefix) if it is empty; True if it is gone."""
+        if self.is_local:
+            try:
+                self.local_path.rmdir()
+            except FileNotFoundError:
+                return True
+            except OSError:  # not empty
+                return False
+            return True
+        fs, path = self.filesystem()
+        if not fs.exists(path):
+            return True
+        if fs.ls(path, detail=False):
+            return False
+        try:
+            fs.rmdir(path)
+        except (OSError, NotImplementedError):
+            return False
+        return not fs.exists(path)
 
     def list_names(self) -> list[str]:
-        return list_names(self.url, self.options)
+        """Names of the files directly inside this directory or URL prefix ([] if absent)."""
+        return self._list(dirs=False)
 
     def list_dirs(self) -> list[str]:
-        return list_dirs(self.url, self.options)
+        """Names of the directories (URL prefixes) directly inside ([] if absent)."""
+        return self._list(dirs=True)
+
+    def _list(self, dirs: bool) -> list[str]:
+        if self.is_local:
+            d = self.local_path
+            if not d.is_dir():
+                return []
+            return sorted(p.name for p in d.iterdir() if (p.is_dir() if dirs else p.is_file()))
+        fs, path = self.filesystem()
+        if not fs.exists(path):
+            return []
+        kind = "directory" if dirs else "file"
+        return sorted(
+            str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
+            for e in fs.ls(path, detail=True)
+            if e.get("type") == kind
+        )
 
     def remove_stale_temps(self) -> int:
-        return remove_stale_temps(self.url, self.options)
+        """Remove temporary names a killed run left here; returns how many."""
+        stale = [n for n in self.list_names() if is_temp_name(n)]
+        for name in stale:
+            self.join(name).remove()
+        return len(stale)
 
     def open_input(self) -> IO[bytes]:
-        return open_input(self.url, self.options)
+        """A binary file object that reads this front to back: a local file, or an object
+        read through ranged requests in blocks of a few MiB (never copied whole)."""
+        if self.is_local:
+            return open(self.local_path, "rb")
+        fs, path = self.filesystem()
+        return fs.open(path, "rb", block_size=_CHUNK, cache_type="readahead")
 
     def fetch(self, dest_dir: Path) -> Path:
-        return fetch(self.url, dest_dir, self.options)
+        """A local file with the content here (itself when local; a copy in ``dest_dir``
+        keeping the file name, so tokenizers can still route on the suffix)."""
+        if self.is_local:
+            return self.local_path
+        fs, path = self.filesystem()
+        dest_dir.mkdir(parents=True, exist_ok=True)
+        dest = dest_dir / path.rstrip("/").rsplit("/", 1)[-1]
+        with fs.open(path, "rb") as src, atomic_local_file(dest) as out:  # whole or absent
+            shutil.copyfileobj(src, out, _CHUNK)
+        return dest
 
     def size_and_sha256(self) -> tuple[int, str]:
-        return size_and_sha256(self.url, self.options)
+        """(bytes, sha256) of the file or object, read in chunks."""
+        h, size = hashlib.sha256(), 0
+        with self.open_input() as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+                size += len(chunk)
+        return size, h.hexdigest()
+
+    def expand(self) -> list[InputFile]:
+        """The input files this pattern names (see :func:`list_inputs`; braces aside)."""
+        if self.is_local:
+            p = str(self.local_path)
+            if os.path.isdir(p):
+                return [
+                    _local_input(str(f))
+                    for f in Path(p).rglob("*")
+                    if f.is_file()
+                    and not any(part.startswith(".") for part in f.relative_to(p).parts)
+                ]
+            if _glob.has_magic(p):
+                return [
+                    _local_input(f)
+                    for f in _glob.glob(p, recursive=True)
+                    if os.path.isfile(f) and not os.path.basename(f).startswith(".")
+                ]
+            return [_local_input(p)] if os.path.isfile(p) else []
+        fs, path = self.filesystem()
+        infos: dict[str, Any]
+        try:
+            if _glob.has_magic(path):
+                infos = fs.glob(path, detail=True)
+            elif fs.isdir(path):
+                infos = fs.find(path, detail=True)
+            elif fs.exists(path):
+                infos = {path: fs.info(path)}
+            else:
+                infos = {}
+        except Exception as e:  # a transport's faults have no common base: name the source
+            raise StorageError(f"cannot list {self.url}: {remote_error(e, self.url)}") from None
+        return [
+            InputFile(fs.unstrip_protocol(q), int(info.get("size") or 0), _identity(info))
+            for q, info in infos.items()
+            if info.get("type", "file") == "file"
+            and not q.rstrip("/").rsplit("/", 1)[-1].startswith(".")
+        ]
 
 
 def as_location(where: Location | str) -> Location:
@@ -138,56 +399,7 @@ def as_location(where: Location | str) -> Location:
     return where if isinstance(where, Location) else Location(where)
 
 
-def is_url(location: str) -> bool:
-    """True for ``proto://...`` (``file://`` included)."""
-    return "://" in location
-
-
-def url_to_fs(
-    location: str, options: Mapping[str, Any] | None = None
-) -> tuple[fsspec.AbstractFileSystem, str]:
-    fs, path = fsspec.core.url_to_fs(location, **dict(options or {}))
-    return fs, path
-
-
-def is_local(location: str) -> bool:
-    """True for plain paths and ``file://`` URLs."""
-    if not is_url(location):
-        return True
-    return location.startswith("file://")
-
-
-def local_path(location: str) -> Path:
-    """The filesystem path of a local location (plain path or ``file://`` URL)."""
-    if location.startswith("file://"):
-        return Path(location[len("file://") :])
-    if is_url(location):
-        raise ValueError(f"{location} is not a local path")
-    return Path(location)
-
-
-def join(location: str, name: str) -> str:
-    """``location/name`` for paths and URLs alike."""
-    if is_url(location):
-        return location.rstrip("/") + "/" + name
-    return os.path.join(location, name)
-
-
-def temp_name(name: str) -> str:
-    """A temporary sibling name of ``name`` that :func:`remove_stale_temps` recognises."""
-    return f".{name}.{uuid.uuid4().hex[:12]}.tmp"
-
-
-def is_temp_name(name: str) -> bool:
-    return bool(_TEMP_RE.match(name))
-
-
-def makedirs(location: str, options: Mapping[str, Any] | None = None) -> None:
-    if is_local(location):
-        local_path(location).mkdir(parents=True, exist_ok=True)
-        return
-    fs, path = url_to_fs(location, options)
-    fs.makedirs(path, exist_ok=True)
+# ------------------------------------------------------------------------ local files
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -265,70 +477,7 @@ def atomic_write_local(path: str | Path, data: bytes | memoryview) -> None:
         f.write(data)
 
 
-def publish_file(local_file: Path, location: str, options: Mapping[str, Any] | None = None) -> None:
-    """Make the finished ``local_file`` visible at ``location`` in one step.
-
-    Local destinations are renamed into place (``local_file`` must be on the same
-    filesystem, e.g. a temporary name in the destination directory); remote ones are
-    uploaded to a temporary key, then moved, and the local file is removed."""
-    if is_local(location):
-        dest = local_path(location)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(local_file, dest)
-        _fsync_dir(dest.parent)
-        return
-    fs, path = url_to_fs(location, options)
-    parent, _, name = path.rpartition("/")
-    tmp = f"{parent}/{temp_name(name)}" if parent else temp_name(name)
-    try:
-        fs.put_file(str(local_file), tmp)
-        fs.mv(tmp, path)
-    except BaseException:
-        try:
-            if fs.exists(tmp):
-                fs.rm(tmp)
-        except Exception:
-            pass
-        raise
-    local_file.unlink(missing_ok=True)
-
-
-def atomic_write(location: str, data: bytes, options: Mapping[str, Any] | None = None) -> None:
-    """Write ``data`` to a path or URL; the final name only ever holds complete bytes."""
-    if is_local(location):
-        atomic_write_local(local_path(location), data)
-        return
-    fd, tmp = tempfile.mkstemp(suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        publish_file(Path(tmp), location, options)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def read_bytes(
-    location: str,
-    options: Mapping[str, Any] | None = None,
-    timeouts: tuple[float, float] | None = None,
-) -> bytes:
-    """The bytes of a path or URL. ``timeouts=(connect_s, read_s)`` bounds a remote read
-    (see :func:`with_timeouts`), so a server that accepts and then stalls raises
-    instead of holding the caller. A remote read that fails raises one
-    :class:`ReadError` line (an ``OSError``), whatever the backend raised."""
-    if is_local(location):
-        return local_path(location).read_bytes()
-    opts = with_timeouts(location, options, *timeouts) if timeouts else options
-    fs, path = url_to_fs(location, opts)
-    if timeouts and getattr(fs, "protocol", None) and "s3" in fs.protocol:
-        fs.retries = 1  # type: ignore[attr-defined]  # the caller owns the retry policy
-    try:
-        return fs.cat_file(path)
-    except StorageError:
-        raise
-    # transport faults arrive as many types (OSError, aiohttp, botocore, asyncio timeouts)
-    except Exception as e:
-        raise remote_error(e, location, timeouts) from e
+# ------------------------------------------------------------------------ remote faults
 
 
 class TooLargeError(StorageError):
@@ -338,76 +487,6 @@ class TooLargeError(StorageError):
         super().__init__(message)
         self.size = size
         self.cap = cap
-
-
-def read_bytes_capped(
-    location: str,
-    max_bytes: int,
-    options: Mapping[str, Any] | None = None,
-    timeouts: tuple[float, float] | None = None,
-) -> bytes:
-    """Like :func:`read_bytes`, but never more than ``max_bytes``: the size (``stat``,
-    fsspec ``info``, an HTTP Content-Length) is checked before the body is read, and a body
-    of unknown size is read in chunks and given up on past the cap. Over it:
-    :class:`TooLargeError` (its message names the size or says it is over the cap)."""
-
-    def over(size: int | None) -> TooLargeError:
-        said = f"{size} bytes" if size is not None else f"more than {max_bytes} bytes"
-        return TooLargeError(f"{said}, over the cap of {max_bytes} bytes", size, max_bytes)
-
-    def bounded(f: IO[bytes]) -> bytes:
-        parts, total = [], 0
-        while chunk := f.read(min(_CHUNK, max_bytes + 1 - total)):
-            parts.append(chunk)
-            total += len(chunk)
-            if total > max_bytes:
-                raise over(None)
-        return b"".join(parts)
-
-    if is_local(location):
-        with open(local_path(location), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            if size > max_bytes:
-                raise over(size)
-            return bounded(f)
-    opts = with_timeouts(location, options, *timeouts) if timeouts else options
-    fs, path = url_to_fs(location, opts)
-    if timeouts and getattr(fs, "protocol", None) and "s3" in fs.protocol:
-        fs.retries = 1  # type: ignore[attr-defined]  # the caller owns the retry policy
-    try:
-        if location.startswith(("http://", "https://")):
-            # One streamed GET: fsspec's HTTP open would first ask for the size (a HEAD,
-            # then a GET), each waiting out a stalled server's read timeout; the answer's
-            # Content-Length is checked instead. The response is released however the
-            # read ends (fsspec's stream file leaves an error status's connection open,
-            # which aiohttp reports on stderr when it is collected).
-            from fsspec.asyn import sync
-
-            async def get() -> bytes:
-                session = await fs.set_session()
-                async with session.get(fs.encode_url(path), **fs.kwargs) as r:
-                    fs._raise_not_found_for_status(r, path)
-                    length = r.headers.get("Content-Length", "")
-                    if length.isdigit() and int(length) > max_bytes:
-                        raise over(int(length))
-                    parts, total = [], 0
-                    async for chunk in r.content.iter_chunked(_CHUNK):
-                        parts.append(chunk)
-                        total += len(chunk)
-                        if total > max_bytes:
-                            raise over(None)
-                    return b"".join(parts)
-
-            return bytes(sync(fs.loop, get))
-        size = fs.info(path).get("size")
-        if isinstance(size, int) and size > max_bytes:
-            raise over(size)
-        with fs.open(path, "rb") as f:
-            return bounded(f)
-    except StorageError:
-        raise
-    except Exception as e:  # as in read_bytes: one ReadError line
-        raise remote_error(e, location, timeouts) from e
 
 
 class ReadError(StorageError):
@@ -468,23 +547,24 @@ def _is_timeout(e: BaseException) -> bool:
     return False
 
 
-def with_timeouts(
-    location: str,
-    options: Mapping[str, Any] | None,
-    connect_s: float,
-    read_s: float,
+def _timeout_options(
+    location: str, options: Mapping[str, Any], timeouts: tuple[float, float] | None
 ) -> dict[str, Any]:
-    """``options`` plus connect and read timeouts in the form the location's fsspec
-    backend takes: an aiohttp ``ClientTimeout`` for http(s) (``sock_read`` is the longest
-    silence between bytes), botocore's ``connect_timeout``/``read_timeout`` without its own
-    retries for s3, ``timeout`` for gcs. Values the caller set already are kept.
+    """``options`` plus the connect and read timeouts (when set) in the form the
+    location's fsspec backend takes: an aiohttp ``ClientTimeout`` for http(s)
+    (``sock_read`` is the longest silence between bytes), botocore's
+    ``connect_timeout``/``read_timeout`` without its own retries for s3, ``timeout`` for
+    gcs. Values the caller set already are kept.
 
     One remote read then takes at most ``connect_s + read_s`` of silence before it
     raises; the caller's retries multiply that bound."""
-    opts = dict(options or {})
+    opts = dict(options)
+    if timeouts is None:
+        return opts
+    connect_s, read_s = timeouts
     proto = location.split("://", 1)[0] if is_url(location) else "file"
     if proto in ("http", "https"):
-        import aiohttp
+        import aiohttp  # lazy: only an http(s) read with timeouts needs it
 
         client = dict(opts.get("client_kwargs") or {})
         client.setdefault(
@@ -502,89 +582,6 @@ def with_timeouts(
     return opts
 
 
-def exists(location: str, options: Mapping[str, Any] | None = None) -> bool:
-    if is_local(location):
-        return local_path(location).exists()
-    fs, path = url_to_fs(location, options)
-    return bool(fs.exists(path))
-
-
-def remove(location: str, options: Mapping[str, Any] | None = None) -> None:
-    """Delete a file or object if it exists."""
-    if is_local(location):
-        local_path(location).unlink(missing_ok=True)
-        return
-    fs, path = url_to_fs(location, options)
-    if fs.exists(path):
-        fs.rm(path)
-
-
-def missing_dirs(location: str, options: Mapping[str, Any] | None = None) -> list[str]:
-    """The directories :func:`makedirs` would create for ``location``, deepest first (for a
-    URL: the location itself, if absent)."""
-    if is_local(location):
-        path = local_path(location).absolute()
-        return [str(p) for p in (path, *path.parents) if not p.exists()]
-    return [] if exists(location, options) else [location]
-
-
-def remove_empty_dir(location: str, options: Mapping[str, Any] | None = None) -> bool:
-    """Remove a directory (or URL prefix) if it is empty; True if it is gone."""
-    if is_local(location):
-        try:
-            local_path(location).rmdir()
-        except FileNotFoundError:
-            return True
-        except OSError:  # not empty
-            return False
-        return True
-    fs, path = url_to_fs(location, options)
-    if not fs.exists(path):
-        return True
-    if fs.ls(path, detail=False):
-        return False
-    try:
-        fs.rmdir(path)
-    except (OSError, NotImplementedError):
-        return False
-    return not fs.exists(path)
-
-
-def list_names(location: str, options: Mapping[str, Any] | None = None) -> list[str]:
-    """Names of the files directly inside a directory or URL prefix ([] if absent)."""
-    return _list(location, options, dirs=False)
-
-
-def list_dirs(location: str, options: Mapping[str, Any] | None = None) -> list[str]:
-    """Names of the directories (URL prefixes) directly inside ``location`` ([] if absent)."""
-    return _list(location, options, dirs=True)
-
-
-def _list(location: str, options: Mapping[str, Any] | None, dirs: bool) -> list[str]:
-    if is_local(location):
-        d = local_path(location)
-        if not d.is_dir():
-            return []
-        return sorted(p.name for p in d.iterdir() if (p.is_dir() if dirs else p.is_file()))
-    fs, path = url_to_fs(location, options)
-    if not fs.exists(path):
-        return []
-    kind = "directory" if dirs else "file"
-    return sorted(
-        str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
-        for e in fs.ls(path, detail=True)
-        if e.get("type") == kind
-    )
-
-
-def remove_stale_temps(location: str, options: Mapping[str, Any] | None = None) -> int:
-    """Remove temporary names a killed run left in ``location``; returns how many."""
-    stale = [n for n in list_names(location, options) if is_temp_name(n)]
-    for name in stale:
-        remove(join(location, name), options)
-    return len(stale)
-
-
 # ------------------------------------------------------------------------ inputs
 
 
@@ -598,31 +595,29 @@ class InputFile:
     identity: dict[str, Any]
 
 
-def expand_sources(
-    patterns: Iterable[str], options: Mapping[str, Any] | None = None
-) -> tuple[list[str], list[str]]:
+def expand_sources(patterns: Iterable[Location | str]) -> tuple[list[str], list[str]]:
     """(sorted unique input files, patterns that matched nothing): see :func:`list_inputs`."""
-    files, unmatched = list_inputs(patterns, options)
+    files, unmatched = list_inputs(patterns)
     return [f.location for f in files], unmatched
 
 
-def list_inputs(
-    patterns: Iterable[str], options: Mapping[str, Any] | None = None
-) -> tuple[list[InputFile], list[str]]:
+def list_inputs(patterns: Iterable[Location | str]) -> tuple[list[InputFile], list[str]]:
     """(input files sorted by location, unique; patterns that matched nothing).
 
     A pattern is a path, a glob (``**`` recurses, ``{fa,gb}`` lists alternatives), a
     directory (every file under it), or the same as an fsspec URL (``s3://b/x/**/*.fa.gz``),
-    listed once with the sizes the listing reports. Hidden files (``.name``) found by globs
-    or directories are ignored (editor or temporary files)."""
+    listed once with the sizes the listing reports; a :class:`Location` brings the
+    storage options that reach it. Hidden files (``.name``) found by globs or directories
+    are ignored (editor or temporary files)."""
     found: dict[str, InputFile] = {}
     unmatched: list[str] = []
-    for pattern in patterns:
-        hits = [h for alt in expand_braces(pattern) for h in _expand_one(alt, options)]
+    for pattern in map(as_location, patterns):
+        alts = [pattern.at(alt) for alt in expand_braces(pattern.url)]
+        hits = [h for alt in alts for h in alt.expand()]
         if hits:
             found.update((h.location, h) for h in hits)
         else:
-            unmatched.append(pattern)
+            unmatched.append(pattern.url)
     return [found[k] for k in sorted(found)], unmatched
 
 
@@ -663,72 +658,3 @@ def _identity(info: Mapping[str, Any]) -> dict[str, Any]:
         if info.get(key) is not None:
             ident[key] = str(info[key])
     return ident
-
-
-def _expand_one(pattern: str, options: Mapping[str, Any] | None) -> list[InputFile]:
-    if is_local(pattern):
-        p = str(local_path(pattern))
-        if os.path.isdir(p):
-            return [
-                _local_input(str(f))
-                for f in Path(p).rglob("*")
-                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
-            ]
-        if _glob.has_magic(p):
-            return [
-                _local_input(f)
-                for f in _glob.glob(p, recursive=True)
-                if os.path.isfile(f) and not os.path.basename(f).startswith(".")
-            ]
-        return [_local_input(p)] if os.path.isfile(p) else []
-    fs, path = url_to_fs(pattern, options)
-    infos: dict[str, Any]
-    try:
-        if _glob.has_magic(path):
-            infos = fs.glob(path, detail=True)
-        elif fs.isdir(path):
-            infos = fs.find(path, detail=True)
-        elif fs.exists(path):
-            infos = {path: fs.info(path)}
-        else:
-            infos = {}
-    except Exception as e:  # a transport's faults have no common base: name the source
-        raise StorageError(f"cannot list {pattern}: {remote_error(e, pattern)}") from None
-    return [
-        InputFile(fs.unstrip_protocol(q), int(info.get("size") or 0), _identity(info))
-        for q, info in infos.items()
-        if info.get("type", "file") == "file"
-        and not q.rstrip("/").rsplit("/", 1)[-1].startswith(".")
-    ]
-
-
-def fetch(location: str, dest_dir: Path, options: Mapping[str, Any] | None = None) -> Path:
-    """A local file with the content of ``location`` (itself when local; a copy in
-    ``dest_dir`` keeping the file name, so tokenizers can still route on the suffix)."""
-    if is_local(location):
-        return local_path(location)
-    fs, path = url_to_fs(location, options)
-    dest_dir.mkdir(parents=True, exist_ok=True)
-    dest = dest_dir / path.rstrip("/").rsplit("/", 1)[-1]
-    with fs.open(path, "rb") as src, atomic_local_file(dest) as out:  # whole or absent
-        shutil.copyfileobj(src, out, _CHUNK)
-    return dest
-
-
-def open_input(location: str, options: Mapping[str, Any] | None = None) -> IO[bytes]:
-    """A binary file object that reads ``location`` front to back: a local file, or an
-    object read through ranged requests in blocks of a few MiB (never copied whole)."""
-    if is_local(location):
-        return open(local_path(location), "rb")
-    fs, path = url_to_fs(location, options)
-    return fs.open(path, "rb", block_size=_CHUNK, cache_type="readahead")
-
-
-def size_and_sha256(location: str, options: Mapping[str, Any] | None = None) -> tuple[int, str]:
-    """(bytes, sha256) of a file or object, read in chunks."""
-    h, size = hashlib.sha256(), 0
-    with open_input(location, options) as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()

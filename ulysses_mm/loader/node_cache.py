@@ -24,14 +24,14 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from ulysses_mm.core.storage import atomic_write_local, remove_stale_temps
+from ulysses_mm.core.storage import Location, atomic_write_local
 
 
 class NodeCache:
     def __init__(self, directory: str | Path, max_bytes: int) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        remove_stale_temps(str(self.directory))
+        Location(str(self.directory)).remove_stale_temps()
         self.max_bytes = max_bytes
         self.hits = self.misses = self.evictions = 0
         self.fetched_bytes = 0  # what this process downloaded into the cache

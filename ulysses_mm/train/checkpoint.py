@@ -237,7 +237,7 @@ class CheckpointDir:
 
     def __init__(self, url: str, options: Mapping[str, Any] | None = None) -> None:
         self.url = url.rstrip("/")
-        self.options = dict(options or {})
+        self.where = storage.Location(self.url, dict(options or {}))
 
     @classmethod
     def of(cls, cfg: Any) -> CheckpointDir:
@@ -248,11 +248,11 @@ class CheckpointDir:
 
     @property
     def is_local(self) -> bool:
-        return storage.is_local(self.url)
+        return self.where.is_local
 
     @property
     def local_path(self) -> Path:
-        return storage.local_path(self.url)
+        return self.where.local_path
 
     def url_of(self, tag: str, name: str = "") -> str:
         return f"{self.url}/{tag}" + (f"/{name}" if name else "")
@@ -261,11 +261,11 @@ class CheckpointDir:
         """The tag ``latest`` names (None without one); see :func:`latest_tag`."""
         if self.is_local:
             return latest_tag(self.local_path)
-        pointer = f"{self.url}/{LATEST}"
-        with self._reaching(pointer):
-            if not storage.exists(pointer, self.options):
+        pointer = self.where.join(LATEST)
+        with self._reaching(pointer.url):
+            if not pointer.exists():
                 return None
-            data = storage.read_bytes(pointer, self.options)
+            data = pointer.read_bytes()
         try:
             tag = data.decode().strip()
         except UnicodeDecodeError:
@@ -283,16 +283,17 @@ class CheckpointDir:
             return sorted(p.name for p in path.iterdir() if p.is_file()) if path.is_dir() else []
         try:
             with self._reaching(self.url_of(tag)):
-                return sorted(storage.list_names(self.url_of(tag), self.options))
+                return sorted(self.where.join(tag).list_names())
         except FileNotFoundError:
             return []
 
     def read_text(self, tag: str, name: str) -> str | None:
         url = self.url_of(tag, name)
         with self._reaching(url):
-            if not storage.exists(url, self.options):
+            where = self.where.at(url)
+            if not where.exists():
                 return None
-            return storage.read_bytes(url, self.options).decode()
+            return where.read_bytes().decode()
 
     @staticmethod
     @contextlib.contextmanager
@@ -311,11 +312,11 @@ class CheckpointDir:
         if self.is_local:
             _atomic_text(self.local_path / LATEST, tag + "\n")
         else:
-            storage.atomic_write(f"{self.url}/{LATEST}", (tag + "\n").encode(), self.options)
+            self.where.join(LATEST).atomic_write((tag + "\n").encode())
 
     def upload(self, tag: str, local_file: Path) -> None:
         """Copy ``local_file`` to ``tag/`` here (a temporary key, then moved)."""
-        fs, path = storage.url_to_fs(self.url_of(tag, local_file.name), self.options)
+        fs, path = self.where.at(self.url_of(tag, local_file.name)).filesystem()
         tmp = f"{path}.partial"
         fs.put_file(str(local_file), tmp)
         fs.mv(tmp, path)
@@ -327,7 +328,7 @@ class CheckpointDir:
         for name in self.names(tag):
             if name.endswith(".partial"):
                 continue
-            data = storage.read_bytes(self.url_of(tag, name), self.options)
+            data = self.where.at(self.url_of(tag, name)).read_bytes()
             atomic_write_local(dest / tag / name, data)
         _atomic_text(dest / LATEST, tag + "\n")
         return dest
@@ -340,7 +341,7 @@ class CheckpointDir:
         current = self.latest_tag()
         if current is None or keep <= 0:
             return
-        fs, root = storage.url_to_fs(self.url, self.options)
+        fs, root = self.where.filesystem()
         tags = sorted(
             p.rstrip("/").rsplit("/", 1)[-1]
             for p in fs.ls(root, detail=False)

@@ -180,8 +180,9 @@ class Plan:
 def staging_dir(cfg: PipelineConfig) -> Path:
     if cfg.staging:
         return Path(cfg.staging)
-    if storage.is_local(cfg.output):
-        return Path(str(storage.local_path(cfg.output)).rstrip("/") + ".staging")
+    output = storage.Location(cfg.output)
+    if output.is_local:
+        return Path(str(output.local_path).rstrip("/") + ".staging")
     digest = hashlib.sha256(cfg.output.encode()).hexdigest()[:16]
     return Path(tempfile.gettempdir()) / f"ulysses-mm-staging-{digest}"
 
@@ -227,7 +228,7 @@ def plan_inputs(
     by_modality = {s.modality: s for s in specs}
     kinds = {s.modality: s.kind for s in specs}
     staged_dir.mkdir(parents=True, exist_ok=True)
-    storage.remove_stale_temps(str(staged_dir))
+    storage.Location(str(staged_dir)).remove_stale_temps()
     fetch_dir = staged_dir.parent.parent / "fetch"
     plan = Plan({}, [])
     for i, f in enumerate(inputs, start=first_input):
