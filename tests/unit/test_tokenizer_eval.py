@@ -21,6 +21,7 @@ from media_factory import (
 from ulysses_mm.cli import main
 from ulysses_mm.tokenize.audio.fidelity import snr_db
 from ulysses_mm.tokenize.evaluate import flip_ids
+from ulysses_mm.tokenize.registry import load_tokenizer
 
 
 def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, dict]:
@@ -54,8 +55,14 @@ def test_audio_snr_and_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[
     rc, doc = _json(capsys, ["tokenizer", "eval", spec, str(wav), str(bad), "--json"])
     assert rc == 1  # one file could not be read; the other is still measured
     good, err = doc["files"]
-    assert 30.0 < good["snr_db"] < 45.0  # 8-bit mu-law: ~38 dB
-    assert good["tokens_per_second"] == 16000.0
+    # the SNR of textbook 8-bit mu-law (mu = 255, round half up) of the tone, here in float64
+    x = tone(0.5, 16000, 440.0, 0.5).astype(np.float64)
+    y = np.sign(x) * np.log1p(255 * np.abs(x)) / np.log1p(255)
+    q = np.floor((y + 1) * 127.5 + 0.5) / 127.5 - 1
+    back = np.sign(q) * np.expm1(np.abs(q) * np.log1p(255)) / 255
+    textbook = 10 * np.log10(np.sum(x * x) / np.sum((x - back) ** 2))
+    assert abs(good["snr_db"] - textbook) < 0.05, (good["snr_db"], textbook)  # 16-bit wav
+    assert (good["seconds"], good["tokens"], good["tokens_per_second"]) == (0.5, 8000, 16000.0)
     assert "error" in err and "bad.wav" in err["error"] and "snr_db" not in err
     assert doc["summary"] == {
         "files": 2,
@@ -66,16 +73,34 @@ def test_audio_snr_and_a_bad_file(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 def test_video_psnr_text_and_json(capsys: pytest.CaptureFixture[str]) -> None:
+    """The figures are the clip's: its sampled frames against the frames their ids decode
+    to, PSNR over every pixel computed here; the text line says the same numbers."""
     clip = str(TEST_DATA / "rabbit_toy_320x240.webm")
     spec = str(TOKENIZERS / "video-vq.json")
-    assert main(["tokenizer", "eval", spec, clip]) == 0
-    text = capsys.readouterr().out
-    assert "PSNR" in text and "dB" in text and "tokens/frame" in text
     rc, doc = _json(capsys, ["tokenizer", "eval", spec, clip, "--json"])
     (entry,) = doc["files"]
     assert rc == 0 and doc["measure"] == "psnr_db"
-    assert entry["frames"] > 10 and entry["tokens_per_frame"] > 0
-    assert 15.0 < entry["worst_frame_psnr_db"] <= entry["psnr_db"] < 60.0
+    tok = load_tokenizer(spec)
+    encode = tok.encoder()
+    batches = list(tok.frames(clip))
+    ref = np.concatenate(batches).astype(np.float64)
+    dec = tok.decode_ids(np.concatenate([encode(b) for b in batches])).astype(np.float64)
+    mse = ((ref - dec) ** 2).mean(axis=(1, 2, 3))  # per frame
+    psnr, worst = (10 * np.log10(255**2 / m) for m in (mse.mean(), mse.max()))
+    assert ref.shape == (entry["frames"], 256, 256, 3) and entry["frames"] > 10
+    assert abs(entry["psnr_db"] - psnr) <= 0.006  # rounded to 0.01 dB
+    assert abs(entry["worst_frame_psnr_db"] - worst) <= 0.006
+    assert 20.0 < entry["psnr_db"] < 35.0  # the codebook's own fit: 25.97 dB
+    assert entry["tokens_per_frame"] == entry["max_tokens_per_frame"] == (256 // 16) ** 2
+    assert main(["tokenizer", "eval", spec, clip]) == 0
+    line, summary = capsys.readouterr().out.splitlines()
+    head = (
+        f"{clip}: PSNR {entry['psnr_db']} dB (worst frame {entry['worst_frame_psnr_db']} dB) "
+        f"over {entry['frames']} frames, 256 tokens/frame, encode "
+    )
+    assert line.startswith(head) and line.endswith(" frames/s"), line
+    p = entry["psnr_db"]
+    assert summary == f"video-vq: 1 files, 0 errors; mean_psnr_db {p}, min_psnr_db {p}"
 
 
 def test_snr_db() -> None:
