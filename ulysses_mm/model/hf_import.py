@@ -78,39 +78,41 @@ def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
     params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise InitFromError(f"{where}: rope_parameters {params!r} is not a mapping")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in ROPE_NEEDS:
+    rope_kind = params.get("rope_type", params.get("type", "default"))
+    if rope_kind not in ROPE_NEEDS:
         raise InitFromError(
-            f"{where}: RoPE kind {kind!r} is not supported (supported: {', '.join(ROPE_NEEDS)})"
+            f"{where}: RoPE kind {rope_kind!r} is not supported (supported: {', '.join(ROPE_NEEDS)})"
         )
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial not in (None, 1, 1.0):
         raise InitFromError(f"{where}: partial_rotary_factor {partial} is not supported (only 1)")
     theta = _number(params, "rope_theta", where, section)
     theta = _number(hf, "rope_theta", where) if theta is None else theta
-    out: dict[str, Any] = {"theta": 10000.0 if theta is None else theta, "kind": kind}
-    # transformers reads only the keys a kind uses (and warns of the others)
+    out: dict[str, Any] = {"theta": 10000.0 if theta is None else theta, "kind": rope_kind}
+    # transformers reads only the keys a RoPE kind uses (and warns of the others)
     out |= {
-        k: _number(params, k, where, section) for k in ROPE_USES[kind] if params.get(k) is not None
+        k: _number(params, k, where, section)
+        for k in ROPE_USES[rope_kind]
+        if params.get(k) is not None
     }
     max_positions = hf.get("max_position_embeddings")
-    if kind in ("llama3", "yarn"):
+    if rope_kind in ("llama3", "yarn"):
         original = _number(hf, "original_max_position_embeddings", where) or out.get(
             "original_max_position_embeddings", max_positions
         )
         if original is not None:
             out["original_max_position_embeddings"] = original
-    if kind == "dynamic":
+    if rope_kind == "dynamic":
         out.pop("original_max_position_embeddings", None)
         if max_positions is not None:
             out["original_max_position_embeddings"] = max_positions
-    missing = [k for k in ROPE_NEEDS[kind] if k not in out]
+    missing = [k for k in ROPE_NEEDS[rope_kind] if k not in out]
     if missing:
-        raise InitFromError(f"{where}: its {kind} RoPE has no {missing[0]} (rope_parameters)")
+        raise InitFromError(f"{where}: its {rope_kind} RoPE has no {missing[0]} (rope_parameters)")
     try:
         rope = from_dict(RopeConfig, out, "model.rope")
     except ConfigError as e:
-        raise InitFromError(f"{where}: its {kind} RoPE: {e}") from None
+        raise InitFromError(f"{where}: its {rope_kind} RoPE: {e}") from None
     return rope_fields(rope)
 
 
@@ -141,19 +143,19 @@ def hf_model_fields(path: str | Path, hf: dict[str, Any] | None = None) -> dict[
     and ``vocab_size``: its vocabulary (rows of the embedding)."""
     where = f"init_from {path}"
     hf = read_hf_config(path) if hf is None else hf
-    kind = hf.get("model_type")
-    if kind not in SUPPORTED:
-        raise InitFromError(f"{where}: model_type {kind!r} is not one of {list(SUPPORTED)}")
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED:
+        raise InitFromError(f"{where}: model_type {model_type!r} is not one of {list(SUPPORTED)}")
     if hf.get("hidden_act", "silu") != "silu":
         raise InitFromError(f"{where}: hidden_act {hf['hidden_act']!r} (only silu/SwiGLU)")
     if hf.get("use_sliding_window"):
         raise InitFromError(f"{where}: sliding-window attention is not supported")
-    if kind == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+    if model_type == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
         raise InitFromError(f"{where}: a Llama with attention_bias/mlp_bias is not supported")
-    if kind == "qwen3" and hf.get("attention_bias"):
+    if model_type == "qwen3" and hf.get("attention_bias"):
         raise InitFromError(f"{where}: a Qwen3 with attention_bias is not supported")
     try:
-        return _fields(hf, kind, f"{where}: {Path(path) / 'config.json'}")
+        return _fields(hf, model_type, f"{where}: {Path(path) / 'config.json'}")
     except InitFromError:
         raise
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
@@ -161,7 +163,7 @@ def hf_model_fields(path: str | Path, hf: dict[str, Any] | None = None) -> dict[
         raise InitFromError(f"{where}: {Path(path) / 'config.json'} {what}") from None
 
 
-def _fields(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
+def _fields(hf: dict[str, Any], model_type: str, where: str) -> dict[str, Any]:
     for key in _NUMBERS:
         _number(hf, key, where)
     heads = int(hf["num_attention_heads"])
@@ -171,9 +173,9 @@ def _fields(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
         num_hidden_layers=int(hf["num_hidden_layers"]),
         num_attention_heads=heads,
         num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=_head_dim(hf, kind, heads, where),
-        qk_norm=kind == "qwen3",
-        attention_bias=kind == "qwen2",
+        head_dim=_head_dim(hf, model_type, heads, where),
+        qk_norm=model_type == "qwen3",
+        attention_bias=model_type == "qwen2",
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope=_rope(hf, where),
         max_position_embeddings=int(hf.get("max_position_embeddings", 1 << 20)),
@@ -181,11 +183,11 @@ def _fields(hf: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
     )
 
 
-def _head_dim(hf: dict[str, Any], kind: str, heads: int, where: str) -> int:
+def _head_dim(hf: dict[str, Any], model_type: str, heads: int, where: str) -> int:
     """The head dim transformers gives config ``hf``: Llama's and Qwen2's ``head_dim`` or
     hidden_size / heads; Qwen3's ``head_dim``, 128 when absent, and ``null`` refused (its
     config class refuses it: a Qwen3's head dim is not derived from the hidden size)."""
-    if kind != "qwen3":
+    if model_type != "qwen3":
         return int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
     if "head_dim" in hf and hf["head_dim"] is None:
         raise InitFromError(
