@@ -226,13 +226,11 @@ class Saver:
         self.pending = Pending(step, tag, t0, blocked_s=time.perf_counter() - t0)
         return self.pending
 
-    def queue(
-        self, kind: str, obj: Any, path: Path, metadata: dict[str, str] | None = None
-    ) -> None:
+    def queue(self, fmt: str, obj: Any, path: Path, metadata: dict[str, str] | None = None) -> None:
         """Write ``obj`` to ``path``: at once, or (asynchronous) after copying it into one
         host buffer, on the writer process or thread (``train.save_writer``)."""
         if not self.writer.asynchronous:
-            self.writer.put(str(path), lambda: serialize.write(kind, obj, path, metadata, False))
+            self.writer.put(str(path), lambda: serialize.write(fmt, obj, path, metadata, False))
             return
         if self.writer_setting == "process":
             size = serialize.nbytes(obj)
@@ -245,10 +243,10 @@ class Saver:
             if self.process is None:
                 self.process = serialize.WriterProcess()
             proc = self.process
-            self.writer.put(str(path), lambda: proc.write(kind, copy, path, metadata))
+            self.writer.put(str(path), lambda: proc.write(fmt, copy, path, metadata))
         else:
             copy = serialize.pack(obj, pin=self.pin)
-            self.writer.put(str(path), lambda: serialize.write(kind, copy, path, metadata))
+            self.writer.put(str(path), lambda: serialize.write(fmt, copy, path, metadata))
 
     def _upload(self, tag: str, files: list[Path]) -> None:
         for f in files:

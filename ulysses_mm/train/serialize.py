@@ -102,22 +102,22 @@ def unshare(obj: Any) -> Any:
 
 
 def write(
-    kind: str, obj: Any, path: Path, metadata: dict[str, str] | None = None, packed: bool = True
+    fmt: str, obj: Any, path: Path, metadata: dict[str, str] | None = None, packed: bool = True
 ) -> None:
-    """Write ``obj`` as ``kind`` (``torch`` or ``safetensors``) to ``path`` through a
+    """Write ``obj`` in format ``fmt`` (``torch`` or ``safetensors``) to ``path`` through a
     temporary sibling and a rename: a file is whole or absent. ``packed``: its tensors
     are views of one :func:`pack` buffer (each gets a storage of its own first)."""
     if packed:
         obj = unshare(obj)
-    if kind == "torch":
+    if fmt == "torch":
         with atomic_local_file(path) as f:
             torch.save(obj, f)
-    elif kind == "safetensors":
-        from safetensors.torch import save as save_safetensors  # only this kind needs it
+    elif fmt == "safetensors":
+        from safetensors.torch import save as save_safetensors  # only this format needs it
 
         atomic_write_local(path, save_safetensors(obj, metadata=metadata))
     else:
-        raise ValueError(f"no writer for {kind!r}")
+        raise ValueError(f"no writer for {fmt!r}")
 
 
 def _serve(jobs: Any, acks: Any) -> None:
@@ -134,9 +134,9 @@ def _serve(jobs: Any, acks: Any) -> None:
 
         config.save.compute_crc32 = False
     while (job := jobs.get()) is not None:
-        kind, obj, path, metadata = job
+        fmt, obj, path, metadata = job
         try:
-            write(kind, obj, Path(path), metadata)
+            write(fmt, obj, Path(path), metadata)
         except Exception as e:
             acks.put(first_line(e))
         else:
@@ -154,10 +154,10 @@ class WriterProcess:
         self.proc = ctx.Process(target=_serve, args=(self.jobs, self.acks), daemon=True)
         self.proc.start()
 
-    def write(self, kind: str, obj: Any, path: Path, metadata: dict[str, str] | None = None):
+    def write(self, fmt: str, obj: Any, path: Path, metadata: dict[str, str] | None = None):
         """Hand one file to the process and wait for it (this blocks a writer thread, not
         the step loop); its failure, or its death, is a ``RuntimeError``."""
-        self.jobs.put((kind, obj, str(path), metadata))
+        self.jobs.put((fmt, obj, str(path), metadata))
         while True:
             try:
                 error = self.acks.get(timeout=1.0)
