@@ -49,14 +49,16 @@ HF_SHAPE = SHAPE | {"rope_theta": 10000.0}  # as a transformers config
 OUR_SHAPE = SHAPE | {"rope": RopeConfig(theta=10000.0)}  # as a ModelConfig
 
 
-def _save_hf(kind: str, path, seed: int = 0):
-    """A tiny randomly initialised transformers model of ``kind``, saved as safetensors."""
-    hf = tiny_hf_model(kind, seed, vocab_size=TEXT_VOCAB, tie_word_embeddings=False, **HF_SHAPE)
+def _save_hf(model_type: str, path, seed: int = 0):
+    """A tiny randomly initialised transformers model of ``model_type``, saved as safetensors."""
+    hf = tiny_hf_model(
+        model_type, seed, vocab_size=TEXT_VOCAB, tie_word_embeddings=False, **HF_SHAPE
+    )
     hf.eval().save_pretrained(path)
     return hf
 
 
-def _imported(kind: str, path, modalities: dict[str, int] | None = None):
+def _imported(model_type: str, path, modalities: dict[str, int] | None = None):
     fields = hf_model_fields(path)
     vocab = fields.pop("vocab_size")
     mods = dict(modalities or {"dna": 10}) | {"text": vocab}
@@ -90,12 +92,12 @@ def _reference_loss(hf, model, raw: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.float(), raw[0, 1:] + ns)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_import_gives_the_transformers_logits_and_loss(kind, tmp_path):
-    hf = _save_hf(kind, tmp_path / "hf")
-    model = _imported(kind, tmp_path / "hf")
-    assert model.config.qk_norm == (kind == "qwen3")
-    assert model.config.attention_bias == (kind == "qwen2")
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_import_gives_the_transformers_logits_and_loss(model_type, tmp_path):
+    hf = _save_hf(model_type, tmp_path / "hf")
+    model = _imported(model_type, tmp_path / "hf")
+    assert model.config.qk_norm == (model_type == "qwen3")
+    assert model.config.attention_bias == (model_type == "qwen2")
     batch, raw = _text_batch(model.space, 48)
     with torch.no_grad():
         hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.doc_ids)

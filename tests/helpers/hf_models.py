@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 
-def tiny_hf_model(kind: str, seed: int = 0, perturb: float = 0.1, **config: Any) -> Any:
-    """A randomly initialised transformers causal LM of ``kind`` (llama, qwen2, qwen3,
+def tiny_hf_model(model_type: str, seed: int = 0, perturb: float = 0.1, **config: Any) -> Any:
+    """A randomly initialised transformers causal LM of ``model_type`` (llama, qwen2, qwen3,
     mistral) built from ``config``, every parameter (norms and biases too) moved away from
     its init by ``perturb``-sized noise so each one matters."""
     from transformers import (
@@ -27,7 +27,7 @@ def tiny_hf_model(kind: str, seed: int = 0, perturb: float = 0.1, **config: Any)
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "mistral": (MistralConfig, MistralForCausalLM),
-    }[kind]
+    }[model_type]
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**config))
     with torch.no_grad():

@@ -141,8 +141,9 @@ def cli_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
 
 
-def logged(run: Path, kind: str = "train") -> dict[int, float]:
-    """The losses a run logged in its metrics.jsonl, by step (``kind``: train, eval)."""
+def logged(run: Path, event: str = "train") -> dict[int, float]:
+    """The losses a run logged in its metrics.jsonl, by step, of the rows whose ``kind``
+    field is ``event`` (train or eval)."""
     lines = (run / "metrics.jsonl").read_text().splitlines()
-    key = "loss" if kind == "train" else f"{kind}/loss"
-    return {r["step"]: r[key] for r in map(json.loads, lines) if r["kind"] == kind}
+    key = "loss" if event == "train" else f"{event}/loss"
+    return {r["step"]: r[key] for r in map(json.loads, lines) if r["kind"] == event}

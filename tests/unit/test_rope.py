@@ -69,9 +69,9 @@ CASES = {
 
 
 def _hf(case: str, path):
-    kind, rope, max_positions = CASES[case]
+    model_type, rope, max_positions = CASES[case]
     hf = tiny_hf_model(
-        kind,
+        model_type,
         vocab_size=VOCAB,
         tie_word_embeddings=False,
         rope_parameters=dict(rope),
