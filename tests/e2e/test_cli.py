@@ -65,7 +65,10 @@ def test_prepare_print_config_takes_overrides_after_the_flag(capsys):
         ([], "ulysses-mm: the following arguments are required: COMMAND"),
         (["bogus"], "ulysses-mm: COMMAND: invalid choice: 'bogus'"),
         (["train"], "ulysses-mm train: the following arguments are required: config"),
-        (["tokenizer", "fit", "video"], "ulysses-mm tokenizer fit: the following arguments"),
+        (
+            ["tokenizer", "fit", "video"],
+            "ulysses-mm tokenizer fit video-vq: the following arguments are required: --out",
+        ),
         (["train", TINY, "--bogus"], "ulysses-mm train: unrecognized arguments: --bogus"),
         (["estimate", TINY, "--headroom", "nan"], "ulysses-mm estimate: --headroom must be a"),
     ],
@@ -74,3 +77,31 @@ def test_a_parse_error_is_one_line_without_the_usage(argv, says, capsys):
     assert main(argv) == 2  # main returns the parsers' exit code
     err = capsys.readouterr().err
     assert err.startswith(says) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "kind,says",
+    [
+        ("dna-base", "dna-base has nothing to fit; the kinds that can be fitted: video-vq (video)"),
+        ("dna", "dna is no tokenizer kind; the kinds that can be fitted: video-vq (video)"),
+    ],
+)
+def test_tokenizer_fit_goes_by_the_registry(kind, says, capsys):
+    assert main(["tokenizer", "fit", kind, "x.mp4", "--out", "x.json"]) == 2
+    assert capsys.readouterr().err == f"ulysses-mm tokenizer fit: {says}\n"
+    # the video VQ kind's options are its own, and its modality names it too
+    for name in ("video-vq", "video"):
+        args = _parse("tokenizer", "fit", name, "a.mp4", "--out", "x.json", "--patch", "8")
+        assert (args.kind, args.sources, args.patch, args.size) == (name, ["a.mp4"], 8, 256)
+
+
+def test_the_old_head_chunks_flag_still_works_and_says_the_new_name(capsys):
+    args = _parse("estimate", TINY, "--head-chunks", "2")
+    assert args.head_groups == 2
+    assert capsys.readouterr().err == "ulysses-mm estimate: --head-chunks is now --head-groups\n"
+    assert _parse("estimate", TINY, "--head-groups", "auto").head_groups == "auto"
+
+
+def test_the_top_line_names_every_modality(capsys):
+    assert main(["--help"]) == 0
+    assert "video, audio, DNA and text" in capsys.readouterr().out

@@ -1,15 +1,15 @@
 """Every command given hostile values ends with exit 0, or one stderr line and exit 2.
 
-The table is read from the parsers: every option or positional whose ``type`` is a check
-of :mod:`ulysses_mm.core.checks` (or a bare ``int`` / ``float``, which the sweep also
-refuses to find) gets hostile values — numbers: 0, -1, nan, inf, 10**30, ``abc``; paths:
+The table is read from the parsers (every leaf command's, its declared options added):
+every option or positional whose ``type`` is a check of :mod:`ulysses_mm.core.checks` (or
+a bare ``int`` / ``float``, which the sweep also refuses to find) gets hostile values — numbers: 0, -1, nan, inf, 10**30, ``abc``; paths:
 a file where a directory is expected, a directory where a file is, a path under a file, a
 read-only parent — and runs through the real CLI in-process with valid values for the
 rest, built once per module (a tiny DNA dataset and a checkpoint trained one step). A new
 option joins the table by construction.
 
 Commands whose accepted values would start processes or need data that is slow to make
-(verify, probe score, tokenizer fit, train, demo) are checked at parse time only
+(verify, probe score, tokenizer fit video-vq, train, demo) are checked at parse time only
 (``parse_args(build_parser(), argv)``): a value the parser accepts is not run there.
 """
 
@@ -20,7 +20,6 @@ import itertools
 import os
 import stat
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import pytest
 from conftest import REPO, require_fixture
 
 from ulysses_mm.cli import build_parser, main, parse_args
+from ulysses_mm.cli.declare import leaves
 
 TINY = str(REPO / "configs" / "debug-tiny.yaml")
 FASTA = REPO / "tests" / "data" / "human_mt.fa"
@@ -37,22 +37,10 @@ NUMBERS = ["0", "-1", "nan", "inf", str(10**30), "abc"]
 LISTS = ["a,b", f"0,{10**30}", "-1,5", "5,2"]
 NUMERIC = {"number", "integer", "int_list"}
 PATHS = {"out_file", "out_dir", "in_file", "in_dir", "in_path"}
-PARSE_ONLY = {"verify", "probe score", "tokenizer fit", "train", "demo"}
+PARSE_ONLY = {"verify", "probe score", "tokenizer fit video-vq", "train", "demo"}
 # (command, dest, value) whose documented answer is another: `tokenizer eval` reports an
 # unreadable file among the others and exits 1
 EXCEPTED = {("tokenizer eval", "files", "missing")}
-
-
-def _leaves(
-    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
-) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser]]:
-    """(command words, parser) of every leaf subcommand."""
-    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not subs:
-        yield path, parser
-        return
-    for name, child in subs[0].choices.items():
-        yield from _leaves(child, (*path, name))
 
 
 def _kind(action: argparse.Action) -> str | None:
@@ -105,10 +93,7 @@ def _base(cmd: str, w: dict[str, Any]) -> tuple[dict[str, list[str]], dict[str, 
             {},
         ),
         "inspect": ({"target": [manifest]}, {}),
-        "tokenizer fit": (
-            {"modality": ["video"], "sources": [str(FASTA)]},
-            {"--out": f"{out}.json"},
-        ),
+        "tokenizer fit video-vq": ({"sources": [str(FASTA)]}, {"--out": f"{out}.json"}),
         "tokenizer eval": ({"spec": [DNA_SPEC], "files": [str(FASTA)]}, {}),
         "train": ({"config": [TINY]}, {}),
         "export": ({"checkpoint": [step], "out": [str(out)]}, {}),
@@ -192,7 +177,7 @@ def test_every_checked_option_refuses_hostile_values_in_one_line(world, capsys):
     start = time.monotonic()
     cases = refused = 0
     options = 0
-    for words, parser in _leaves(build_parser()):
+    for words, parser in leaves(build_parser()):
         cmd = " ".join(words)
         for action in parser._actions:
             kind = _kind(action)

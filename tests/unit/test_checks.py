@@ -1,4 +1,5 @@
-"""ulysses_mm.core.checks: every refusal names the bound; the argparse types say the same."""
+"""ulysses_mm.core.checks: one range type; every refusal names the bound; the argparse types
+say the same."""
 
 from __future__ import annotations
 
@@ -32,18 +33,20 @@ def test_number_refuses_non_finite_and_out_of_range(value):
 def test_number_open_and_closed_bounds():
     assert checks.number("0.5", gt=0, lt=1) == 0.5
     for bad in ("0", "1"):
-        with pytest.raises(CheckError, match=r"> 0 and < 1"):
+        with pytest.raises(CheckError, match=r"within \(0, 1\), got"):
             checks.number(bad, gt=0, lt=1)
     assert checks.number("1", gt=0, le=1) == 1.0
 
 
 def test_integer_bounds_and_text():
     assert checks.integer("7", ge=1, le=10) == 7
-    with pytest.raises(CheckError, match=r"^--n must be at least 1, got 0$"):
+    with pytest.raises(CheckError, match=r"^--n must be an integer within 1 .. 10, got 0$"):
         checks.integer("0", "--n", ge=1, le=10)
-    with pytest.raises(CheckError, match=r"^--n must be at most 10, got 11$"):
+    with pytest.raises(CheckError, match=r"^--n must be an integer within 1 .. 10, got 11$"):
         checks.integer("11", "--n", ge=1, le=10)
-    with pytest.raises(CheckError, match=r"at most 2\^62, got 1000000000000000000000000000000"):
+    with pytest.raises(
+        CheckError, match=r"within 0 .. 2\*\*62, got 1000000000000000000000000000000"
+    ):
         checks.integer(str(10**30))
     for bad in ("1.5", "1e3", "abc", "nan"):
         with pytest.raises(CheckError, match="must be an integer"):
@@ -123,33 +126,59 @@ def test_inputs(tmp_path: Path):
 
 def test_argparse_types_are_marked_and_raise_argument_type_errors(tmp_path: Path):
     cases = [
-        (checks.number_arg(ge=0), "number", "nan"),
-        (checks.integer_arg(ge=0), "integer", "-1"),
-        (checks.count_arg(10), "integer", "11"),
-        (checks.seed_arg(), "integer", str(2**32)),
-        (checks.count_or_arg("auto", 8), "integer", "0"),
-        (checks.int_list_arg(increasing=True), "int_list", "2,1"),
-        (checks.out_file_arg(), "out_file", str(tmp_path)),
-        (checks.out_dir_arg(), "out_dir", __file__),
-        (checks.in_file_arg(), "in_file", str(tmp_path)),
-        (checks.in_dir_arg(), "in_dir", __file__),
-        (checks.in_path_arg(), "in_path", ""),
-    ]
+        (checks.arg_type("number", lambda v: checks.number(v, ge=0), ">= 0"), "number", "nan"),
+        (checks.arg_type("integer", lambda v: checks.integer(v, ge=1, le=10)), "integer", "11"),
+        (checks.arg_type("int_list", lambda v: checks.int_list(v, increasing=True)), "int_list", "2,1"),
+        *((checks.arg_type(k, fn), k, bad) for k, fn, bad in [
+            ("out_file", checks.out_file, str(tmp_path)),
+            ("out_dir", checks.out_dir, __file__),
+            ("in_file", checks.in_file, str(tmp_path)),
+            ("in_dir", checks.in_dir, __file__),
+            ("in_path", checks.in_path, ""),
+        ]),
+    ]  # fmt: skip
     for parse, kind, bad in cases:
-        assert getattr(parse, "check", None) == kind
+        assert getattr(parse, "check", None) == kind and kind in {
+            "number",
+            "integer",
+            "int_list",
+            *checks.PATHS,
+        }
         assert isinstance(getattr(parse, "bounds", None), str)
         with pytest.raises(argparse.ArgumentTypeError):
             parse(bad)
-    assert checks.count_or_arg("auto", 8)("auto") == "auto"
-    assert checks.count_or_arg("auto", 8)("3") == 3
 
 
 def test_a_parser_prints_the_bound_in_one_line(capsys):
-    from ulysses_mm.cli.common import Parser
+    from ulysses_mm.cli.declare import Parser
 
     p = Parser(prog="ulysses-mm x")
-    p.add_argument("--t", type=checks.number_arg(ge=0))
+    p.add_argument("--t", type=checks.arg_type("number", lambda v: checks.number(v, ge=0)))
     with pytest.raises(SystemExit) as e:
         p.parse_args(["--t", "inf"])
     assert e.value.code == 2
     assert capsys.readouterr().err == "ulysses-mm x: --t must be a finite number >= 0, got inf\n"
+
+
+def test_one_range_type_for_the_config_and_the_command_line():
+    from ulysses_mm.config import parse
+
+    assert parse.Range is checks.Range
+    r = checks.Range.of(gt=0, le=1)
+    assert str(r) == "(0, 1]" and r.contains(1) and not r.contains(0)
+    assert not r.contains(float("nan"))
+    assert r.refusal("--top-p", 2) == "--top-p must be within (0, 1], got 2"
+    with pytest.raises(parse.ConfigError, match=r"^x.y must be within \(0, 1\], got 0$"):
+        r.check("x.y", 0)
+    with pytest.raises(CheckError):
+        r.check("--y", 0, CheckError)
+    assert checks.Range.of() is None and str(checks.Range.of(ge=0)) == ">= 0"
+
+
+@pytest.mark.parametrize(
+    "bound,text",
+    [(2**63 - 1, "2**63 - 1"), (2**32 - 1, "2**32 - 1"), (1 << 24, "2**24"), (float(1 << 20), "2**20"),
+     (10**9, "10**9"), (1e6, "1e+06"), (65536, "65536"), (0.5, "0.5")],
+)  # fmt: skip
+def test_bounds_are_written_as_people_write_them(bound, text):
+    assert str(checks.Range.of(le=bound)) == f"<= {text}"

@@ -176,4 +176,4 @@ def test_damage_reports_psnr_and_snr_under_wrong_ids(
     assert main(["tokenizer", "eval", mulaw, str(wav), "--damage", "2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and "--damage measures video and audio" in err[0]
-    assert "0 < RATE <= 1" in err[1]
+    assert "--damage must be a finite number within (0, 1], got 2" in err[1]

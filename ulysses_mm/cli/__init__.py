@@ -1,6 +1,7 @@
 """``ulysses-mm``: a thin CLI; each subcommand maps to one function.
 
-The parsers live by what they act on: :mod:`~ulysses_mm.cli.data` (raw files and shards),
+Each command declares its arguments as dataclasses (:mod:`~ulysses_mm.cli.declare`); the
+commands live by what they act on: :mod:`~ulysses_mm.cli.data` (raw files and shards),
 :mod:`~ulysses_mm.cli.model` (training and what a trained model does),
 :mod:`~ulysses_mm.cli.setup` (checks before a run). Configuration precedence everywhere:
 CLI ``section.key=value`` > the YAML file > the schema's defaults.
@@ -15,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from ulysses_mm.cli import data, model, setup
-from ulysses_mm.cli.common import Parser
+from ulysses_mm.cli.declare import Parser
 from ulysses_mm.core.errors import UserError
 from ulysses_mm.core.launch_env import LAUNCH_ENV, in_launched_world
 
@@ -41,7 +42,7 @@ _SUBCOMMANDS = [
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="ulysses-mm",
-        description="Train one transformer on million-token streams of video, audio and DNA.",
+        description="Train one transformer on million-token streams of video, audio, DNA and text.",
     )
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=Parser

@@ -8,84 +8,82 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
-from ulysses_mm.cli.common import overrides_help
+from ulysses_mm.cli.declare import command, overrides, positional
 from ulysses_mm.config import RunConfig, load_config
-from ulysses_mm.core.checks import (
-    INT64_SAFE,
-    MAX_PROCESSES,
-    MAX_TOKENS,
-    count_arg,
-    in_dir_arg,
-    in_file_arg,
-    in_path_arg,
-    int_list_arg,
-    integer_arg,
-    number_arg,
-    out_dir_arg,
-    out_file_arg,
-    seed_arg,
-)
-from ulysses_mm.tools.estimate.stages import check_stages_fit
+from ulysses_mm.config.parse import option
+from ulysses_mm.core.checks import MAX_PROCESSES
 from ulysses_mm.train.stop import EXIT_STOPPED, StopRecord, young_interval_s
 
-_VERBOSE_HELP = (
-    "also show DeepSpeed's log on the terminal (it always goes to the run's "
-    "logs/deepspeed-rank-N.log)"
-)
+CHECKPOINT = "a run dir, its checkpoints/ dir or a step_* dir"
 
 
-def _verbose(args: argparse.Namespace) -> None:
+def _verbose() -> Any:
+    return option(
+        "also show DeepSpeed's log on the terminal (it always goes to the run's "
+        "logs/deepspeed-rank-N.log)", False, flags=("-v", "--verbose"),
+    )  # fmt: skip
+
+
+def _log_to(verbose: bool) -> None:
     """DeepSpeed's log to the run's logs/ (``-v``: and the terminal), in every rank: they
     inherit the environment."""
-    from ulysses_mm.parallel.mesh import DEEPSPEED_LOG_ENV
+    from ulysses_mm.parallel.mesh import DEEPSPEED_LOG_ENV  # lazy: torch
 
-    os.environ[DEEPSPEED_LOG_ENV] = "run+terminal" if args.verbose else "run"
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from ulysses_mm.tools.demo import run_demo
-
-    _verbose(args)
-    return run_demo(args.out, args.steps)
+    os.environ[DEEPSPEED_LOG_ENV] = "run+terminal" if verbose else "run"
 
 
-def add_demo(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="the default job: prepare the sample data, train the debug model at SP=2, plot",
-        description=(
-            "Prepare the repository's sample files (DNA, speech, video) with pipelines/mixed.yaml, "
-            "train configs/debug-tiny.yaml at SP=2 on 2 CPU processes with W&B offline, and "
-            "write the loss curves and one packed sample as PNGs."
-        ),
+@dataclass
+class Demo:
+    out: str = option("output directory", "build/demo", path="out_dir")
+    steps: int = option("training steps", 40, ge=1, le=10**6)
+    verbose: bool = _verbose()
+
+
+def _demo(a: Demo) -> int:
+    from ulysses_mm.tools.demo import run_demo  # lazy: torch
+
+    _log_to(a.verbose)
+    return run_demo(a.out, a.steps)
+
+
+@dataclass
+class Train:
+    config: str = positional("run config YAML (see configs/)", "in_file")
+    overrides: list[str] = overrides()
+    nproc: int | None = option(
+        "start N local processes (torch elastic launcher)", None, ge=1, le=MAX_PROCESSES
     )
-    p.add_argument(
-        "--out",
-        type=out_dir_arg(),
-        default="build/demo",
-        help="output directory (default build/demo)",
-    )
-    p.add_argument(
-        "--steps", type=count_arg(10**6), default=40, help="training steps, 1..10^6 (default 40)"
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
-    p.set_defaults(func=_cmd_demo)
+    resume: bool = option(
+        "require a checkpoint to continue from (train.resume=always; the default, auto, "
+        "continues when the run directory has one)", False,
+    )  # fmt: skip
+    max_minutes: float | None = option(
+        "time budget (train.max_minutes): stop with a checkpoint, exit 75, before M minutes "
+        "from now run out", None, ge=0, le=10**7, metavar="M",
+    )  # fmt: skip
+    verbose: bool = _verbose()
 
 
-def _cmd_train(args: argparse.Namespace) -> int:
-    from ulysses_mm.train.loop import run_train
+def _train(a: Train) -> int:
+    from ulysses_mm.train.loop import run_train  # lazy: torch
+    from ulysses_mm.train.plan import resolve_resume
 
     started = time.time()
-    _verbose(args)
-    overrides = list(args.overrides)
-    if args.resume:
-        overrides.append("train.resume=always")
-    if args.max_minutes is not None:
-        overrides.append(f"train.max_minutes={args.max_minutes}")
-    cfg = load_config(RunConfig, args.config, overrides)
-    # the pre-flight checks every stage against train.gpu_mem_gib, before any process starts
-    result = run_train(cfg, args.nproc, started, memory=check_stages_fit)
+    _log_to(a.verbose)
+    extra = ["train.resume=always"] if a.resume else []
+    extra += [f"train.max_minutes={a.max_minutes}"] if a.max_minutes is not None else []
+    cfg = load_config(RunConfig, a.config, [*a.overrides, *extra])
+    if cfg.train.gpu_mem_gib:  # every stage against the budget, before any process starts
+        from ulysses_mm.tools.estimate.stages import check_stages_fit
+        from ulysses_mm.train.plan import plan_run, world_size
+
+        world = world_size(a.nproc)
+        plan = plan_run(cfg, world, resolve_resume(cfg))
+        check_stages_fit(cfg, world, plan.manifest.seq_len, space=plan.space)
+    result = run_train(cfg, a.nproc, started)
     if os.environ.get("RANK", "0") != "0":
         return 75 if result.get("stopped") else 0
     if result.get("complete"):
@@ -132,89 +130,33 @@ def _save_line(result: dict, every: int) -> str:
     )
 
 
-def add_train(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "train",
-        help="train from shards with DeepSpeed + Ulysses",
-        description=(
-            "Train the model of CONFIG on the shards its data.train manifest names. With "
-            "--nproc N it starts N local processes itself; under torchrun or the DeepSpeed "
-            "launcher it joins the world it is given."
-        ),
-    )
-    p.add_argument("config", type=in_file_arg(), help="run config YAML (see configs/)")
-    p.add_argument("overrides", nargs="*", help=overrides_help())
-    p.add_argument(
-        "--nproc",
-        type=count_arg(MAX_PROCESSES),
-        default=None,
-        help="start N local processes (torch elastic launcher)",
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="require a checkpoint to continue from (train.resume=always; the default, auto, "
-        "continues when the run directory has one)",
-    )
-    p.add_argument(
-        "--max-minutes",
-        type=number_arg(ge=0, le=10**7),
-        default=None,
-        metavar="M",
-        help="time budget (train.max_minutes): stop with a checkpoint, exit 75, before M "
-        "minutes from now run out",
-    )
-    p.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
-    p.set_defaults(func=_cmd_train)
+@dataclass
+class Export:
+    checkpoint: str = positional(CHECKPOINT, "in_dir")
+    out: str = positional("output directory (config.json + model.safetensors)", "out_dir")
 
 
-def _cmd_export(args: argparse.Namespace) -> int:
+def _export(a: Export) -> int:
     import json
     from pathlib import Path
 
-    from ulysses_mm.train.export import export
+    from ulysses_mm.train.export import export  # lazy: torch
 
-    out = export(args.checkpoint, args.out)
+    out = export(a.checkpoint, a.out)
     arch = json.loads((Path(out) / "config.json").read_text())["architectures"][0]
     print(f"wrote a transformers {arch} checkpoint to {out} (AutoModelForCausalLM.from_pretrained)")
     return 0
 
 
-def add_export(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("export", help="write a checkpoint as a transformers (safetensors) model")
-    p.add_argument(
-        "checkpoint",
-        type=in_dir_arg(),
-        help="a run dir, its checkpoints/ dir, or one checkpoint (step_*) dir",
-    )
-    p.add_argument(
-        "out", type=out_dir_arg(), help="output directory (config.json + model.safetensors)"
-    )
-    p.set_defaults(func=_cmd_export)
+@dataclass
+class Generate:
+    checkpoint: str = positional("a run dir, a checkpoint (step_*) dir or an export dir", "in_dir")
 
 
-def _cmd_generate(args: argparse.Namespace) -> int:
-    from ulysses_mm.tools.generate import GenerateOptions, run_generate
+def _generate(a: Generate, opts: object) -> int:
+    from ulysses_mm.tools.generate import run_generate  # lazy: torch
 
-    opts = GenerateOptions(
-        modality=args.modality,
-        new_tokens=args.new_tokens,
-        out=args.out,
-        prompt=args.prompt,
-        prompt_tokens=args.prompt_tokens,
-        prompt_seconds=args.prompt_seconds,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        with_prompt=args.with_prompt,
-        ignore_doc_end=args.ignore_doc_end,
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        device=args.device,
-        nproc=args.nproc,
-    )
-    r = run_generate(args.checkpoint, opts)
+    r = run_generate(a.checkpoint, opts)
     if r["out"]:
         print(
             f"wrote {r['out']}: {r['what']} ({r['kind']}); {r['new_ids']:,} new ids "
@@ -225,205 +167,79 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="continue a prompt in one modality; write FASTA / WAV / MP4 / text",
-        description=(
-            "Tokenize PROMPT with the tokenizer the model's training data used, sample "
-            "--new-tokens ids with a KV cache within the modality's head (and the "
-            "tokenizer's layout: whole video frames, interleaved audio), and decode them to "
-            "--out: FASTA for DNA, WAV for audio, MP4 for video (with the clip's audio when "
-            "the spec interleaves it), UTF-8 text. The same seed gives the same output. "
-            "--nproc N prefills a long prompt with N sequence-parallel processes."
-        ),
-    )
-    p.add_argument(
-        "checkpoint",
-        type=in_dir_arg(),
-        help="a run dir, a checkpoint (step_*) dir or an export dir",
-    )
-    p.add_argument(
-        "--modality", required=True, help="the modality to write (dna, audio, video, text, …)"
-    )
-    p.add_argument(
-        "--prompt",
-        type=in_file_arg(),
-        default=None,
-        metavar="FILE",
-        help="a file of that modality (FASTA, audio, video, .txt); none: start a document",
-    )
-    g = p.add_mutually_exclusive_group()
-    g.add_argument(
-        "--prompt-tokens",
-        type=count_arg(MAX_TOKENS),
-        default=None,
-        metavar="N",
-        help="keep the first N ids",
-    )
-    g.add_argument(
-        "--prompt-seconds",
-        type=number_arg(gt=0, le=10**6),
-        default=None,
-        metavar="S",
-        help="keep the first S seconds (audio, video)",
-    )
-    p.add_argument(
-        "--new-tokens",
-        type=count_arg(MAX_TOKENS),
-        required=True,
-        metavar="N",
-        help=f"ids to generate, 1..{MAX_TOKENS:,}",
-    )
-    p.add_argument(
-        "--out", type=out_file_arg(), required=True, metavar="FILE", help="the file to write"
-    )
-    p.add_argument(
-        "--temperature",
-        type=number_arg(ge=0),
-        default=1.0,
-        help="softmax temperature, >= 0 (0: greedy; default 1)",
-    )
-    p.add_argument(
-        "--top-k",
-        type=integer_arg(ge=0, le=INT64_SAFE),
-        default=0,
-        help="sample among the k likeliest (0: all)",
-    )
-    p.add_argument(
-        "--top-p",
-        type=number_arg(gt=0, le=1),
-        default=1.0,
-        help="nucleus: the likeliest ids of mass p, in (0, 1] (1: all)",
-    )
-    p.add_argument("--seed", type=seed_arg(), default=0, help="sampling seed (default 0)")
-    p.add_argument(
-        "--with-prompt",
-        action="store_true",
-        help="write the prompt's part too (default: only what was generated)",
-    )
-    p.add_argument(
-        "--ignore-doc-end",
-        action="store_true",
-        help="never sample </doc>: write all --new-tokens ids (default: </doc> ends early)",
-    )
-    p.add_argument(
-        "--tokenizer",
-        default=None,
-        type=in_file_arg(),
-        metavar="SPEC",
-        help="tokenizer spec to use instead of the one recorded with the model",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=["auto", "fp32", "bf16", "fp16"],
-        default="auto",
-        help="weights' dtype (auto: the training precision)",
-    )
-    p.add_argument(
-        "--device", choices=["auto", "cpu", "cuda"], default="auto", help="default: a GPU if any"
-    )
-    p.add_argument(
-        "--nproc",
-        type=count_arg(MAX_PROCESSES),
-        default=None,
-        help="prefill with N local sequence-parallel processes (a prompt too long for one)",
-    )
-    p.set_defaults(func=_cmd_generate)
+@dataclass
+class Evaluate:
+    checkpoint: str = positional(CHECKPOINT, "in_dir")
+    manifest: str = positional("manifest.json of held-out shards (path or fsspec URL)", "in_path")
+    json: bool = option("print every figure as JSON", False)
+    png: str | None = option("plot loss against position", None, path="out_file", metavar="FILE")
 
 
-def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from ulysses_mm.tools.evaluate import EvaluateOptions, cli
+def _evaluate(a: Evaluate, opts: object) -> int:
+    from ulysses_mm.tools.evaluate import cli  # lazy: torch
 
-    opts = EvaluateOptions(
-        args.nproc, args.batches, args.micro_batch, args.edges, seq_len=args.seq_len, sp=args.sp
-    )
-    return cli(args.checkpoint, args.manifest, opts, args.json, args.png)
+    return cli(a.checkpoint, a.manifest, opts, a.json, a.png)
 
 
-def add_evaluate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "evaluate",
-        help="held-out loss per modality (bits per base / sample / byte) and by position",
-        description=(
-            "Run MANIFEST's samples, in order, at full length or as windows of --seq-len "
-            "tokens cut out of them, through the training step's forward under the run's "
-            "sequence-parallel layout (or --sp): cross-entropy per "
-            "modality in nats per token and in the units people quote (DNA bits per base, "
-            "audio bits per sample, text bits per byte, video bits per frame), and against "
-            "the target's position inside its document in log-spaced bins. The figures "
-            "match the periodic eval of `ulysses-mm train` on the same batches."
-        ),
-    )
-    p.add_argument(
-        "checkpoint", type=in_dir_arg(), help="a run dir, its checkpoints/ dir or a step_* dir"
-    )
-    p.add_argument(
-        "manifest",
-        type=in_path_arg(),
-        help="manifest.json of held-out shards (path or fsspec URL)",
-    )
-    p.add_argument(
-        "--nproc",
-        type=count_arg(MAX_PROCESSES),
-        default=None,
-        help="local processes (default: the run's parallel.sp; dp = nproc / sp)",
-    )
-    p.add_argument(
-        "--batches",
-        type=integer_arg(ge=0, le=INT64_SAFE),
-        default=0,
-        help="micro-batches per DP rank (default 0: every sample once)",
-    )
-    p.add_argument(
-        "--micro-batch",
-        type=integer_arg(ge=0, le=1 << 20),
-        default=0,
-        help="samples per DP rank (default 0: the run's)",
-    )
-    p.add_argument(
-        "--seq-len",
-        type=integer_arg(ge=0, le=1 << 40),
-        default=0,
-        metavar="L",
-        help="evaluate on windows of L tokens cut out of the samples, each keeping its "
-        "documents' positions (default 0: the samples' length)",
-    )
-    p.add_argument(
-        "--sp",
-        type=integer_arg(ge=0, le=MAX_PROCESSES),
-        default=0,
-        metavar="N",
-        help="N Ulysses ranks instead of the run's layout (default 0: the run's parallel.sp; "
-        "--nproc defaults to it)",
-    )
-    p.add_argument(
-        "--edges",
-        type=int_list_arg(ge=0, lt=INT64_SAFE, increasing=True, min_items=2),
-        default=None,
-        metavar="P0,P1,...",
-        help="position bin edges instead of log-spaced ones, e.g. 2,1026,2050",
-    )
-    p.add_argument("--json", action="store_true", help="print every figure as JSON")
-    p.add_argument(
-        "--png",
-        type=out_file_arg(),
-        default=None,
-        metavar="FILE",
-        help="plot loss against position",
-    )
-    p.set_defaults(func=_cmd_evaluate)
+@dataclass
+class Report:
+    run_dir: str = positional("the run directory (train.out_dir)", "in_dir")
+    png: str = option("where to write the plot", path="out_file")
 
 
-def _cmd_report(args: argparse.Namespace) -> int:
-    from ulysses_mm.tools.report import plot
+def _report(a: Report) -> int:
+    from ulysses_mm.tools.report import plot  # lazy: matplotlib
 
-    print(f"wrote {plot(args.run_dir, args.png)}")
+    print(f"wrote {plot(a.run_dir, a.png)}")
     return 0
 
 
+def add_demo(sub: argparse._SubParsersAction) -> None:
+    command(sub, "demo", "the default job: prepare the sample data, train the debug model at SP=2, plot", [Demo], _demo, (
+        "Prepare the repository's sample files (DNA, speech, video) with "
+        "pipelines/mixed.yaml, train configs/debug-tiny.yaml at SP=2 on 2 CPU processes with "
+        "W&B offline, and write the loss curves and one packed sample as PNGs."
+    ))  # fmt: skip
+
+
+def add_train(sub: argparse._SubParsersAction) -> None:
+    command(sub, "train", "train from shards with DeepSpeed + Ulysses", [Train], _train, (
+        "Train the model of CONFIG on the shards its data.train manifest names. With "
+        "--nproc N it starts N local processes itself; under torchrun or the DeepSpeed "
+        "launcher it joins the world it is given."
+    ))  # fmt: skip
+
+
+def add_export(sub: argparse._SubParsersAction) -> None:
+    command(
+        sub, "export", "write a checkpoint as a transformers (safetensors) model", [Export], _export
+    )
+
+
+def add_generate(sub: argparse._SubParsersAction) -> None:
+    options = [Generate, "ulysses_mm.tools.generate:GenerateOptions"]
+    command(sub, "generate", "continue a prompt in one modality; write FASTA / WAV / MP4 / text", options, _generate, (
+        "Tokenize PROMPT with the tokenizer the model's training data used, sample "
+        "--new-tokens ids with a KV cache within the modality's head (and the tokenizer's "
+        "layout: whole video frames, interleaved audio), and decode them to --out: FASTA "
+        "for DNA, WAV for audio, MP4 for video (with the clip's audio when the spec "
+        "interleaves it), UTF-8 text. The same seed gives the same output. --nproc N "
+        "prefills a long prompt with N sequence-parallel processes."
+    ))  # fmt: skip
+
+
+def add_evaluate(sub: argparse._SubParsersAction) -> None:
+    options = [Evaluate, "ulysses_mm.tools.evaluate:EvaluateOptions"]
+    command(sub, "evaluate", "held-out loss per modality (bits per base / sample / byte) and by position", options, _evaluate, (
+        "Run MANIFEST's samples, in order, at full length or as windows of --seq-len tokens "
+        "cut out of them, through the training step's forward under the run's "
+        "sequence-parallel layout (or --sp): cross-entropy per modality in nats per token "
+        "and in the units people quote (DNA bits per base, audio bits per sample, text bits "
+        "per byte, video bits per frame), and against the target's position inside its "
+        "document in log-spaced bins. The figures match the periodic eval of `ulysses-mm "
+        "train` on the same batches."
+    ))  # fmt: skip
+
+
 def add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("report", help="plot a run's loss curves per modality")
-    p.add_argument("run_dir", type=in_dir_arg(), help="the run directory (train.out_dir)")
-    p.add_argument("--png", type=out_file_arg(), required=True, help="where to write the plot")
-    p.set_defaults(func=_cmd_report)
+    command(sub, "report", "plot a run's loss curves per modality", [Report], _report)

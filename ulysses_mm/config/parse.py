@@ -12,66 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import types
 import typing
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
+from ulysses_mm.core.checks import SEED_MAX as SEED_MAX  # the schema's seeds name it here
+from ulysses_mm.core.checks import Range
 from ulysses_mm.core.errors import ConfigError
 
 T = TypeVar("T")
-
-
-SEED_MAX = 2**63 - 1  # numpy's and torch's seeds take any of 0 .. 2**63 - 1
-
-
-def _num(x: float) -> str:
-    if x == SEED_MAX:
-        return "2**63 - 1"
-    return str(x) if isinstance(x, int) else f"{x:g}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """The valid values of a numeric key: ``low`` and ``high`` bounds (None = unbounded),
-    each included unless ``*_open``; a float must also be finite. Stated once, in the
-    schema's :func:`option`, shown by ``--keys`` and enforced by :func:`check_ranges`."""
-
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    high_open: bool = False
-
-    def __str__(self) -> str:
-        lo, hi = self.low, self.high
-        if hi is None:
-            return "any" if lo is None else f"{'>' if self.low_open else '>='} {_num(lo)}"
-        if lo is None:
-            return f"{'<' if self.high_open else '<='} {_num(hi)}"
-        if not (self.low_open or self.high_open):
-            return f"{_num(lo)} .. {_num(hi)}"
-        return (
-            f"{'(' if self.low_open else '['}{_num(lo)}, {_num(hi)}{')' if self.high_open else ']'}"
-        )
-
-    def contains(self, value: float) -> bool:
-        if isinstance(value, float) and not math.isfinite(value):
-            return False
-        lo, hi = self.low, self.high
-        if lo is not None and (value <= lo if self.low_open else value < lo):
-            return False
-        return not (hi is not None and (value >= hi if self.high_open else value > hi))
-
-    def check(self, key: str, value: float) -> None:
-        """Raise :class:`ConfigError` naming ``key`` unless ``value`` is in the range."""
-        if not self.contains(value):
-            within = "within " if self.low is not None and self.high is not None else ""
-            raise ConfigError(f"{key} must be {within}{self}, got {value}")
 
 
 def option(
@@ -83,18 +38,26 @@ def option(
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
-):
-    """A dataclass field with help text (shown by ``ulysses-mm config --keys``) and, for a
-    numeric key, its valid range (``ge``/``gt`` low bound, ``le``/``lt`` high bound; for a
-    mapping or a list, of each value), checked by :func:`check_ranges`."""
-    metadata: dict[str, Any] = {"help": text}
-    if any(b is not None for b in (ge, gt, le, lt)):
-        metadata["range"] = Range(
-            low=gt if gt is not None else ge,
-            high=lt if lt is not None else le,
-            low_open=gt is not None,
-            high_open=lt is not None,
-        )
+    path: str | None = None,
+    choices: Sequence[Any] | None = None,
+    **cli: Any,
+) -> Any:
+    """A dataclass field with help text (shown by ``ulysses-mm config --keys`` and a
+    command's ``--help``) and, for a numeric key, its valid :class:`Range` (``ge``/``gt``
+    low bound, ``le``/``lt`` high bound; for a mapping or a list, of each value), checked
+    by :func:`check_ranges` and by the command line. ``path`` names what a path must be (a
+    key of :data:`ulysses_mm.core.checks.PATHS`: ``in_file``, ``out_dir``, …), ``choices``
+    the values allowed. A command's option may say how it is spelled (``cli``:
+    ``flags=("-v", "--verbose")``, ``metavar``, ``positional=True``, ``group`` (a mutually
+    exclusive group's name), ``repeat=True``); see :mod:`ulysses_mm.cli.declare`."""
+    metadata: dict[str, Any] = {"help": text, "cli": cli}
+    r = Range.of(ge, gt, le, lt)
+    if r is not None:
+        metadata["range"] = r
+    if path is not None:
+        metadata["path"] = path
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
     if factory is not dataclasses.MISSING:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -237,8 +200,19 @@ def from_dict(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
     kwargs: dict[str, Any] = {}
+    renamed: Mapping[str, str] = getattr(cls, "RENAMED", {})
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
+        if key in renamed:  # an old name still read, with a one-line hint
+            key, old = renamed[key], full
+            full = f"{path}.{key}" if path else key
+            if key in data:
+                raise ConfigError(
+                    f"'{old}' is the old name of '{full}' and both are given; keep '{full}'"
+                )
+            warnings.warn(
+                f"'{old}' is now '{full}'; rename it in the config", FutureWarning, stacklevel=2
+            )
         if key not in names:
             near = _closest(str(key), names)
             hint = f"; did you mean '{path + '.' if path else ''}{near}'?" if near else ""

@@ -1,16 +1,15 @@
-"""What a command was given, checked before any work or process starts. Torch-free.
+"""What a command or a config was given, checked before any work or process starts.
+Torch-free.
 
-Two faces over one set of rules: plain functions (``number``, ``integer``, ``int_list``,
-``out_file``, ``out_dir``, ``in_file``, ``in_dir``, ``in_path``, ``not_inside``) that
-raise :class:`CheckError` — a :class:`~ulysses_mm.core.errors.UserError`, so the CLI
-prints it as one line, exit 2 — and ``argparse`` ``type=`` factories of the same names
-with an ``_arg`` suffix (and ``count_arg``, ``seed_arg``, ``count_or_arg`` over
-``integer``), which raise ``argparse.ArgumentTypeError`` with the same message.
-
-Each factory's callable carries ``check`` (its kind: ``number``, ``integer``,
-``int_list``, ``out_file``, ``out_dir``, ``in_file``, ``in_dir``, ``in_path``) and
-``bounds`` (a short text), so a test can find every checked option by reading the
-parsers.
+:class:`Range` is the one range type: the valid values of a numeric config key or
+command-line option, declared once in a field's metadata (:func:`ulysses_mm.config.parse.option`),
+shown in ``config --keys`` and in ``--help``, and enforced by :meth:`Range.check` (a config
+value) and :func:`number` / :func:`integer` / :func:`int_list` (a command-line word).
+Paths: ``out_file``, ``out_dir``, ``in_file``, ``in_dir``, ``in_path``, ``not_inside``.
+Each raises :class:`CheckError` — a :class:`~ulysses_mm.core.errors.UserError`, so the CLI
+prints it as one line, exit 2. :func:`arg_type` makes any of them an ``argparse``
+``type=`` that carries ``check`` (its name) and ``bounds`` (the range's text), so a test
+finds every checked option by reading the parsers.
 
 Paths with a scheme (``s3://…``, ``memory://…``) are remote: they are left to the
 storage layer, which reaches them.
@@ -24,10 +23,11 @@ import math
 import os
 import stat
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from ulysses_mm.core.errors import UserError
+from ulysses_mm.core.errors import ConfigError, UserError
 
 T = TypeVar("T")
 
@@ -35,6 +35,7 @@ T = TypeVar("T")
 # or overflow an int64 product long before it did anything useful).
 INT64_SAFE = 2**62  # an index or position: below it, sums and products of two stay in int64
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding takes no more
+SEED_MAX = 2**63 - 1  # numpy's and torch's generators take any of 0 .. 2**63 - 1
 MAX_PROCESSES = 1024  # local processes one command starts
 MAX_TOKENS = 10**9  # tokens one process generates, or bases of one probe half
 
@@ -43,75 +44,127 @@ class CheckError(UserError, ValueError):
     """A command-line value is out of its domain; the message names the bound."""
 
 
-# ------------------------------------------------------------------------ numbers
-
-
-def _bounds_text(ge: float | None, gt: float | None, le: float | None, lt: float | None) -> str:
-    parts = []
-    if ge is not None:
-        parts.append(f">= {ge:g}")
-    if gt is not None:
-        parts.append(f"> {gt:g}")
-    if le is not None:
-        parts.append(f"<= {le:g}")
-    if lt is not None:
-        parts.append(f"< {lt:g}")
-    return " and ".join(parts)
-
-
-def _int_text(n: int) -> str:
-    """``2^62`` for a large power of two, else ``1,000,000``."""
+def _num(x: float) -> str:
+    """A bound as people write it: ``2**63 - 1``, ``2**30``, ``10**6``, ``1e+06``, ``65536``."""
+    whole = isinstance(x, int) or float(x).is_integer()
+    n = int(x) if whole else 0
     if n >= 1 << 20 and n & (n - 1) == 0:
-        return f"2^{n.bit_length() - 1}"
-    return f"{n:,}"
+        return f"2**{n.bit_length() - 1}"
+    if n >= 1 << 20 and n & (n + 1) == 0:
+        return f"2**{n.bit_length()} - 1"
+    if not isinstance(x, int):
+        return f"{x:g}"
+    if x >= 10**6 and str(x).rstrip("0") == "1":
+        return f"10**{len(str(x)) - 1}"
+    return str(x)
 
 
-def _named(name: str, text: str) -> str:
-    return f"{name} {text}" if name else text
+@dataclass(frozen=True)
+class Range:
+    """The valid values of a number: ``low`` and ``high`` bounds (None = unbounded), each
+    included unless ``*_open``; a float must also be finite."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    @classmethod
+    def of(
+        cls,
+        ge: float | None = None,
+        gt: float | None = None,
+        le: float | None = None,
+        lt: float | None = None,
+    ) -> Range | None:
+        """The range of ``ge``/``gt`` (low) and ``le``/``lt`` (high); None if none is given."""
+        if ge is None and gt is None and le is None and lt is None:
+            return None
+        low, high = (gt if gt is not None else ge), (lt if lt is not None else le)
+        return cls(low, high, gt is not None, lt is not None)
+
+    def __str__(self) -> str:
+        lo, hi = self.low, self.high
+        if hi is None:
+            return "any" if lo is None else f"{'>' if self.low_open else '>='} {_num(lo)}"
+        if lo is None:
+            return f"{'<' if self.high_open else '<='} {_num(hi)}"
+        if not (self.low_open or self.high_open):
+            return f"{_num(lo)} .. {_num(hi)}"
+        return (
+            f"{'(' if self.low_open else '['}{_num(lo)}, {_num(hi)}{')' if self.high_open else ']'}"
+        )
+
+    def contains(self, value: float) -> bool:
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        lo, hi = self.low, self.high
+        if lo is not None and (value <= lo if self.low_open else value < lo):
+            return False
+        return not (hi is not None and (value >= hi if self.high_open else value > hi))
+
+    @property
+    def said(self) -> str:
+        """The range in a sentence: ``within 1 .. 8``, ``>= 0``; '' when unbounded."""
+        if self.low is None and self.high is None:
+            return ""
+        return f"within {self}" if self.low is not None and self.high is not None else str(self)
+
+    def refusal(self, key: str, value: Any, what: str = "") -> str:
+        """``KEY must be [WHAT ][within ]RANGE, got VALUE``: the one message of a value
+        outside the range (``what``: ``a finite number``, ``an integer``)."""
+        must = " ".join(x for x in (what, self.said) if x)
+        return f"{key + ' ' if key else ''}must be {must}, got {value}"
+
+    def check(self, key: str, value: float, error: type[UserError] = ConfigError) -> None:
+        """Raise ``error`` (a config key's by default) naming ``key`` unless ``value`` is in
+        the range."""
+        if not self.contains(value):
+            raise error(self.refusal(key, value))
+
+
+_ANY = Range()
 
 
 def number(
     value: str | float,
     name: str = "",
     *,
+    within: Range | None = None,
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
-    says: str = "",
 ) -> float:
-    """``value`` as a finite float within the bounds given (nan and inf are refused);
-    ``says``, if given, is how the message writes the bounds (``0 < RATE <= 1``)."""
-    bounds = says or _bounds_text(ge, gt, le, lt)
-    what = f"must be a finite number{' ' + bounds if bounds else ''}"
+    """``value`` as a finite float in ``within`` (or the range of ``ge``/``gt``/``le``/``lt``);
+    nan and inf are refused."""
+    r = within or Range.of(ge, gt, le, lt) or _ANY
     try:
         x = float(value)
     except (TypeError, ValueError):
-        raise CheckError(_named(name, f"{what}, got {value!r}")) from None
-    if (
-        not math.isfinite(x)
-        or (ge is not None and x < ge)
-        or (gt is not None and x <= gt)
-        or (le is not None and x > le)
-        or (lt is not None and x >= lt)
-    ):
-        raise CheckError(_named(name, f"{what}, got {value}"))
+        raise CheckError(r.refusal(name, repr(value), "a finite number")) from None
+    if not r.contains(x):
+        raise CheckError(r.refusal(name, value, "a finite number"))
     return x
 
 
-def integer(value: str | int, name: str = "", *, ge: int = 0, le: int = INT64_SAFE) -> int:
-    """``value`` as an int in ``[ge, le]`` (decimal digits only: no ``1e3``, no ``1.5``).
-    A count is ``ge=1``; an index or an "0 = default" option ``ge=0``. The message names
-    the bound that was crossed."""
+def integer(
+    value: str | int,
+    name: str = "",
+    *,
+    within: Range | None = None,
+    ge: int | None = None,
+    le: int | None = None,
+) -> int:
+    """``value`` as an int in ``within`` (default ``[ge or 0, le or 2**62]``): decimal digits
+    only, no ``1e3``, no ``1.5``."""
+    r = within or Range(0 if ge is None else ge, INT64_SAFE if le is None else le)
     try:
         x = int(value)
     except (TypeError, ValueError):
-        what = f"must be an integer >= {ge} and <= {_int_text(le)}"
-        raise CheckError(_named(name, f"{what}, got {value!r}")) from None
-    if x < ge:
-        raise CheckError(_named(name, f"must be at least {ge}, got {value}"))
-    if x > le:
-        raise CheckError(_named(name, f"must be at most {_int_text(le)}, got {value}"))
+        raise CheckError(r.refusal(name, repr(value), "an integer")) from None
+    if not r.contains(x):
+        raise CheckError(r.refusal(name, value, "an integer"))
     return x
 
 
@@ -119,26 +172,30 @@ def int_list(
     value: str,
     name: str = "",
     *,
-    ge: int = 0,
-    lt: int = INT64_SAFE,
+    within: Range | None = None,
     increasing: bool = False,
     min_items: int = 1,
 ) -> list[int]:
-    """A comma-separated list of at least ``min_items`` ints, each in ``[ge, lt)`` (strictly
-    increasing if asked)."""
+    """A comma-separated list of at least ``min_items`` ints, each in ``within`` (default
+    ``[0, 2**62)``; strictly increasing if asked)."""
+    r = within or Range(0, INT64_SAFE, high_open=True)
     order = ", increasing" if increasing else ""
     least = f"{min_items} or more " if min_items > 1 else ""
-    what = f"must be {least}integers >= {ge} and < {_int_text(lt)} separated by commas{order}"
+    what = f"{least}integers {r.said} separated by commas{order}"
     try:
         items = [int(x) for x in str(value).split(",")]
     except ValueError:
-        raise CheckError(_named(name, f"{what}, got {value!r}")) from None
-    bad = [x for x in items if not ge <= x < lt]
+        raise CheckError(f"{name + ' ' if name else ''}must be {what}, got {value!r}") from None
+    bad = [x for x in items if not r.contains(x)]
     if bad:
-        raise CheckError(_named(name, f"{what}, got {bad[0]}"))
+        raise CheckError(f"{name + ' ' if name else ''}must be {what}, got {bad[0]}")
     if len(items) < min_items or (increasing and any(b <= a for a, b in itertools.pairwise(items))):
-        raise CheckError(_named(name, f"{what}, got {value}"))
+        raise CheckError(f"{name + ' ' if name else ''}must be {what}, got {value}")
     return items
+
+
+def _named(name: str, text: str) -> str:
+    return f"{name} {text}" if name else text
 
 
 # ------------------------------------------------------------------------ paths
@@ -247,10 +304,19 @@ def in_dir(value: str, name: str = "", *, exist: bool = True) -> str:
 
 # ------------------------------------------------------------------------ argparse types
 
+PATHS: dict[str, Callable[..., str]] = {
+    "out_file": out_file,
+    "out_dir": out_dir,
+    "in_file": in_file,
+    "in_dir": in_dir,
+    "in_path": in_path,
+}
 
-def _arg(check: str, bounds: str, fn: Callable[[str], T]) -> Callable[[str], T]:
+
+def arg_type(check: str, fn: Callable[[str], T], bounds: str = "") -> Callable[[str], T]:
     """``fn`` as an argparse ``type=``: its refusal becomes ``ArgumentTypeError`` (whose
-    message argparse prints as is), marked with ``check`` and ``bounds``."""
+    message argparse prints as is), marked with ``check`` (``number``, ``integer``,
+    ``int_list``, a key of :data:`PATHS`) and ``bounds`` (the range's text)."""
 
     def parse(value: str) -> T:
         try:
@@ -263,90 +329,3 @@ def _arg(check: str, bounds: str, fn: Callable[[str], T]) -> Callable[[str], T]:
     marked.check = check
     marked.bounds = bounds
     return parse
-
-
-def number_arg(
-    *,
-    ge: float | None = None,
-    gt: float | None = None,
-    le: float | None = None,
-    lt: float | None = None,
-    says: str = "",
-) -> Callable[[str], float]:
-    """``type=`` for a finite float within the bounds."""
-    return _arg(
-        "number",
-        says or _bounds_text(ge, gt, le, lt),
-        lambda v: number(v, ge=ge, gt=gt, le=le, lt=lt, says=says),
-    )
-
-
-def integer_arg(*, ge: int = 0, le: int = INT64_SAFE) -> Callable[[str], int]:
-    """``type=`` for an int in ``[ge, le]``."""
-    return _arg("integer", f">= {ge} and <= {le}", lambda v: integer(v, ge=ge, le=le))
-
-
-def count_arg(le: int) -> Callable[[str], int]:
-    """``type=`` for a count: an int in ``[1, le]``."""
-    return integer_arg(ge=1, le=le)
-
-
-def seed_arg() -> Callable[[str], int]:
-    """``type=`` for a seed: an int in ``[0, 2**32 - 1]``."""
-    return integer_arg(ge=0, le=MAX_SEED)
-
-
-def count_or_arg(word: str, le: int) -> Callable[[str], int | str]:
-    """``type=`` for a count in ``[1, le]`` or the one word ``word`` (e.g. ``auto``)."""
-
-    def parse(value: str) -> int | str:
-        if value == word:
-            return value
-        try:
-            return integer(value, ge=1, le=le)
-        except CheckError:
-            raise CheckError(
-                f"must be a positive integer or {word} (at most {_int_text(le)}), got {value!r}"
-            ) from None
-
-    return _arg("integer", f"{word} or >= 1 and <= {le}", parse)
-
-
-def int_list_arg(
-    *, ge: int = 0, lt: int = INT64_SAFE, increasing: bool = False, min_items: int = 1
-) -> Callable[[str], list[int]]:
-    """``type=`` for comma-separated ints in ``[ge, lt)``."""
-    return _arg(
-        "int_list",
-        f">= {ge} and < {lt}" + (", increasing" if increasing else ""),
-        lambda v: int_list(v, ge=ge, lt=lt, increasing=increasing, min_items=min_items),
-    )
-
-
-def out_file_arg() -> Callable[[str], str]:
-    """``type=`` for a file to write (see :func:`out_file`)."""
-    return _arg("out_file", "", out_file)
-
-
-def out_dir_arg() -> Callable[[str], str]:
-    """``type=`` for a directory to write (see :func:`out_dir`)."""
-    return _arg("out_dir", "", out_dir)
-
-
-# The input types refuse the wrong kind; a missing input is left to the command (which
-# names it with what it expected there: a run directory, a manifest, …) unless ``exist``.
-
-
-def in_file_arg(*, exist: bool = False) -> Callable[[str], str]:
-    """``type=`` for an input file: not an existing directory (a URL passes)."""
-    return _arg("in_file", "exists" if exist else "", lambda v: in_file(v, exist=exist))
-
-
-def in_dir_arg(*, exist: bool = False) -> Callable[[str], str]:
-    """``type=`` for an input directory: not an existing file (a URL passes)."""
-    return _arg("in_dir", "exists" if exist else "", lambda v: in_dir(v, exist=exist))
-
-
-def in_path_arg(*, exist: bool = False) -> Callable[[str], str]:
-    """``type=`` for an input file or directory, not empty (a URL passes)."""
-    return _arg("in_path", "exists" if exist else "", lambda v: in_path(v, exist=exist))

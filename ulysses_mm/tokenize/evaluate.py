@@ -24,15 +24,16 @@ then exits 1 after reporting the others.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ulysses_mm.config.parse import option
 from ulysses_mm.core.errors import ConfigError
 from ulysses_mm.tokenize.base import DecodeError, Entry, Tokenizer
 
@@ -150,8 +151,32 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def cli_eval(args: argparse.Namespace) -> int:
-    """The ``tokenizer eval`` subcommand (see ulysses_mm.cli.data.add_tokenizer for its flags)."""
+@dataclass
+class TokenizerEval:
+    """``ulysses-mm tokenizer eval``'s arguments (its flags, by :mod:`ulysses_mm.cli.declare`)."""
+
+    spec: str = option(
+        "tokenizer spec JSON, e.g. tokenizers/video-vq.json", path="in_file", positional=True
+    )
+    files: list[str] = option("files to measure", path="in_file", positional=True, nargs="+")
+    json: bool = option(
+        "print one JSON document (per-file exact / snr_db / psnr_db, and a summary)", False
+    )
+    damage: list[float] | None = option(
+        "also decode after a fraction RATE of the ids was replaced by random ids of the "
+        "modality (video, audio; repeatable, e.g. --damage 0.001 --damage 0.01)", None,
+        gt=0, le=1, repeat=True, metavar="RATE",
+    )  # fmt: skip
+    seeds: int = option(
+        "random draws per --damage rate, seeds 0..N-1: mean and worst", 5, ge=1, le=10**4
+    )
+
+    def run(self) -> int:
+        return cli_eval(self)
+
+
+def cli_eval(args: TokenizerEval) -> int:
+    """The ``tokenizer eval`` subcommand."""
     from ulysses_mm.tokenize.registry import load_tokenizer
 
     damage = list(args.damage or [])

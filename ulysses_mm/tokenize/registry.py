@@ -31,6 +31,9 @@ class Kind:
     # endings it reads only where no tokenizer of the pipeline claims them in ``suffixes``:
     # the audio tokenizer reads a video container's sound track when there is no video one
     fallback_suffixes: tuple[str, ...] = ()
+    # a kind with a learned part says how it is fitted: "module:Class" of the dataclass of
+    # ``tokenizer fit KIND``'s options, whose ``run()`` fits and writes the spec
+    fit: str = ""
 
 
 _DNA = (".fa", ".fasta", ".fna", ".ffn", ".frn", ".fas", ".fastq", ".fq", ".gb", ".gbk", ".gbff")
@@ -51,7 +54,11 @@ _KINDS: dict[str, Kind] = {
         _AUDIO,
         fallback_suffixes=(".mp4", ".webm", ".mkv", ".mov", ".m4v"),
     ),
-    "video-vq": Kind("ulysses_mm.tokenize.video.vq:VqVideoTokenizer", _VIDEO),
+    "video-vq": Kind(
+        "ulysses_mm.tokenize.video.vq:VqVideoTokenizer",
+        _VIDEO,
+        fit="ulysses_mm.tokenize.video.fit:VideoVqFit",
+    ),
     "video-h264": Kind("ulysses_mm.tokenize.video.h264:H264VideoTokenizer", _VIDEO),
     "video-codec": Kind("ulysses_mm.tokenize.video.codec.tokenizer:CodecVideoTokenizer", _VIDEO),
     "text": Kind("ulysses_mm.tokenize.text.tokenizer:TextTokenizer", (".txt", ".jsonl")),
@@ -63,22 +70,29 @@ def register_kind(
     target: str | type[Tokenizer],
     suffixes: Sequence[str] = (),
     fallback_suffixes: Sequence[str] = (),
+    fit: str = "",
 ) -> None:
     """Make ``kind`` resolvable; ``target`` is a Tokenizer class or "module:Class".
 
     A kind registered without suffixes gets its inputs only through a pipeline's own
-    ``suffixes`` table."""
+    ``suffixes`` table; one with ``fit`` can be fitted (see :class:`Kind`)."""
     if not isinstance(target, str):
         target = f"{target.__module__}:{target.__qualname__}"
     _KINDS[kind] = Kind(
         target,
         tuple(s.lower() for s in suffixes),
         tuple(s.lower() for s in fallback_suffixes),
+        fit,
     )
 
 
 def kinds() -> list[str]:
     return sorted(_KINDS)
+
+
+def fittable() -> dict[str, str]:
+    """Each kind that can be fitted, with its fit options ("module:Class")."""
+    return {name: k.fit for name, k in sorted(_KINDS.items()) if k.fit}
 
 
 def kind(name: str) -> Kind:

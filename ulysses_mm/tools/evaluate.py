@@ -25,6 +25,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ulysses_mm.config.parse import option
+from ulysses_mm.core.checks import INT64_SAFE, MAX_PROCESSES
 from ulysses_mm.core.errors import ConfigError, UserError
 from ulysses_mm.train.evaluate import EvalResult
 from ulysses_mm.train.metrics import LN2
@@ -32,12 +34,28 @@ from ulysses_mm.train.metrics import LN2
 
 @dataclass
 class EvaluateOptions:
-    nproc: int | None = None
-    batches: int = 0  # micro-batches per DP rank (0: the whole manifest, one pass)
-    micro_batch: int = 0  # samples per DP rank (0: the run's data.micro_batch_size)
-    edges: list[int] | None = None  # position bins (default: log-spaced)
-    seq_len: int = 0  # tokens per window (0: the samples' length)
-    sp: int = 0  # Ulysses ranks (0: the run's parallel.sp, its ring and head chunks)
+    """``ulysses-mm evaluate``'s options (its flags, by :mod:`ulysses_mm.cli.declare`)."""
+
+    nproc: int | None = option(
+        "local processes (default: the run's parallel.sp; dp = nproc / sp)", None,
+        ge=1, le=MAX_PROCESSES,
+    )  # fmt: skip
+    batches: int = option(
+        "micro-batches per DP rank (0: every sample once)", 0, ge=0, le=INT64_SAFE
+    )
+    micro_batch: int = option("samples per DP rank (0: the run's)", 0, ge=0, le=1 << 20)
+    edges: list[int] | None = option(
+        "position bin edges instead of log-spaced ones, e.g. 2,1026,2050", None,
+        ge=0, lt=INT64_SAFE, increasing=True, min_items=2, metavar="P0,P1,...",
+    )  # fmt: skip
+    seq_len: int = option(
+        "evaluate on windows of L tokens cut out of the samples, each keeping its documents' "
+        "positions (0: the samples' length)", 0, ge=0, le=1 << 40, metavar="L",
+    )  # fmt: skip
+    sp: int = option(
+        "N Ulysses ranks instead of the run's layout (0: the run's parallel.sp; --nproc "
+        "defaults to it)", 0, ge=0, le=MAX_PROCESSES, metavar="N",
+    )  # fmt: skip
 
     def check(self) -> None:
         if self.nproc is not None and self.nproc < 1:

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from ulysses_mm.config.parse import option
+from ulysses_mm.core.checks import INT64_SAFE, MAX_PROCESSES, MAX_SEED, MAX_TOKENS
 from ulysses_mm.core.errors import ConfigError, DataError, UnsupportedError, UserError
 from ulysses_mm.core.layout import check_layout
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
@@ -37,22 +39,45 @@ from ulysses_mm.train.inference import Trained, open_trained
 
 @dataclass
 class GenerateOptions:
-    modality: str
-    new_tokens: int
-    out: str
-    prompt: str | None = None
-    prompt_tokens: int | None = None
-    prompt_seconds: float | None = None
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    with_prompt: bool = False
-    ignore_doc_end: bool = False  # never sample </doc>: all new_tokens ids are written
-    tokenizer: str | None = None  # a spec file instead of the recorded one
-    dtype: str = "auto"
-    device: str = "auto"
-    nproc: int | None = None
+    """``ulysses-mm generate``'s options (its flags, by :mod:`ulysses_mm.cli.declare`)."""
+
+    modality: str = option("the modality to write (dna, audio, video, text, …)")
+    new_tokens: int = option("ids to generate", ge=1, le=MAX_TOKENS, metavar="N")
+    out: str = option("the file to write", path="out_file", metavar="FILE")
+    prompt: str | None = option(
+        "a file of that modality (FASTA, audio, video, .txt); none: start a document",
+        None, path="in_file", metavar="FILE",
+    )  # fmt: skip
+    prompt_tokens: int | None = option(
+        "keep the first N ids", None, ge=1, le=MAX_TOKENS, metavar="N", group="prompt"
+    )
+    prompt_seconds: float | None = option(
+        "keep the first S seconds (audio, video)", None, gt=0, le=10**6, metavar="S",
+        group="prompt",
+    )  # fmt: skip
+    temperature: float = option("softmax temperature (0: greedy)", 1.0, ge=0)
+    top_k: int = option("sample among the k likeliest (0: all)", 0, ge=0, le=INT64_SAFE)
+    top_p: float = option("nucleus: the likeliest ids of mass p (1: all)", 1.0, gt=0, le=1)
+    seed: int = option("sampling seed", 0, ge=0, le=MAX_SEED)
+    with_prompt: bool = option(
+        "write the prompt's part too (default: only what was generated)", False
+    )
+    ignore_doc_end: bool = option(
+        "never sample </doc>: write all --new-tokens ids (default: </doc> ends early)", False
+    )
+    tokenizer: str | None = option(
+        "tokenizer spec to use instead of the one recorded with the model", None,
+        path="in_file", metavar="SPEC",
+    )  # fmt: skip
+    dtype: str = option(
+        "weights' dtype (auto: the training precision)", "auto",
+        choices=("auto", "fp32", "bf16", "fp16"),
+    )  # fmt: skip
+    device: str = option("a GPU if any (auto)", "auto", choices=("auto", "cpu", "cuda"))
+    nproc: int | None = option(
+        "prefill with N local sequence-parallel processes (a prompt too long for one)", None,
+        ge=1, le=MAX_PROCESSES,
+    )  # fmt: skip
 
     def check(self) -> None:
         if self.new_tokens < 1:

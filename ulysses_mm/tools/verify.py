@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ulysses_mm.config import RunConfig, from_dict, to_dict
+from ulysses_mm.config.parse import option
+from ulysses_mm.core.checks import MAX_SEED
 from ulysses_mm.core.layout import check_layout, expanded_kv_heads
 from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES, TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
@@ -35,11 +37,11 @@ class VerifyOptions:
     """What verify runs beside the run config (whose ``parallel.sp``/``dp`` give the
     layout and whose model is checked)."""
 
-    seq_len: int = 1024
-    micro_batch: int = 1
-    seed: int = 0
-    atol: float = 1e-5
-    rtol: float = 1e-4
+    seq_len: int = option("tokens per sample N", 1024, ge=1, le=1 << 24)
+    micro_batch: int = option("samples per DP rank", 1, ge=1, le=1 << 10)
+    seed: int = option("seed of the random batch", 0, ge=0, le=MAX_SEED)
+    atol: float = option("absolute tolerance", 1e-5, ge=0)
+    rtol: float = option("tolerance relative to max |ref|", 1e-4, ge=0)
 
 
 def theory_bytes_per_layer(cfg: RunConfig, opts: VerifyOptions, elem_bytes: int) -> tuple[int, int]:

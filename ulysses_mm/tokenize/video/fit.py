@@ -14,7 +14,6 @@ codebook (e.g. the audio-interleaving variant of a fitted spec, sharing one arti
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -28,9 +27,12 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from ulysses_mm.config.parse import option
+from ulysses_mm.core.checks import MAX_SEED
 from ulysses_mm.core.errors import ConfigError, DataError
 from ulysses_mm.core.storage import atomic_write_local
 from ulysses_mm.tokenize.base import DecodeError, TokenizerSpec
+from ulysses_mm.tokenize.registry import load_tokenizer
 from ulysses_mm.tokenize.video.frames import decord_or_none, sample_frames
 from ulysses_mm.tokenize.video.kmeans import kmeans
 from ulysses_mm.tokenize.video.vq import patchify
@@ -38,15 +40,53 @@ from ulysses_mm.tokenize.video.vq import patchify
 
 @dataclass
 class VideoFitOptions:
-    fps: float = 8.0
-    size: int = 256
-    patch: int = 16
-    codebook_size: int = 256
-    max_frames: int | None = None  # per source
-    seed: int = 0
-    iters: int = 20
-    max_patches: int = 200_000
-    backend: str = "auto"
+    """How frames are sampled and the codebook is fitted (``tokenizer fit video-vq``'s
+    flags, with :class:`VideoVqFit`'s)."""
+
+    fps: float = option("frames sampled per second", 8.0, gt=0, le=1000)
+    size: int = option("square crop side in pixels", 256, ge=1, le=1 << 16)
+    patch: int = option("patch side in pixels", 16, ge=1, le=1 << 16)
+    codebook_size: int = option("codewords = vocab_size", 256, ge=1, le=1 << 24)
+    max_frames: int | None = option(
+        "frames per source to fit on (default all)", None, ge=1, le=1 << 31
+    )
+    seed: int = option("seed of sampling and k-means", 0, ge=0, le=MAX_SEED)
+    iters: int = option("k-means iterations at most", 20, ge=1, le=10**6)
+    max_patches: int = option(
+        "patches k-means sees at most, a seeded subsample", 200_000, ge=1, le=10**9
+    )
+    backend: str = option(
+        "frame decoder (auto: decord, PyAV where decord cannot)", "auto",
+        choices=("auto", "decord", "pyav"),
+    )  # fmt: skip
+
+
+@dataclass(kw_only=True)
+class VideoVqFit(VideoFitOptions):
+    """``ulysses-mm tokenizer fit video-vq``: sample frames from ``sources`` exactly as the
+    tokenizer will (fps, resize, centre crop, patches), fit a k-means codebook, and write
+    ``out`` (the spec) and ``out`` with .npy (the codebook), atomically."""
+
+    sources: list[str] = option(
+        "media files to fit on", factory=list, path="in_file", positional=True
+    )
+    out: str = option("spec to write, e.g. tokenizers/video-vq.json", path="out_file")
+    name: str | None = option("spec name (default: OUT's file stem)", None)
+    description: str | None = option("spec description (default: generated)", None)
+    audio_spec: str | None = option(
+        "audio spec JSON to interleave with the frames (makes a video+audio spec)", None,
+        path="in_file",
+    )  # fmt: skip
+    chunk_frames: int | None = option(
+        "frames per interleaving chunk, with --audio-spec (default 8)", None, ge=1, le=10**6
+    )
+    codebook: str | None = option(
+        "reuse this fitted codebook .npy instead of fitting (SOURCES not needed)", None,
+        path="in_file",
+    )  # fmt: skip
+
+    def run(self) -> int:
+        return cli_fit(self)
 
 
 @dataclass
@@ -106,14 +146,14 @@ def _rel(path: Path, start: Path) -> str:
     return Path(os.path.relpath(path.resolve(), start.resolve())).as_posix()
 
 
-def _check_flag_combinations(args: argparse.Namespace, opts: VideoFitOptions) -> None:
+def _check_flag_combinations(opts: VideoVqFit) -> None:
     """No flag may silently do nothing, and none may ask for what is not installed."""
     if opts.backend == "decord" and decord_or_none() is None:
         raise ConfigError("--backend decord: decord is not installed here")
-    if args.chunk_frames is not None and not args.audio_spec:
+    if opts.chunk_frames is not None and not opts.audio_spec:
         raise ConfigError("--chunk-frames only applies with --audio-spec")
-    if args.codebook:
-        if args.sources:
+    if opts.codebook:
+        if opts.sources:
             raise ConfigError("--codebook reuses a fitted codebook: give no SOURCES with it")
         defaults = VideoFitOptions()
         fit_only = ["max_frames", "seed", "iters", "max_patches", "codebook_size"]
@@ -123,28 +163,13 @@ def _check_flag_combinations(args: argparse.Namespace, opts: VideoFitOptions) ->
             raise ConfigError(f"{flags} only apply when fitting, not with --codebook")
 
 
-def cli_fit(args: argparse.Namespace) -> int:
-    """The ``tokenizer fit`` subcommand (see ulysses_mm.cli.data.add_tokenizer for its flags)."""
-    from ulysses_mm.tokenize.registry import load_tokenizer
-
-    if args.modality != "video":
-        raise ConfigError(f"no fitted tokenizer for modality {args.modality!r}")
-    out = Path(args.out)
+def cli_fit(opts: VideoVqFit) -> int:
+    """Fit (or reuse) a codebook and write its spec; the fitted spec must load."""
+    out = Path(opts.out)
     if out.suffix != ".json":
         raise ConfigError(f"--out must name the spec .json, got {out}")
-    name = args.name or out.stem
-    opts = VideoFitOptions(
-        fps=args.fps,
-        size=args.size,
-        patch=args.patch,
-        codebook_size=args.codebook_size,
-        max_frames=args.max_frames,
-        seed=args.seed,
-        iters=args.iters,
-        max_patches=args.max_patches,
-        backend=args.backend,
-    )
-    _check_flag_combinations(args, opts)
+    name = opts.name or out.stem
+    _check_flag_combinations(opts)
     params: dict[str, Any] = {
         "fps": opts.fps,
         "size": opts.size,
@@ -152,13 +177,13 @@ def cli_fit(args: argparse.Namespace) -> int:
         "max_frames": None,
         "backend": opts.backend,
     }
-    if args.audio_spec:
-        audio = Path(args.audio_spec)
+    if opts.audio_spec:
+        audio = Path(opts.audio_spec)
         TokenizerSpec.load(audio)  # fail before fitting if it is not a spec
         params["audio"] = {"spec": _rel(audio, out.parent)}
-        params["chunk_frames"] = args.chunk_frames or 8
-    if args.codebook:
-        artifact = Path(args.codebook)
+        params["chunk_frames"] = opts.chunk_frames or 8
+    if opts.codebook:
+        artifact = Path(opts.codebook)
         try:
             codebook = np.load(artifact, allow_pickle=False)
             data = artifact.read_bytes()
@@ -166,10 +191,10 @@ def cli_fit(args: argparse.Namespace) -> int:
             raise DataError(f"--codebook {artifact}: cannot load it: {e}") from e
         params["fit"] = {"reused": artifact.name}
     else:
-        if not args.sources:
+        if not opts.sources:
             raise ConfigError("give SOURCES to fit on, or --codebook to reuse a fitted one")
         try:
-            fit = fit_video_codebook(args.sources, opts)
+            fit = fit_video_codebook(opts.sources, opts)
         except DecodeError as e:
             raise DataError(f"cannot fit on the sources: {e}") from e
         codebook = fit.codebook
@@ -179,12 +204,12 @@ def cli_fit(args: argparse.Namespace) -> int:
         atomic_write_local(artifact, data)
     spec = {
         "name": name,
-        "description": args.description
+        "description": opts.description
         or (
             f"Video as {opts.size}x{opts.size} crops at {opts.fps:g} fps, {opts.patch}x"
             f"{opts.patch} patches vector-quantised to a {codebook.shape[0]}-word k-means "
             "codebook; <eof> after each frame"
-            + (", audio interleaved per chunk" if args.audio_spec else "")
+            + (", audio interleaved per chunk" if opts.audio_spec else "")
             + "."
         ),
         "modality": "video",
