@@ -15,6 +15,7 @@ from ulysses_mm.cli.declare import command, overrides, positional
 from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.config.parse import option
 from ulysses_mm.core.checks import MAX_PROCESSES
+from ulysses_mm.tools.estimate.stages import check_stages_fit
 from ulysses_mm.train.stop import EXIT_STOPPED, StopRecord, young_interval_s
 
 CHECKPOINT = "a run dir, its checkpoints/ dir or a step_* dir"
@@ -69,21 +70,14 @@ class Train:
 
 def _train(a: Train) -> int:
     from ulysses_mm.train.loop import run_train  # lazy: torch
-    from ulysses_mm.train.plan import resolve_resume
 
     started = time.time()
     _log_to(a.verbose)
     extra = ["train.resume=always"] if a.resume else []
     extra += [f"train.max_minutes={a.max_minutes}"] if a.max_minutes is not None else []
     cfg = load_config(RunConfig, a.config, [*a.overrides, *extra])
-    if cfg.train.gpu_mem_gib:  # every stage against the budget, before any process starts
-        from ulysses_mm.tools.estimate.stages import check_stages_fit
-        from ulysses_mm.train.plan import plan_run, world_size
-
-        world = world_size(a.nproc)
-        plan = plan_run(cfg, world, resolve_resume(cfg))
-        check_stages_fit(cfg, world, plan.manifest.seq_len, space=plan.space)
-    result = run_train(cfg, a.nproc, started)
+    # the pre-flight checks every stage against train.gpu_mem_gib, before any process starts
+    result = run_train(cfg, a.nproc, started, memory=check_stages_fit)
     if os.environ.get("RANK", "0") != "0":
         return 75 if result.get("stopped") else 0
     if result.get("complete"):
