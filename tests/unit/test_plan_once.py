@@ -8,6 +8,7 @@ import math
 from typing import ClassVar
 
 import pytest
+from conftest import REPO
 from helpers.train_data import prepare_dna
 
 from ulysses_mm.config import ConfigError, RunConfig, load_config
@@ -117,3 +118,25 @@ def test_no_budget_no_memory_check(manifest, tmp_path):
     assert cfg.train.gpu_mem_gib == 0
     plan.plan_run(cfg, 1, memory=lambda *a, **k: asked.append(a))
     assert asked == []
+
+
+def test_the_train_command_plans_once_with_its_budget(
+    manifest, tmp_path, plans, monkeypatch, capsys
+):
+    """``ulysses-mm train`` with train.gpu_mem_gib: one plan, the budget checked in it (it
+    planned the run three times: once for the budget, once in run_train, once in the rank)."""
+    from ulysses_mm.cli import main
+
+    monkeypatch.setattr(loop, "Trainer", _Rank)
+    _Rank.given = []
+    args = [f"data.train={manifest}", f"train.out_dir={tmp_path / 'run'}", "train.steps=2"]
+    args += ["logging.wandb=disabled", "parallel.sp=1"]
+    config = REPO / "configs" / "debug-tiny.yaml"
+    assert main(["train", str(config), *args, "train.gpu_mem_gib=80"]) == 0
+    assert len(plans) == 1 and _Rank.given == [plans[0]]
+    assert "trained 2 steps" in capsys.readouterr().out
+    plans.clear()
+    assert main(["train", str(config), *args, "train.gpu_mem_gib=0.001"]) == 2
+    assert len(plans) == 1 and len(_Rank.given) == 1  # refused in the plan: no rank
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "more than train.gpu_mem_gib=0.001 GiB" in err[0]
