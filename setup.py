@@ -25,11 +25,14 @@ def _resources():
 
 class BuildWithData(build_py):
     def run(self):
-        super().run()
         if getattr(self, "editable_mode", False):
+            super().run()
             return
+        # build_py copies into build/lib and never removes: a module deleted or renamed in
+        # the tree would still ship from an earlier build's copy
+        shutil.rmtree(Path(self.build_lib) / "ulysses_mm", ignore_errors=True)
+        super().run()
         target = Path(self.build_lib) / "ulysses_mm" / "_data"
-        shutil.rmtree(target, ignore_errors=True)
         for rel in _resources().shipped_files(ROOT):
             dest = target / rel
             dest.parent.mkdir(parents=True, exist_ok=True)

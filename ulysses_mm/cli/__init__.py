@@ -15,7 +15,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from ulysses_mm.cli import data, model, setup
+from ulysses_mm.cli import data, model, setup, shipped
 from ulysses_mm.cli.declare import Parser
 from ulysses_mm.core.errors import UserError
 from ulysses_mm.core.launch_env import LAUNCH_ENV, in_launched_world
@@ -36,6 +36,7 @@ _SUBCOMMANDS = [
     setup.add_verify,
     setup.add_estimate,
     setup.add_config,
+    shipped.add,  # pipelines, configs
 ]
 
 

@@ -14,7 +14,9 @@ from ulysses_mm.core.checks import INT64_SAFE, MAX_PROCESSES, MAX_SEED, MAX_TOKE
 
 @dataclass
 class Prepare:
-    pipeline: str = positional("pipeline spec YAML (e.g. pipelines/dna.yaml)", "in_file")
+    pipeline: str = positional(
+        "pipeline spec YAML, or a shipped pipeline's name (ulysses-mm pipelines)", "pipeline"
+    )
     overrides: list[str] = overrides(
         ", e.g. output=out/dna 'sources=[data/*.fa.gz]' pack.seq_len=65536"
     )

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
 from ulysses_mm.config.parse import option
-from ulysses_mm.core import checks
+from ulysses_mm.core import checks, shipped
 
 # argparse's "argument --x: must be …" from a check's type: read as "--x must be …"
 _ARGUMENT = re.compile(r"^argument ([^:]+): ")
@@ -198,7 +198,7 @@ def _type(f: dataclasses.Field, tp: Any, cli: dict[str, Any]) -> dict[str, Any]:
         return {"action": "store_true"}
     if "path" in f.metadata:
         check = f.metadata["path"]
-        fn = checks.PATHS[check]
+        fn = {**checks.PATHS, **shipped.PATHS}[check]
         exist = cli.get("exist", False)
         kw: dict[str, Any] = {
             "type": checks.arg_type(

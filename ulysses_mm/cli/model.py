@@ -52,7 +52,9 @@ def _demo(a: Demo) -> int:
 
 @dataclass
 class Train:
-    config: str = positional("run config YAML (see configs/)", "in_file")
+    config: str = positional(
+        "run config YAML, or a shipped config's name (ulysses-mm configs)", "run_config"
+    )
     overrides: list[str] = overrides()
     nproc: int | None = option(
         "start N local processes (torch elastic launcher)", None, ge=1, le=MAX_PROCESSES

@@ -30,9 +30,9 @@ class Verify:
         ge=1, le=MAX_PROCESSES,
     )  # fmt: skip
     config: str | None = option(
-        "run config YAML (default: the schema's defaults)",
+        "run config YAML or a shipped config's name (default: the schema's defaults)",
         None,
-        path="in_file",
+        path="run_config",
     )
     overrides: list[str] = overrides()
 
@@ -48,7 +48,9 @@ def _verify(a: Verify, opts: object) -> int:
 class Estimate:
     """``ulysses-mm estimate``'s arguments, read by :func:`ulysses_mm.tools.estimate.run_cli`."""
 
-    config: str = positional("run config YAML (see configs/)", "in_file")
+    config: str = positional(
+        "run config YAML, or a shipped config's name (ulysses-mm configs)", "run_config"
+    )
     overrides: list[str] = overrides()
     gpus: int | None = option(
         "GPUs in all (world size; default parallel.sp × parallel.dp; with train.stages and "
@@ -115,7 +117,9 @@ def _estimate(a: Estimate) -> int:
 
 @dataclass
 class Config:
-    config: str | None = option("run config YAML", None, path="in_file", positional=True)
+    config: str | None = option(
+        "run config YAML or a shipped config's name", None, path="run_config", positional=True
+    )
     overrides: list[str] = overrides()
     keys: bool = option("list every config key with its type, valid range and help", False)
     from_hf: str | None = option(

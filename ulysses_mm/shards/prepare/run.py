@@ -29,9 +29,9 @@ why each input failed, in one line.
 Paths: relative paths written in a pipeline file resolve against the file's directory
 (so ``pipelines/dna.yaml`` works from any working directory); relative paths given as
 ``key=value`` overrides on the command line resolve against the current directory. A
-shipped pipeline named (``prepare dna``) is read from the wheel or the clone; from a wheel,
-where it writes (``output``, ``staging``) resolves against the working directory as if it
-were a clone's root (``../build/shards/dna`` -> ``./build/shards/dna``).
+shipped pipeline given by name (``prepare dna``) reads its inputs from the wheel or the
+clone and writes (``output``, ``staging``) under the working directory, as if it were the
+clone's root: ``../build/shards/dna`` is ``./build/shards/dna``.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from ulysses_mm.config import (
 )
 from ulysses_mm.core import storage
 from ulysses_mm.core.resources import shipped_tokenizer
-from ulysses_mm.core.shipped import find, installed
+from ulysses_mm.core.shipped import find, named
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.manifest import (
     MANIFEST_NAME,
@@ -144,14 +144,12 @@ def load_pipeline_config(
     data: dict[str, Any] = {}
     here = (cwd or Path.cwd()).resolve()
     if path is not None:
-        path = find("pipelines", path)
-        parent = path.resolve().parent
-        # the wheel is read-only: its pipelines write under here, as a clone's root would
-        written = here / parent.name if installed(parent) else None
-        data = _resolve_paths(read_yaml(path), parent, written)
-    data = deep_merge(
-        data, _resolve_paths(parse_overrides(overrides), here)
-    )
+        file = find("pipelines", path)
+        parent = file.resolve().parent
+        # a shipped pipeline named writes under here, as if here were a clone's root
+        written = here / parent.name if named("pipelines", path) is not None else None
+        data = _resolve_paths(read_yaml(file), parent, written)
+    data = deep_merge(data, _resolve_paths(parse_overrides(overrides), here))
     try:
         return from_dict(PipelineConfig, data)
     except ConfigError as e:

@@ -1,0 +1,103 @@
+"""Shipped pipelines and run configs by name: ``ulysses-mm prepare dna``,
+``ulysses-mm train debug-stages``.
+
+A bare NAME (no ``/``, no ``.yaml`` / ``.yml``, no file of that name here) means the
+shipped ``pipelines/NAME.yaml`` or ``configs/NAME.yaml`` — in an installed wheel or the
+clone (:func:`ulysses_mm.core.resources.resource`). A path that exists always wins, and
+anything else is a path the caller checks as usual. Torch-free: the CLI imports it.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+from ulysses_mm.core.checks import CheckError, in_file, is_remote
+from ulysses_mm.core.resources import resource
+
+# The folders that hold files by name, and what one of their files is called.
+FOLDERS = {"pipelines": "pipeline", "configs": "run config"}
+SUFFIX = ".yaml"
+# A description is one sentence; past this many characters it is shortened.
+DESCRIPTION_WIDTH = 90
+
+
+def names(folder: str) -> list[str]:
+    """The names shipped in ``folder`` (``dna`` for pipelines/dna.yaml), sorted."""
+    return sorted(p.stem for p in resource(folder).glob(f"*{SUFFIX}"))
+
+
+def is_name(value: str) -> bool:
+    """``value`` is written as a name, not a path: no separator, no YAML suffix, no URL."""
+    return bool(value) and not (
+        "/" in value or "\\" in value or value.endswith((".yaml", ".yml")) or is_remote(value)
+    )
+
+
+def named(folder: str, value: str | Path) -> Path | None:
+    """The shipped file a bare name means, or None: ``value`` is written as a path, names a
+    local file, or names nothing shipped."""
+    text = str(value)
+    if not is_name(text) or Path(text).exists():
+        return None
+    path = resource(folder) / f"{text}{SUFFIX}"
+    return path if path.is_file() else None
+
+
+def find(folder: str, value: str | Path, name: str = "") -> Path:
+    """The file ``value`` means: itself when it exists or is written as a path, else the
+    shipped ``folder/value.yaml``. A name nothing ships is one line listing what does."""
+    text = str(value)
+    path = named(folder, text)
+    if path is not None:
+        return path
+    if is_name(text) and not Path(text).exists():
+        said = f"{name} " if name else ""
+        raise CheckError(
+            f"{said}{text}: no such file, nor a shipped {FOLDERS[folder]} of that name "
+            f"(shipped: {', '.join(names(folder))}; `ulysses-mm {folder}` describes them)"
+        )
+    return Path(text)
+
+
+def run_config(value: str, name: str = "", *, exist: bool = True) -> str:
+    """An input run config: a file, or a shipped one's name (``debug-stages``), returned as
+    the path of the file it means."""
+    return in_file(str(find("configs", value, name)), name, exist=exist)
+
+
+def pipeline(value: str, name: str = "", *, exist: bool = True) -> str:
+    """An input pipeline: a file, or a shipped one's name (``dna``), returned as given: a
+    named pipeline writes under the working directory, which
+    :func:`~ulysses_mm.shards.prepare.run.load_pipeline_config` sees from the name."""
+    in_file(str(find("pipelines", value, name)), name, exist=exist)
+    return value
+
+
+# Path kinds beside :data:`ulysses_mm.core.checks.PATHS`, with the same signature.
+PATHS: dict[str, Callable[..., str]] = {"run_config": run_config, "pipeline": pipeline}
+
+
+def description(path: Path) -> str:
+    """The first sentence of a file's leading comment, shortened to one line (before its
+    first ``": "`` when that leaves a clause, else at a word)."""
+    lines = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(x for x in lines if x)
+    match = re.match(r"(.+?[.!?])(\s|$)", text)
+    sentence = match.group(1) if match else text
+    if len(sentence) > DESCRIPTION_WIDTH:
+        head = sentence.split(": ", 1)[0]
+        if 30 <= len(head) < len(sentence):
+            sentence = head
+    return textwrap.shorten(sentence, DESCRIPTION_WIDTH, placeholder=" …", break_on_hyphens=False)
+
+
+def describe(folder: str) -> list[tuple[str, str]]:
+    """(name, one-line description) of every file shipped in ``folder``."""
+    return [(name, description(resource(folder) / f"{name}{SUFFIX}")) for name in names(folder)]
