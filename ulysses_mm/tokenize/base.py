@@ -50,15 +50,13 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import IO, Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from ulysses_mm.core.errors import ConfigError, DataError
 from ulysses_mm.core.tokenspace import TokenSpace
-
-if TYPE_CHECKING:
-    from ulysses_mm.tokenize.write import Media
+from ulysses_mm.tokenize.write import ArrayMedia, Media, TextMedia
 
 Entry = dict[str, Any]  # one file's fidelity figures (JSON-able)
 
@@ -292,8 +290,6 @@ class Tokenizer(ABC):
         """``new`` ids (after ``prompt``, a document's ids from its ``<doc>``) as the file a
         person opens: the continuation alone, or everything with ``with_prompt``. Default:
         a decoded str as UTF-8 text, anything else as a ``.npy`` array."""
-        from ulysses_mm.tokenize.write import ArrayMedia, TextMedia, continuation
-
         data = continuation(self, space, prompt, new, with_prompt)
         if isinstance(data, str):
             return TextMedia(data)
@@ -355,3 +351,30 @@ def build_token_space(specs: Sequence[TokenizerSpec]) -> TokenSpace:
 
 def spec_table(specs: Sequence[TokenizerSpec]) -> Mapping[str, dict[str, Any]]:
     return {s.modality: s.manifest_entry() for s in specs}
+
+
+def continuation(
+    tokenizer: Tokenizer,
+    space: TokenSpace,
+    prompt: Sequence[int],
+    new: Sequence[int],
+    with_prompt: bool = False,
+) -> Any:
+    """What ``new`` ids after ``prompt`` decode to: the whole document is decoded at once
+    (a decoder may need what came before), then the prompt's share is cut off unless
+    ``with_prompt``. A str loses the prompt's decoded text (or, where the whole does not
+    begin with it, is the new ids decoded alone); anything else loses as many items as
+    the prompt alone decodes to."""
+    p = np.asarray(list(prompt), dtype=np.int64)
+    allids = np.asarray(list(prompt) + list(new), dtype=np.int64)
+    data = tokenizer.decode(allids, space)
+    if with_prompt:
+        return data
+    head = tokenizer.decode(p, space)
+    if isinstance(data, str):
+        return (
+            data[len(head) :]
+            if data.startswith(head)
+            else tokenizer.decode(allids[len(p) :], space)
+        )
+    return data[len(head) :]

@@ -13,18 +13,13 @@ from __future__ import annotations
 
 import io
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
 from ulysses_mm.core.storage import atomic_write_local
-from ulysses_mm.core.tokenspace import TokenSpace
-
-if TYPE_CHECKING:
-    from ulysses_mm.tokenize.base import Tokenizer
 
 
 class Media(ABC):
@@ -76,33 +71,6 @@ class ArrayMedia(Media):
 
     def describe(self) -> str:
         return f"an array {self.array.dtype} {list(self.array.shape)}"
-
-
-def continuation(
-    tokenizer: Tokenizer,
-    space: TokenSpace,
-    prompt: Sequence[int],
-    new: Sequence[int],
-    with_prompt: bool = False,
-) -> Any:
-    """What ``new`` ids after ``prompt`` decode to: the whole document is decoded at once
-    (a decoder may need what came before), then the prompt's share is cut off unless
-    ``with_prompt``. A str loses the prompt's decoded text (or, where the whole does not
-    begin with it, is the new ids decoded alone); anything else loses as many items as
-    the prompt alone decodes to."""
-    p = np.asarray(list(prompt), dtype=np.int64)
-    allids = np.asarray(list(prompt) + list(new), dtype=np.int64)
-    data = tokenizer.decode(allids, space)
-    if with_prompt:
-        return data
-    head = tokenizer.decode(p, space)
-    if isinstance(data, str):
-        return (
-            data[len(head) :]
-            if data.startswith(head)
-            else tokenizer.decode(allids[len(p) :], space)
-        )
-    return data[len(head) :]
 
 
 def write_file(path: str | Path, data: bytes) -> Path:

@@ -30,14 +30,11 @@ from ulysses_mm.core.errors import UserError
 from ulysses_mm.core.resources import shipped_tokenizer_names
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.prepare import staged
+from ulysses_mm.shards.prepare.staged import PrepareError
 from ulysses_mm.tokenize import registry
 from ulysses_mm.tokenize.base import TokenizerSpec, build_token_space
 
 STAGED_VERSION = 2
-
-
-class PrepareError(UserError, RuntimeError):
-    """The run cannot produce a dataset (every input failed, no inputs, bad spec ...)."""
 
 
 # ------------------------------------------------------------------------ routing

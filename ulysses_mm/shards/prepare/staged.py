@@ -23,6 +23,7 @@ from typing import IO
 
 import numpy as np
 
+from ulysses_mm.core.errors import UserError
 from ulysses_mm.core.storage import temp_name
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
 from ulysses_mm.shards.pack import DocumentBlock
@@ -30,6 +31,12 @@ from ulysses_mm.tokenize.base import DecodeError, TokenBlock
 
 CHUNK_TOKENS = 1 << 24  # tokens per block read back for packing
 _DOC_ROWS = 1 << 16  # document rows buffered before they are written / read at a time
+
+
+class PrepareError(UserError, RuntimeError):
+    """The run cannot produce a dataset (every input failed, no inputs, bad spec, a staged
+    entry that does not read back ...). Defined with the staged entries, the lowest
+    module of ``prepare`` that raises it."""
 
 
 def _paths(stem: str) -> tuple[Path, Path]:
@@ -210,8 +217,6 @@ def staged_blocks(
 def _read_blocks(
     ft: IO[bytes], fd: IO[bytes], n_docs: int, dtype: np.dtype, where: str, chunk: int
 ) -> Iterator[DocumentBlock]:
-    from ulysses_mm.shards.prepare.route import PrepareError
-
     seen = 0
     lengths = mods = np.zeros(0, dtype=np.int64)
     k = 0  # next row of the buffered document table

@@ -7,14 +7,13 @@ from typing import Any
 import numpy as np
 
 from ulysses_mm.tokenize.base import DecodeError, Entry
+from ulysses_mm.tokenize.dna.records import iter_records
 
 
 def eval_dna(tok: Any, path: str) -> Entry:
     """Every record's bases tokenized and decoded: ``exact`` is whether all of them come
     back character for character (``mismatches`` counts the bases that do not, e.g. IUPAC
     codes folded to N by the policy)."""
-    from ulysses_mm.tokenize.dna.tokenizer import iter_records
-
     records = bases = mismatches = 0
     for _rid, seq in iter_records(path, tok.params["format"]):
         back = tok.decode_local(tok.encode_sequence(seq, where=path))

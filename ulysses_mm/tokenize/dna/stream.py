@@ -33,19 +33,16 @@ import io
 import re
 from collections.abc import Iterator
 from itertools import repeat
-from typing import IO, cast
+from typing import IO, TYPE_CHECKING, cast
 
 import numpy as np
 
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
 from ulysses_mm.tokenize.base import DecodeError, TokenBlock
-from ulysses_mm.tokenize.dna.tokenizer import (
-    READ_ERRORS,
-    DnaTokenizer,
-    parse_records,
-    read_error,
-    sniff_format,
-)
+from ulysses_mm.tokenize.dna.records import READ_ERRORS, parse_records, read_error, sniff_format
+
+if TYPE_CHECKING:
+    from ulysses_mm.tokenize.dna.tokenizer import DnaTokenizer
 
 BLOCK = 4 << 20  # bytes of (decompressed) input read at a time
 WS = b"\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0"  # str.isspace() over latin-1

@@ -39,11 +39,9 @@ The text modality must then be in the token space too (a companion spec).
 
 from __future__ import annotations
 
-import gzip
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -57,12 +55,15 @@ from ulysses_mm.tokenize.base import (
     Tokenizer,
     TokenizerSpec,
     TokenUnit,
+    continuation,
 )
+from ulysses_mm.tokenize.dna.fidelity import dna_line, eval_dna
+from ulysses_mm.tokenize.dna.output import FastaMedia, draw_gc
+from ulysses_mm.tokenize.dna.records import iter_annotated_records
+from ulysses_mm.tokenize.dna.stream import stream_blocks
 from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
 from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
-
-if TYPE_CHECKING:
-    from ulysses_mm.tokenize.write import Media
+from ulysses_mm.tokenize.write import Media
 
 BASES = "ACGTN"
 AMBIGUITY = "RYSWKMBDHV"  # IUPAC nucleotide ambiguity codes besides N
@@ -96,102 +97,6 @@ def translation_table(case: str, iupac: str, invalid: str) -> bytes:
                 target = "n" if target.islower() else "N"
             table[ord(c)] = letters.index(target)
     return bytes(table)
-
-
-def sniff_format(path: str, head: str, fmt: str | None = None) -> str:
-    """fasta / fastq / genbank from the first non-blank line of ``head``, the file's start
-    (the content decides, not the name); ``fmt`` (the spec's ``format``) must agree."""
-    if not head.strip():
-        raise DecodeError(f"{path}: empty file (no sequence records)")
-    first = next((ln for ln in head.splitlines() if ln.strip()), "")
-    if first.startswith(">"):
-        sniffed = "fasta"
-    elif first.startswith("@"):
-        sniffed = "fastq"
-    elif first.startswith("LOCUS"):
-        sniffed = "genbank"
-    else:
-        what = "binary data" if "\x00" in head else f"text starting {first[:40]!r}"
-        raise DecodeError(f"{path}: not FASTA ('>'), FASTQ ('@') or GenBank ('LOCUS'): {what}")
-    if fmt is not None and fmt != sniffed:
-        raise DecodeError(f"{path}: the spec says {fmt}, the file looks like {sniffed}")
-    return sniffed
-
-
-def open_text(path: str) -> IO[str]:
-    """Plain or gzip (by magic bytes, not by name), as latin-1 text: every byte is one
-    character, so a stray byte reaches the base table and is reported, not mis-decoded."""
-    with open(path, "rb") as f:
-        magic = f.read(2)
-    if magic == b"\x1f\x8b":
-        return gzip.open(path, "rt", encoding="latin-1", newline=None)
-    return open(path, encoding="latin-1", newline=None)
-
-
-def iter_records(path: str, fmt: str | None = None) -> Iterator[tuple[str, str]]:
-    """(record id, sequence) for every record of a FASTA/FASTQ/GenBank file (plain or gz).
-
-    The format is sniffed from the content; ``fmt`` (the spec's ``format``) must agree.
-    Parser and gzip failures become DecodeError with the parser's own reason."""
-    for rec_id, seq, _ in iter_annotated_records(path, fmt):
-        yield rec_id, seq
-
-
-def iter_annotated_records(path: str, fmt: str | None = None) -> Iterator[tuple[str, str, str]]:
-    """(record id, sequence, header text) for every record: see :func:`iter_records`."""
-    try:
-        with open_text(path) as handle:
-            fmt = sniff_format(path, handle.read(4096), fmt)
-            handle.seek(0)
-            yield from parse_records(path, handle, fmt)
-    except READ_ERRORS as e:
-        raise read_error(path, fmt, e) from None
-
-
-# Biopython parse errors are ValueError/AssertionError; gzip gives EOFError (truncated) or
-# BadGzipFile / zlib.error (OSError-like) for corrupt data.
-READ_ERRORS = (ValueError, EOFError, OSError, UnicodeError, AssertionError, zlib.error)
-
-
-def read_error(path: str, fmt: str | None, e: BaseException) -> DecodeError:
-    """A parser's or gzip's failure on ``path`` as one DecodeError line."""
-    text = str(e).strip()
-    reason = text.splitlines()[0] if text else type(e).__name__
-    return DecodeError(f"{path}: cannot read as {fmt or 'a sequence file'}: {reason}")
-
-
-def genbank_text(rec: Any) -> str:
-    """A GenBank record's annotation as text: id and description, then one line per feature
-    (type, 1-based location, qualifiers)."""
-    lines = [f"{rec.id} {rec.description}".strip()]
-    for f in rec.features:
-        quals = " ".join(f"/{k}={v}" for k, vals in f.qualifiers.items() for v in vals)
-        lines.append(f"{f.type} {f.location} {quals}".rstrip())
-    return "\n".join(lines)
-
-
-def parse_records(path: str, handle: IO[str], fmt: str) -> Iterator[tuple[str, str, str]]:
-    from Bio import SeqIO
-    from Bio.Seq import UndefinedSequenceError
-    from Bio.SeqIO.FastaIO import SimpleFastaParser
-    from Bio.SeqIO.QualityIO import FastqGeneralIterator
-
-    if fmt == "fasta":
-        for title, seq in SimpleFastaParser(handle):
-            yield title.split(None, 1)[0] if title.strip() else "", seq, title
-    elif fmt == "fastq":
-        for title, seq, _qual in FastqGeneralIterator(handle):
-            yield title.split(None, 1)[0] if title.strip() else "", seq, title
-    else:
-        for rec in SeqIO.parse(handle, "genbank"):
-            try:
-                seq = str(rec.seq)
-            except UndefinedSequenceError:
-                raise DecodeError(
-                    f"{path}#{rec.id}: GenBank record has no sequence data (empty or absent "
-                    "ORIGIN, e.g. a CONTIG-only record)"
-                ) from None
-            yield rec.id, seq, genbank_text(rec)
 
 
 class DnaTokenizer(Tokenizer):
@@ -307,8 +212,6 @@ class DnaTokenizer(Tokenizer):
     def encode_stream(self, f: IO[bytes], source: str, space: TokenSpace) -> Iterator[TokenBlock]:
         """The documents of ``f`` (plain or gzip) as blocks, the tokens :meth:`encode_file`
         gives, read in bounded blocks (:mod:`ulysses_mm.tokenize.dna.stream`)."""
-        from ulysses_mm.tokenize.dna.stream import stream_blocks
-
         return stream_blocks(self, f, source, space)
 
     # ------------------------------------------------------------------ decode
@@ -353,26 +256,17 @@ class DnaTokenizer(Tokenizer):
         with_prompt: bool = False,
     ) -> Media:
         """The bases as a FASTA record."""
-        from ulysses_mm.tokenize.dna.output import FastaMedia
-        from ulysses_mm.tokenize.write import continuation
-
         return FastaMedia(continuation(self, space, prompt, new, with_prompt))
 
     def fidelity(self, path: str, damage: Sequence[float] = (), seeds: int = 5) -> Entry:
         """Whether every record's bases come back exactly (see
         :func:`~ulysses_mm.tokenize.dna.fidelity.eval_dna`)."""
-        from ulysses_mm.tokenize.dna.fidelity import eval_dna
-
         return eval_dna(self, path)
 
     @classmethod
     def fidelity_line(cls, entry: Entry) -> str:
-        from ulysses_mm.tokenize.dna.fidelity import dna_line
-
         return dna_line(entry)
 
     def picture(self, fig: Any, cell: Any, data: Any, name: str) -> None:
         """The GC fraction along the sample's bases."""
-        from ulysses_mm.tokenize.dna.output import draw_gc
-
         draw_gc(fig, cell, data, name)
