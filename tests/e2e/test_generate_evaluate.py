@@ -27,6 +27,7 @@ from ulysses_mm.core.format import IGNORE
 from ulysses_mm.loader.batch import samples_batch
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.shards.manifest import Manifest
+from ulysses_mm.tools import generate
 from ulysses_mm.tools.demo import run_demo
 from ulysses_mm.train.evaluate import log_edges
 
@@ -56,7 +57,7 @@ def _refused(capsys, *args: str) -> str:
     return err
 
 
-def test_generate_writes_files_their_readers_open(demo, tmp_path, capsys):
+def test_generate_writes_files_their_readers_open(demo, tmp_path, capsys, monkeypatch):
     ckpt = demo["ckpt"]
     fa, wav, mp4, txt = (tmp_path / f"g.{e}" for e in ("fa", "wav", "mp4", "txt"))
     _generate(
@@ -92,11 +93,28 @@ def test_generate_writes_files_their_readers_open(demo, tmp_path, capsys):
     assert len(frames) == 6 and frames[0].shape == (256, 256, 3)
     assert samples >= CHUNK_AUDIO
 
-    _generate(
-        capsys, ckpt, "--modality", "text", "--new-tokens", "40", "--ignore-doc-end",
-        "--out", str(txt),
-    )  # fmt: skip
-    assert len(txt.read_bytes().decode("utf-8")) > 0
+    # text: 40 ids, all of the text range (text-bytes: id - start is the byte), the file
+    # their UTF-8 decoding; the same seed samples the same ids, another seed others
+    sampled = []
+    real = generate._worker
+
+    def worker(payload, trained=None):
+        sampled.append(real(payload, trained))
+        return sampled[-1]
+
+    monkeypatch.setattr(generate, "_worker", worker)
+    args = ["--modality", "text", "--new-tokens", "40", "--ignore-doc-end"]
+    again, other = tmp_path / "again.txt", tmp_path / "other.txt"
+    _generate(capsys, ckpt, *args, "--seed", "3", "--out", str(txt))
+    _generate(capsys, ckpt, *args, "--seed", "3", "--out", str(again))
+    _generate(capsys, ckpt, *args, "--seed", "4", "--out", str(other))
+    ids, same, changed = (list(s["ids"]) for s in sampled)
+    text = Manifest.load(demo["manifest"]).token_space.range("text")
+    assert len(ids) == 40 and all(text.start <= i < text.stop for i in ids), ids
+    assert same == ids and changed != ids
+    want = bytes(i - text.start for i in ids).decode("utf-8", errors="replace")
+    assert txt.read_text(encoding="utf-8") == want
+    assert again.read_bytes() == txt.read_bytes()
 
 
 def test_same_seed_same_file_and_an_export_generates_the_same(demo, tmp_path, capsys):
