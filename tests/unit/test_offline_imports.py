@@ -1,6 +1,7 @@
-"""Offline and online data are two houses: what writes shards (core, config, shards:
-prepare, packing, writer, reader, manifest, inspect) imports neither torch nor the model;
-both read core/format.py."""
+"""Offline and online data are two houses: what writes shards (core, config, tokenize,
+shards: the tokenizers, prepare, packing, writer, reader, manifest, inspect) imports
+neither torch nor the model; both read core/format.py. A tokenizer that computes with
+torch (video VQ's nearest-codeword search, the neural codecs) imports it when it runs."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Every module of the torch-free layers (found on disk, so a new one is checked too), and
-# the tokenizer registry prepare routes with.
-TORCH_FREE_LAYERS = ("core", "config", "shards")
+# Every module of the torch-free layers (found on disk, so a new one is checked too).
+TORCH_FREE_LAYERS = ("core", "config", "tokenize", "shards")
 OFFLINE = sorted(
     ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
     for layer in TORCH_FREE_LAYERS
     for path in (REPO / "ulysses_mm" / layer).rglob("*.py")
-) + ["ulysses_mm.tokenize.registry"]
+)
 
 _PROBE = """
 import importlib, sys
@@ -33,6 +33,7 @@ for name in sys.argv[1:]:
 
 def test_offline_data_code_never_imports_torch():
     assert len(OFFLINE) > 20 and "ulysses_mm.shards.prepare.run" in OFFLINE
+    assert "ulysses_mm.tokenize.video.kmeans" in OFFLINE
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, *OFFLINE],

@@ -6,20 +6,28 @@ The nearest codeword of each row of ``x [n, d]`` among ``c [k, d]`` is
 (no per-patch Python). k-means is Lloyd's algorithm on the same search, seeded by
 k-means++ on a random subsample; an empty cluster is re-seeded with the point currently
 worst served. Everything is float32 and seeded, so a fit is reproducible on one machine.
+
+torch is imported by the functions that compute, not by the module, so the tokenize
+layer stays torch-free to import (a VQ spec is loaded, routed and checked without it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 _CHUNK = 4096  # rows per matmul: bounds the [chunk, k] distance matrix
 
 
 def nearest_index(x: torch.Tensor, c: torch.Tensor, c_sq: torch.Tensor) -> torch.Tensor:
     """Index [n] int64 of the nearest row of ``c`` for each row of ``x`` (float32)."""
+    import torch  # lazy: the tokenize layer imports without torch
+
     idx = torch.empty(x.shape[0], dtype=torch.int64)
     ct = c.t()
     for s in range(0, x.shape[0], _CHUNK):
@@ -32,6 +40,8 @@ def nearest(
     x: torch.Tensor, c: torch.Tensor, c_sq: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(index [n] int64, squared distance [n] float32) of the nearest row of ``c``."""
+    import torch  # lazy: the tokenize layer imports without torch
+
     if c_sq is None:
         c_sq = (c * c).sum(1)
     idx = torch.empty(x.shape[0], dtype=torch.int64)
@@ -51,15 +61,12 @@ class Codebook:
     """``vectors [k, d]`` float32; encode rows to ids and ids back to rows."""
 
     vectors: np.ndarray
-    _c: torch.Tensor = field(init=False, repr=False)
-    _c_sq: torch.Tensor = field(init=False, repr=False)
+    _tensors: Any = field(default=None, init=False, repr=False)  # (c, ||c||²), at first encode
 
     def __post_init__(self) -> None:
         if self.vectors.ndim != 2 or self.vectors.shape[0] < 1:
             raise ValueError(f"a codebook is [k, d], got shape {self.vectors.shape}")
         self.vectors = np.ascontiguousarray(self.vectors, dtype=np.float32)
-        self._c = torch.from_numpy(self.vectors)
-        self._c_sq = (self._c * self._c).sum(1)
 
     @property
     def size(self) -> int:
@@ -71,8 +78,13 @@ class Codebook:
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         """rows ``[n, d]`` (any real dtype) -> nearest ids ``[n]`` int64."""
+        import torch  # lazy: the tokenize layer imports without torch
+
+        if self._tensors is None:
+            c = torch.from_numpy(self.vectors)
+            self._tensors = (c, (c * c).sum(1))
         xt = torch.from_numpy(np.ascontiguousarray(x)).to(torch.float32)
-        return nearest_index(xt, self._c, self._c_sq).numpy()
+        return nearest_index(xt, *self._tensors).numpy()
 
     def decode(self, ids: np.ndarray) -> np.ndarray:
         return self.vectors[np.asarray(ids, dtype=np.int64)]
@@ -80,6 +92,8 @@ class Codebook:
 
 def kmeans_pp_init(x: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
     """k-means++ seeding (D² sampling) on the rows of ``x``; one mat-vec per centre."""
+    import torch  # lazy: the tokenize layer imports without torch
+
     n = x.shape[0]
     x_sq = (x * x).sum(1)
     chosen = [int(torch.randint(n, (1,), generator=gen))]
@@ -111,6 +125,8 @@ def kmeans(
     tol: float = 1e-4,
 ) -> KMeansResult:
     """Lloyd's k-means on rows of ``x [n, d]``; stops early when the MSE improves < tol."""
+    import torch  # lazy: the tokenize layer imports without torch
+
     xt = (x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))).float()
     xt = xt.contiguous()
     n, d = xt.shape
