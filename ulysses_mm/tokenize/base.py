@@ -197,15 +197,15 @@ class Layout:
 
     ``frame``: exactly that many ids per frame, then ``<eof>`` (forced); ``ragged``: frames
     of any length, ``<eof>`` may be sampled and is forced at ``max_frame`` ids (0: never);
-    ``groups``: the ids cycle through ``groups`` blocks of ``group_size`` consecutive local
-    ids (a codec's quantizers), ``</doc>`` only before the first; ``interleave``: another
-    modality's span after every chunk of frames."""
+    ``quantizers``: the ids cycle through that many codebooks of ``codebook_size``
+    consecutive local ids (a codec's residual quantizers), ``</doc>`` only before the
+    first; ``interleave``: another modality's span after every chunk of frames."""
 
     frame: int = 0
     ragged: bool = False
     max_frame: int = 0
-    groups: int = 0
-    group_size: int = 0
+    quantizers: int = 0
+    codebook_size: int = 0
     interleave: Interleave | None = None
 
 
@@ -323,8 +323,8 @@ class Tokenizer(ABC):
         return ", ".join(f"{k} {v}" for k, v in entry.items())
 
     def damage_alphabet(self) -> tuple[int, int]:
-        """(vocab, group) of :func:`~ulysses_mm.tokenize.evaluate.flip_ids`: a damaged id
-        is another of the ``vocab`` local ids, or of its own block of ``group`` ids."""
+        """(vocab, codebook) of :func:`~ulysses_mm.tokenize.evaluate.flip_ids`: a damaged id
+        is another of the ``vocab`` local ids, or of its own codebook of ``codebook`` ids."""
         return self.spec.vocab_size, 0
 
     # ------------------------------------------------------------ inspect

@@ -9,8 +9,8 @@ asks a little more, and says it as data (:meth:`Tokenizer.layout
 was sampled):
 
 - by default: any id of the range, or ``</doc>`` (the document ends);
-- ``groups``: the q-th id of each group from the q-th block of ids (a codec's
-  quantizers; ids say their block), ``</doc>`` only before a group;
+- ``quantizers``: the q-th id of each frame from the q-th codebook of ids (a codec's
+  quantizers; ids say their codebook), ``</doc>`` only before a frame;
 - ``frame``: exactly that many ids per frame, then ``<eof>`` (forced);
 - ``ragged``: ids or ``<eof>`` (frames are ragged), ``<eof>`` forced once a frame holds
   ``max_frame`` ids, so a model that never closes a frame still makes frames;
@@ -57,8 +57,8 @@ class Grammar:
         self.frame = layout.frame or None  # ids per frame of a fixed-frame kind
         self.ragged_frames = layout.ragged
         self.max_frame = layout.max_frame  # ids a ragged frame may reach before <eof> is forced
-        self.quantizers = layout.groups  # e.g. codec audio
-        self.codebook = layout.group_size
+        self.quantizers = layout.quantizers  # e.g. codec audio
+        self.codebook = layout.codebook_size
         self.audio: str | None = None  # the interleaved modality
         if layout.interleave is not None and layout.interleave.modality in space.modalities:
             self.audio = layout.interleave.modality

@@ -207,4 +207,4 @@ class CodecAudioTokenizer(AudioTokenizer):
 
     def layout(self, space: TokenSpace) -> Layout:
         """Each frame runs quantizer 0..n_q-1, each id from its quantizer's codebook."""
-        return Layout(groups=self.n_q, group_size=self.codebook_size)
+        return Layout(quantizers=self.n_q, codebook_size=self.codebook_size)
