@@ -194,5 +194,31 @@ def test_a_damaged_codec_is_one_line_at_load_naming_its_file(tmp_path, capsys):
         args = [f"sources=[{CLIP}]", f"tokenizers=[{spec}]", f"output={out}", "progress=false"]
         assert main(["prepare", str(REPO / "pipelines" / "video.yaml"), *args]) == 2, name
         err = capsys.readouterr().err
-        assert err.count("\n") == 1 and words in err and CLIP.name not in err, (name, err)
+        assert err.count("\n") == 1 and words in err and str(spec) in err, (name, err)
+        assert "DataError" not in err and CLIP.name not in err, (name, err)
         assert not out.exists(), name
+
+
+def test_weights_that_do_not_load_are_one_line_naming_the_codec(tmp_path, capsys):
+    """A safetensors file that reads but does not fit the Emu3VQVAE (a tensor of another
+    shape, a tensor missing: transformers would start it from random values) fails when the
+    weights load, on the first clip: one line naming the directory, nothing else printed."""
+    require_fixture(CLIP.is_file(), "tests/data sample files")
+    from safetensors.torch import load_file, save_file
+
+    model = write_emu3(tmp_path / "emu3-vq")
+    whole = load_file(str(model / "model.safetensors"))
+    name = sorted(whole)[0]
+    spec = write_spec(tmp_path / "emu3.json", model, 256, **FRAMES)
+    wider = whole | {name: whole[name].new_zeros([*whole[name].shape, 2])}
+    fewer = {k: v for k, v in whole.items() if k != name}
+    for weights, words in (
+        (wider, f"{spec}: cannot load the Emu3Codec in {model} ("),
+        (fewer, f"{spec}: the weights in {model} lack 1 tensor(s) of its config.json's "
+                f"Emu3VQVAE ({name}, …)"),
+    ):  # fmt: skip
+        save_file(weights, str(model / "model.safetensors"), metadata={"format": "pt"})
+        capsys.readouterr()
+        assert main(["tokenizer", "eval", str(spec), str(CLIP)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"ulysses-mm tokenizer: {words}") and err.count("\n") == 1, err

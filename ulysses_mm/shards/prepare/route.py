@@ -90,6 +90,8 @@ def load_specs(cfg: PipelineConfig) -> tuple[list[TokenizerSpec], TokenSpace]:
             )
         try:  # fail here, once, rather than once per input in the workers
             registry.load_tokenizer(spec)
+        except UserError as e:  # its one line names the spec and what to fix
+            raise PrepareError(str(e)) from e
         except Exception as e:
             raise PrepareError(f"tokenizer spec {p}: cannot load: {type(e).__name__}: {e}") from e
         specs.append(spec)

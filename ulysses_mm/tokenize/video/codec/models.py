@@ -88,7 +88,7 @@ class VideoCodec(ABC):
         return frames >= 1 and self.frames(self.latents(frames)) == frames
 
     def _torch(self) -> tuple[Any, Any, Any]:
-        import torch
+        import torch  # lazy: tokenize/ stays torch-free until a frame is coded
 
         device = self.device_name
         if device == "auto":
@@ -187,14 +187,34 @@ class Emu3Codec(VideoCodec):
         self.model: Any = None
 
     def _open(self) -> None:
-        from transformers import Emu3VQVAE
+        """The Emu3VQVAE, every tensor of it from the directory: transformers' progress bar
+        and load report held back, a tensor it lacks refused (transformers would start it
+        from random values and only say so in its report)."""
+        from transformers import Emu3VQVAE  # lazy: transformers and torch, on first use
+        from transformers.utils import logging as hf_logging  # lazy: as above
 
         _, device, dtype = self._torch()
-        self.model = Emu3VQVAE.from_pretrained(str(self.path), local_files_only=True)
-        self.model = self.model.to(device=device, dtype=dtype).eval()
+        bar, verbosity = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()
+        try:
+            model, info = Emu3VQVAE.from_pretrained(
+                str(self.path), local_files_only=True, output_loading_info=True
+            )
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            if bar:
+                hf_logging.enable_progress_bar()
+        missing = list(info.get("missing_keys") or [])
+        if missing:
+            raise DataError(
+                f"{self.where}: the weights in {self.path} lack {len(missing)} tensor(s) of "
+                f"its config.json's Emu3VQVAE ({sorted(missing)[0]}, …)"
+            )
+        self.model = model.to(device=device, dtype=dtype).eval()
 
     def _encode(self, x: Any) -> Any:
-        import torch
+        import torch  # lazy: as in _torch
 
         h, w = x.shape[-2:]
         sizes = torch.tensor([[h, w]], device=x.device)
