@@ -36,7 +36,8 @@ DNA_SPEC = str(REPO / "tokenizers" / "dna-base.json")
 NUMBERS = ["0", "-1", "nan", "inf", str(10**30), "abc"]
 LISTS = ["a,b", f"0,{10**30}", "-1,5", "5,2"]
 NUMERIC = {"number", "integer", "int_list"}
-PATHS = {"out_file", "out_dir", "in_file", "in_dir", "in_path", "run_config", "pipeline"}
+PATHS = {"out_file", "out_dir", "in_file", "in_dir", "in_path"}
+SHIPPED = {"run_config", "pipeline", "tokenizer_spec"}  # a file, or the name of one that ships
 PARSE_ONLY = {"verify", "probe score", "tokenizer fit video-vq", "train", "demo"}
 # (command, dest, value) whose documented answer is another: `tokenizer eval` reports an
 # unreadable file among the others and exits 1
@@ -131,7 +132,7 @@ def _hostile(kind: str, w: dict[str, Any]) -> list[tuple[str, Path | None]]:
     missing = (str(w["root"] / "missing"), None)  # left to the command unless the type says
     if kind == "in_file":
         return [(str(w["root"]), None), missing]
-    if kind in ("run_config", "pipeline"):  # a file, or a shipped name: not one that ships
+    if kind in SHIPPED:
         return [(str(w["root"]), None), missing, ("no-such-name", None)]
     if kind == "in_dir":
         return [(str(f), None), missing]

@@ -1,10 +1,11 @@
-"""Shipped pipelines and run configs by name: ``ulysses-mm prepare dna``,
-``ulysses-mm train debug-stages``.
+"""Shipped pipelines, run configs and tokenizer specs by name: ``ulysses-mm prepare dna``,
+``ulysses-mm train debug-stages``, ``ulysses-mm tokenizer eval video-h264 clip.mp4``.
 
 A bare NAME (no ``/``, no ``.yaml`` / ``.yml``, no file of that name here) means the
-shipped ``pipelines/NAME.yaml`` or ``configs/NAME.yaml`` — in an installed wheel or the
-clone (:func:`ulysses_mm.core.resources.resource`). A path that exists always wins, and
-anything else is a path the caller checks as usual. Torch-free: the CLI imports it.
+shipped ``pipelines/NAME.yaml`` or ``configs/NAME.yaml`` (a spec: ``tokenizers/NAME.json``,
+named NAME or NAME.json) — in an installed wheel or the clone
+(:func:`ulysses_mm.core.resources.resource`). A path that exists always wins, and anything
+else is a path the caller checks as usual. Torch-free: the CLI imports it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ulysses_mm.core.checks import CheckError, in_file, is_remote
-from ulysses_mm.core.resources import resource
+from ulysses_mm.core.resources import resource, shipped_tokenizer, shipped_tokenizer_names
 
 # The folders that hold files by name, and what one of their files is called.
 FOLDERS = {"pipelines": "pipeline", "configs": "run config"}
@@ -76,8 +77,27 @@ def pipeline(value: str, name: str = "", *, exist: bool = True) -> str:
     return value
 
 
+def tokenizer_spec(value: str, name: str = "", *, exist: bool = True) -> str:
+    """An input tokenizer spec: a file, or a shipped spec's name (``video-h264`` or
+    ``video-h264.json``), returned as the path of the file it means."""
+    path = None if Path(value).exists() else shipped_tokenizer(value)
+    if path is not None:
+        return str(path)
+    if value and "/" not in value and "\\" not in value and not Path(value).exists():
+        said = f"{name} " if name else ""
+        raise CheckError(
+            f"{said}{value}: no such file, nor a shipped tokenizer spec of that name "
+            f"(shipped: {', '.join(shipped_tokenizer_names())})"
+        )
+    return in_file(value, name, exist=exist)
+
+
 # Path kinds beside :data:`ulysses_mm.core.checks.PATHS`, with the same signature.
-PATHS: dict[str, Callable[..., str]] = {"run_config": run_config, "pipeline": pipeline}
+PATHS: dict[str, Callable[..., str]] = {
+    "run_config": run_config,
+    "pipeline": pipeline,
+    "tokenizer_spec": tokenizer_spec,
+}
 
 
 def description(path: Path) -> str:

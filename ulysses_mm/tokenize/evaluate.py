@@ -156,7 +156,9 @@ class TokenizerEval:
     """``ulysses-mm tokenizer eval``'s arguments (its flags, by :mod:`ulysses_mm.cli.declare`)."""
 
     spec: str = option(
-        "tokenizer spec JSON, e.g. tokenizers/video-vq.json", path="in_file", positional=True
+        "tokenizer spec JSON, or a shipped spec's name (e.g. video-vq)",
+        path="tokenizer_spec",
+        positional=True,
     )
     files: list[str] = option("files to measure", path="in_file", positional=True, nargs="+")
     json: bool = option(
