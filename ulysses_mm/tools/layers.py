@@ -207,7 +207,7 @@ def unmarked_lazy_imports(root: Path) -> list[str]:
 
 def cycles(root: Path) -> list[str]:
     """Every import circle among the modules under ``root``: one line per circle (a
-    strongly connected group of modules), naming a shortest loop through it with the
+    strongly connected component of modules), naming a shortest loop through it with the
     file and line of each of its imports."""
     sources = _sources(root)
     modules = frozenset(s.module for s in sources)
@@ -218,19 +218,19 @@ def cycles(root: Path) -> list[str]:
             if imp.target in modules and imp.target != src.module:
                 edges[src.module].setdefault(imp.target, imp.line)
     out = []
-    for group in _strongly_connected(edges):
-        if len(group) < 2:
+    for component in _strongly_connected(edges):
+        if len(component) < 2:
             continue
-        start = min(group)
-        loop = _shortest_loop(start, edges, group)
+        start = min(component)
+        loop = _shortest_loop(start, edges, component)
         steps = [
             f"{by_module[a].path.relative_to(root.parent)}:{edges[a][b]} -> {b}"
             for a, b in itertools.pairwise(loop)
         ]
         first = by_module[start]
         out.append(
-            f"{first.path}:{edges[start][loop[1]]}: import circle of {len(group)} modules "
-            f"({', '.join(sorted(group))}): " + "; ".join(steps)
+            f"{first.path}:{edges[start][loop[1]]}: import circle of {len(component)} modules "
+            f"({', '.join(sorted(component))}): " + "; ".join(steps)
         )
     return out
 
@@ -241,7 +241,7 @@ def _strongly_connected(edges: dict[str, dict[str, int]]) -> list[set[str]]:
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
-    groups = []
+    components = []
     for root in sorted(edges):
         if root in index:
             continue
@@ -266,26 +266,26 @@ def _strongly_connected(edges: dict[str, dict[str, int]]) -> list[set[str]]:
                 parent = work[-1][0]
                 low[parent] = min(low[parent], low[node])
             if low[node] == index[node]:
-                group = set()
+                component = set()
                 while True:
                     top = stack.pop()
                     on_stack.discard(top)
-                    group.add(top)
+                    component.add(top)
                     if top == node:
                         break
-                groups.append(group)
-    return groups
+                components.append(component)
+    return components
 
 
-def _shortest_loop(start: str, edges: dict[str, dict[str, int]], group: set[str]) -> list[str]:
-    """start -> ... -> start, fewest imports, inside ``group`` (breadth first)."""
+def _shortest_loop(start: str, edges: dict[str, dict[str, int]], component: set[str]) -> list[str]:
+    """start -> ... -> start, fewest imports, inside ``component`` (breadth first)."""
     came: dict[str, str] = {}
     frontier = [start]
     while frontier:
         nxt = []
         for node in frontier:
             for child in sorted(edges[node]):
-                if child not in group:
+                if child not in component:
                     continue
                 if child == start:
                     path = [node]
@@ -296,7 +296,7 @@ def _shortest_loop(start: str, edges: dict[str, dict[str, int]], group: set[str]
                     came[child] = node
                     nxt.append(child)
         frontier = nxt
-    return [start, start]  # unreachable for a group of two or more
+    return [start, start]  # unreachable for a component of two or more
 
 
 def main(argv: list[str] | None = None) -> int:

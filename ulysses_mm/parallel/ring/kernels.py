@@ -118,7 +118,7 @@ class BlockKernel:
         g: VarlenCall,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """(dq, dk, dv) fp32 of the group, from the FINAL out and lse [Tq, h] of its rows
+        """(dq, dk, dv) fp32 of the call ``g``, from the FINAL out and lse [Tq, h] of its rows
         (a key row may serve several pieces: its gradients add up)."""
         dq = q.new_empty(q.shape, dtype=torch.float32)
         dk = k.new_zeros(k.shape, dtype=torch.float32)
