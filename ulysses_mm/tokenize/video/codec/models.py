@@ -198,9 +198,10 @@ class Emu3Codec(VideoCodec):
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()
         try:
-            model, info = Emu3VQVAE.from_pretrained(
+            loaded: Any = Emu3VQVAE.from_pretrained(
                 str(self.path), local_files_only=True, output_loading_info=True
             )
+            model, info = loaded  # (the model, what loaded and what did not)
         finally:
             hf_logging.set_verbosity(verbosity)
             if bar:
