@@ -229,7 +229,11 @@ def test_a_bad_index_is_one_line(tmp_path, manifest, no_processes, capsys, index
         (b"\xff\xfe\x00\x01", "is not valid JSON"),
         (b"[1, 2]", "is not a JSON object"),
         (b'{"model_type": "llama"}', "has no 'num_attention_heads'"),
-        (b'{"model_type": "llama", "num_attention_heads": "four"}', "has a bad value"),
+        (b'{"model_type": "llama", "num_attention_heads": [4]}', "has a bad value"),
+        (
+            b'{"model_type": "llama", "num_attention_heads": "4"}',
+            "num_attention_heads is the string '4', not a number; write it without quotes",
+        ),
     ],
 )
 def test_a_bad_config_json_is_one_line(tmp_path, manifest, no_processes, capsys, body, expect):
