@@ -1,9 +1,9 @@
-"""``ulysses-mm``: a thin CLI; each subcommand maps to one function.
+"""``ulysses-mm``: a thin CLI; each command is one row of :data:`_COMMANDS`.
 
-Each command declares its arguments as dataclasses (:mod:`~ulysses_mm.cli.declare`); the
-commands live by what they act on: :mod:`~ulysses_mm.cli.data` (raw files and shards),
-:mod:`~ulysses_mm.cli.model` (training and what a trained model does),
-:mod:`~ulysses_mm.cli.setup` (checks before a run). Configuration precedence everywhere:
+A command declares its arguments as dataclasses (:mod:`~ulysses_mm.cli.declare`): those
+only the CLI has live by what they act on (:mod:`~ulysses_mm.cli.data` raw files and
+shards, :mod:`~ulysses_mm.cli.model` a model, :mod:`~ulysses_mm.cli.setup` checks before a
+run), the others beside the code they configure. Configuration precedence everywhere:
 CLI ``section.key=value`` > the YAML file > the schema's defaults.
 """
 
@@ -14,30 +14,33 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from ulysses_mm.cli import data, model, setup, shipped
-from ulysses_mm.cli.declare import Parser
+from ulysses_mm.cli.declare import Parser, command
 from ulysses_mm.core.errors import UserError
 from ulysses_mm.core.launch_env import LAUNCH_ENV, in_launched_world
 
-# One entry per subcommand, in the order `--help` lists them.
-_SUBCOMMANDS = [
-    model.add_demo,
-    data.add_prepare,
-    data.add_inspect,
+# One row per command, in the order `--help` lists them: name, help, its options
+# dataclasses ("module:Class" is imported when the command is chosen); or a function that
+# adds a command with actions of its own.
+_COMMANDS: list[Any] = [
+    ("demo", "the default job: prepare the sample data, train the debug model at SP=2, plot", [model.Demo]),
+    ("prepare", "tokenize raw files, pack them and write WebDataset shards + manifest.json", [data.Prepare]),
+    ("inspect", "print a dataset's manifest summary and one sample's segment table; --png draws it", ["ulysses_mm.shards.inspect:Inspect"]),
     data.add_tokenizer,
-    model.add_train,
-    model.add_export,
-    data.add_hf_tokenizer,
-    model.add_generate,
-    model.add_evaluate,
+    ("train", "train from shards with DeepSpeed + Ulysses", [model.Train]),
+    ("export", "write a checkpoint as a transformers (safetensors) model", [model.Export]),
+    ("hf-tokenizer", "write a transformers tokenizer whose vocabulary is a manifest's token space", ["ulysses_mm.hf.tokenizer:HfTokenizer"]),
+    ("generate", "continue a prompt in one modality; write FASTA / WAV / MP4 / text", [model.Generate, "ulysses_mm.tools.generate:GenerateOptions"]),
+    ("evaluate", "held-out loss per modality (bits per base / sample / byte) and by position", [model.Evaluate, "ulysses_mm.tools.evaluate:EvaluateOptions"]),
     data.add_probe,
-    model.add_report,
-    setup.add_verify,
-    setup.add_estimate,
-    setup.add_config,
+    ("report", "plot a run's loss curves per modality", [model.Report]),
+    ("verify", "check that dp × sp gives the loss and gradients of one process", [setup.Verify, "ulysses_mm.tools.verify:VerifyOptions"]),
+    ("estimate", "per-GPU memory of a run, broken down; --max finds the longest sequence that fits", ["ulysses_mm.tools.estimate.options:EstimateArgs"]),
+    ("config", "print a resolved run config, or every key with --keys", [setup.Config]),
     shipped.add,  # pipelines, configs
-]
+]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,23 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=Parser
     )
-    for add in _SUBCOMMANDS:
-        add(sub)
+    for row in _COMMANDS:
+        row(sub) if callable(row) else command(sub, *row)
     return parser
 
 
 def _strip_local_rank(argv: Sequence[str]) -> list[str]:
     """The DeepSpeed launcher appends ``--local_rank=N`` to every command (LOCAL_RANK is in
     the environment too, which is what we read); drop it before parsing."""
-    out: list[str] = []
-    skip = False
+    out, skip = [], False
     for arg in argv:
-        if skip:
-            skip = False
-        elif arg in ("--local_rank", "--local-rank"):
-            skip = True
-        elif not arg.startswith(("--local_rank=", "--local-rank=")):
+        flag = not skip and arg in ("--local_rank", "--local-rank")  # its value follows
+        if not (skip or flag or arg.startswith(("--local_rank=", "--local-rank="))):
             out.append(arg)
+        skip = flag
     return out
 
 
@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else:
                     os.environ[k] = v
     if launched and _in_world():
-        from ulysses_mm.parallel.mesh import close_world
+        from ulysses_mm.parallel.mesh import close_world  # lazy: torch
 
         close_world()
     return code
@@ -133,6 +133,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _in_world() -> bool:
     if "torch.distributed" not in sys.modules:  # not imported: no group (and no import cost)
         return False
-    import torch.distributed as dist
+    import torch.distributed as dist  # lazy: imported already, checked above
 
     return dist.is_available() and dist.is_initialized()

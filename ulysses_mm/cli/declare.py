@@ -1,17 +1,18 @@
 """Commands declared from dataclasses, as transformers' ``HfArgumentParser`` does.
 
-A command's options are the fields of its options dataclasses, each declared with
+A command's arguments are the fields of its dataclasses, each declared with
 :func:`ulysses_mm.config.parse.option`, the metadata the config schema uses: help, default,
 :class:`~ulysses_mm.core.checks.Range`, path kind, choices. :func:`add_fields` turns a
-dataclass into flags (the type checks the range and the path; the help is the text, the
-range and the default, so each bound is written once), :func:`read` turns parsed
-arguments back into the dataclass. The field's annotation gives the flag's shape: ``bool``
-a switch, ``int`` / ``float`` a checked number, ``list[int]`` comma-separated integers,
-``list[X]`` several words (a positional) or a repeated flag (``repeat=True``),
-``int | str`` a count or the one word of ``word=``, ``dict`` a JSON mapping.
+dataclass into arguments (the type checks the range or the path; the help shows the range
+and the default, so each bound is written once), :func:`read` turns them back into the
+dataclass. The annotation gives the shape: ``bool`` a switch, ``int`` / ``float`` a
+checked number, ``list[int]`` comma-separated integers, ``list[X]`` several words (or a
+repeated flag, ``repeat=True``), ``int | str`` a count or the one word ``word=``, ``dict``
+a JSON mapping. The first dataclass's docstring is the command's description and its
+``run()`` runs the command with the others.
 
-:class:`Parser` builds a subcommand's flags only when it is chosen or its help is shown,
-so a command that needs torch imports it only when it runs.
+:class:`Parser` adds a command's arguments only when the command is chosen or its help is
+shown, so a command whose options live beside torch code imports it only then.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import inspect
 import re
 import sys
 import types
@@ -26,24 +28,23 @@ import typing
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NoReturn
 
-from ulysses_mm.config.parse import option
 from ulysses_mm.core import checks, shipped
 
-# argparse's "argument --x: must be …" from a check's type: read as "--x must be …"
-_ARGUMENT = re.compile(r"^argument ([^:]+): ")
+_ARGUMENT = re.compile(r"^argument ([^:]+): ")  # "argument --x: must be …" reads "--x must be …"
 _CHOICE = re.compile(r"invalid choice: '([^']*)'")
-OVERRIDES = "section.key=value overrides, applied after the file (CLI > file > defaults)"
+_PATHS = {**checks.PATHS, **shipped.PATHS}  # what a path must be: a file, a shipped name, …
 
 
 class Parser(argparse.ArgumentParser):
     """An ``ArgumentParser`` whose errors are one line, ``PROG: message`` (exit 2), instead
     of the usage block and ``error:``; ``--help`` still prints the help. ``declare``, if
-    given, adds the parser's arguments the first time it parses or shows its help."""
+    given, adds the arguments the first time the parser parses or shows its help;
+    ``unknown`` words the line for an unknown subcommand."""
 
     def __init__(self, *a: Any, declare: Callable[[Parser], None] | None = None, **kw: Any):
         super().__init__(*a, **kw)
         self._declare = declare
-        self.unknown: Callable[[str], str] | None = None  # the line for an unknown command
+        self.unknown: Callable[[str], str] | None = None
 
     def fill(self) -> Parser:
         """Add the declared arguments now (once)."""
@@ -57,9 +58,6 @@ class Parser(argparse.ArgumentParser):
 
     def format_help(self) -> str:
         return self.fill() and super().format_help()
-
-    def format_usage(self) -> str:
-        return self.fill() and super().format_usage()
 
     def error(self, message: str) -> NoReturn:
         m, choice = _ARGUMENT.match(message), _CHOICE.search(message)
@@ -98,50 +96,35 @@ def load(target: str | type) -> type:
 
 
 def command(
-    sub: argparse._SubParsersAction,
-    name: str,
-    text: str,
-    options: Sequence[str | type],
-    run: Callable[..., int],
-    description: str | None = None,
-    **kw: Any,
+    sub: argparse._SubParsersAction, name: str, text: str, options: Sequence[str | type], **kw: Any
 ) -> Parser:
     """Subcommand ``name``: its arguments are the fields of ``options`` (dataclasses, or
-    ``"module:Class"`` imported when the command is chosen), and it runs ``run`` with one
-    instance of each."""
+    ``"module:Class"`` imported when the command is chosen); it runs the first one's
+    ``run()`` with an instance of each of the others."""
 
     def declare(p: Parser) -> None:
         classes = [load(o) for o in options]
         for cls in classes:
             add_fields(p, cls)
-        p.set_defaults(func=lambda args: run(*(read(cls, args) for cls in classes)))
+        doc = classes[0].__doc__ or ""
+        if p.description is None and not doc.startswith(f"{classes[0].__name__}("):
+            p.description = inspect.cleandoc(doc).replace("``", "")  # a docstring of its own
+        p.set_defaults(func=lambda args: _run([read(cls, args) for cls in classes]))
 
-    parser: Parser = sub.add_parser(name, help=text, description=description, declare=declare, **kw)
+    parser: Parser = sub.add_parser(name, help=text, declare=declare, **kw)
     return parser
 
 
-def positional(text: str, path: str | None = None, **cli: Any) -> Any:
-    """A required positional argument (``path``: what it must be)."""
-    return option(text, path=path, positional=True, **cli)
-
-
-def overrides(example: str = "") -> Any:
-    """The ``section.key=value`` words a command applies over its config file."""
-    return option(OVERRIDES + example, factory=list, positional=True)
+def _run(parsed: list[Any]) -> int:
+    return int(parsed[0].run(*parsed[1:]))
 
 
 def _shape(tp: Any) -> tuple[Any, tuple[Any, ...]]:
     """(the annotation less ``None``, its arguments): ``int | None`` is ``int``."""
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if len(args) == 1:
-            return _shape(args[0])
-        return tp, tuple(args)
-    return tp, tuple(args)
-
-
-def _shown(value: Any) -> str:
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    args = tuple(a for a in typing.get_args(tp) if a is not type(None))
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _shape(args[0])
+    return tp, args
 
 
 def help_text(f: dataclasses.Field) -> str:
@@ -149,32 +132,29 @@ def help_text(f: dataclasses.Field) -> str:
     r: checks.Range | None = f.metadata.get("range")
     extra = [str(r)] if r is not None and (r.low is not None or r.high is not None) else []
     if not (f.default is None or f.default is False or f.default in ("", dataclasses.MISSING)):
-        extra.append(f"default {_shown(f.default)}")
+        extra.append(
+            f"default {f.default:g}" if isinstance(f.default, float) else f"default {f.default}"
+        )
     return "; ".join([f.metadata.get("help", ""), *extra]).replace("%", "%%")
 
 
-def _number_type(f: dataclasses.Field, base: Any) -> Callable[[str], Any]:
+def _checked(f: dataclasses.Field, tp: Any, word: str | None = None) -> Callable[[str], Any]:
+    """The ``type=`` of a number of ``tp`` within the field's range (or the one ``word``)."""
     r = f.metadata.get("range")
     assert r is not None, f"option {f.name}: a number needs its range (ge/gt/le/lt)"
-    if base is float:
-        return checks.arg_type("number", lambda v: checks.number(v, within=r), str(r))
-    return checks.arg_type("integer", lambda v: checks.integer(v, within=r), str(r))
+    check = checks.number if tp is float else checks.integer
 
-
-def _word_or_count(word: str, f: dataclasses.Field) -> Callable[[str], int | str]:
-    r = f.metadata["range"]
-
-    def parse(value: str) -> int | str:
-        if value == word:
+    def parse(value: str) -> Any:
+        if word is not None and value == word:
             return value
         try:
-            return checks.integer(value, within=r)
+            return check(value, within=r)
         except checks.CheckError:
-            raise checks.CheckError(
-                f"must be {word} or an integer {r.said}, got {value!r}"
-            ) from None
+            if word is None:
+                raise
+            raise checks.CheckError(r.refusal("", repr(value), f"{word} or an integer")) from None
 
-    return checks.arg_type("integer", parse, f"{word} or {r}")
+    return checks.arg_type("number" if tp is float else "integer", parse, str(r), r)
 
 
 def _mapping(text: str) -> dict:
@@ -190,64 +170,51 @@ def _mapping(text: str) -> dict:
     return value
 
 
-def _type(f: dataclasses.Field, tp: Any, cli: dict[str, Any]) -> dict[str, Any]:
-    """The argparse keywords of a field's type: ``type``, ``nargs``, ``action``."""
+def _shaped(f: dataclasses.Field, tp: Any, cli: dict[str, Any]) -> dict[str, Any]:
+    """The argparse keywords of a field's annotation: ``type``, ``nargs``, ``action``."""
     base, args = _shape(tp)
-    origin = typing.get_origin(base)
+    many = typing.get_origin(base) is list
     if base is bool:
         return {"action": "store_true"}
     if "path" in f.metadata:
-        check = f.metadata["path"]
-        fn = {**checks.PATHS, **shipped.PATHS}[check]
-        exist = cli.get("exist", False)
-        kw: dict[str, Any] = {
-            "type": checks.arg_type(
-                check,
-                lambda v: fn(v, exist=exist) if check.startswith("in_") else fn(v),
-                "exists" if exist else "",
-            )
-        }
-        if origin is list:
-            kw["nargs"] = cli.get("nargs", "*")
-        return kw
-    if origin is list and args == (int,):
+        check, exist = f.metadata["path"], cli.get("exist", False)
+        fn = _PATHS[check]
+        parse = (lambda v: fn(v, exist=exist)) if check.startswith("in_") else fn
+        kw: dict[str, Any] = {"type": checks.arg_type(check, parse, "exists" if exist else "")}
+        return {**kw, "nargs": cli.get("nargs", "*")} if many else kw
+    if many and args == (int,) and not cli.get("repeat"):
         r = f.metadata.get("range") or checks.Range(0, checks.INT64_SAFE, high_open=True)
         inc, least = cli.get("increasing", False), cli.get("min_items", 1)
-        parse = lambda v: checks.int_list(v, within=r, increasing=inc, min_items=least)  # noqa: E731
-        return {
-            "type": checks.arg_type("int_list", parse, str(r) + (", increasing" if inc else ""))
-        }
-    if origin is list:
-        kw = {"type": _number_type(f, args[0])} if args[0] in (int, float) else {}
+        fn = lambda v: checks.int_list(v, within=r, increasing=inc, min_items=least)  # noqa: E731
+        return {"type": checks.arg_type("int_list", fn, f"{r}{', increasing' if inc else ''}", r)}
+    if many:
+        kw = {"type": _checked(f, args[0])} if args[0] in (int, float) else {}
         return (
             {**kw, "action": "append"}
             if cli.get("repeat")
             else {**kw, "nargs": cli.get("nargs", "*")}
         )
     if base in (int, float):
-        return {"type": _number_type(f, base)}
+        return {"type": _checked(f, base)}
     if set(args) == {int, str}:
-        return {"type": _word_or_count(cli["word"], f)}
-    if base is dict or origin is dict:
-        return {"type": _mapping}
-    return {}
+        return {"type": _checked(f, int, cli["word"])}
+    return {"type": _mapping} if base is dict else {}
 
 
 def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Every field of dataclass ``cls`` as an argument of ``parser``: ``--field-name`` (or
-    the field's ``flags``), a positional with ``positional=True``."""
+    """Every field of dataclass ``cls`` that has help as an argument of ``parser``:
+    ``--field-name`` (or the field's ``flags``; ``aliases``: hidden old spellings with a
+    one-line hint), or a positional with ``positional=True``."""
     hints = typing.get_type_hints(cls)
     groups: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        meta = f.metadata
-        if not f.init or "help" not in meta:
+        if not f.init or "help" not in f.metadata:
             continue
-        cli = dict(meta.get("cli", {}))
-        kw = {"help": help_text(f), **_type(f, hints[f.name], cli)}
-        if "choices" in meta:
-            kw["choices"] = meta["choices"]
-        if "metavar" in cli:
-            kw["metavar"] = cli["metavar"]
+        cli = dict(f.metadata.get("cli", {}))
+        kw = {"help": help_text(f), **_shaped(f, hints[f.name], cli)}
+        kw.update({k: cli[k] for k in ("metavar",) if k in cli})
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
         if f.default is not dataclasses.MISSING:
             kw["default"] = f.default
         elif f.default_factory is not dataclasses.MISSING:
@@ -258,30 +225,28 @@ def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
                 groups[cli["group"]] = parser.add_mutually_exclusive_group()
             target = groups[cli["group"]]
         if cli.get("positional"):
-            if "default" in kw and "nargs" not in kw:
-                kw["nargs"] = "?"
-            target.add_argument(f.name, **kw)
-        else:
-            flags = cli.get("flags") or ("--" + f.name.replace("_", "-"),)
-            required = "default" not in kw
-            target.add_argument(*flags, dest=f.name, required=required, **kw)
+            nargs = {"nargs": "?"} if "default" in kw and "nargs" not in kw else {}
+            target.add_argument(f.name, **kw, **nargs)
+            continue
+        flags = cli.get("flags") or ("--" + f.name.replace("_", "-"),)
+        target.add_argument(*flags, dest=f.name, required="default" not in kw, **kw)
         for alias, hint in cli.get("aliases", {}).items():
-            _add_alias(target, alias, f.name, hint, kw.get("type"))
+            hidden = {"dest": f.name, "type": kw.get("type"), "help": argparse.SUPPRESS}
+            target.add_argument(alias, action=_hinted(hint), **hidden)
 
 
-def _add_alias(parser: Any, alias: str, dest: str, hint: str, type_: Any) -> None:
-    """A hidden old spelling of a flag that still works and says, in one line, the new one."""
+def _hinted(hint: str) -> type[argparse.Action]:
+    """An old spelling of a flag: it still works, and says the new one in one line."""
 
     class Hinted(argparse.Action):
-        def __call__(self, p: Any, namespace: Any, value: Any, option: Any = None) -> None:
+        def __call__(self, p: Any, namespace: Any, value: Any, flag: Any = None) -> None:
             print(f"{p.prog}: {hint}", file=sys.stderr)
-            setattr(namespace, dest, value)
+            setattr(namespace, self.dest, value)
 
-    parser.add_argument(alias, dest=dest, type=type_, action=Hinted, help=argparse.SUPPRESS)
+    return Hinted
 
 
 def read(cls: type, args: argparse.Namespace) -> Any:
-    """The dataclass ``cls`` of what ``args`` holds for its fields (the rest keep their
-    defaults)."""
+    """The dataclass ``cls`` of what ``args`` holds for its fields (others keep defaults)."""
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})

@@ -3,7 +3,6 @@ export, generate, evaluate, report)."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shlex
 import sys
@@ -11,11 +10,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ulysses_mm.cli.declare import command, overrides, positional
 from ulysses_mm.config import RunConfig, load_config
-from ulysses_mm.config.parse import option
+from ulysses_mm.config.parse import option, overrides, positional
 from ulysses_mm.core.checks import MAX_PROCESSES
-from ulysses_mm.tools.estimate.stages import check_stages_fit
 from ulysses_mm.train.stop import EXIT_STOPPED, StopRecord, young_interval_s
 
 CHECKPOINT = "a run dir, its checkpoints/ dir or a step_* dir"
@@ -38,20 +35,27 @@ def _log_to(verbose: bool) -> None:
 
 @dataclass
 class Demo:
+    """Prepare the repository's sample files (DNA, speech, video) with pipelines/mixed.yaml,
+    train configs/debug-tiny.yaml at SP=2 on 2 CPU processes with W&B offline, and write
+    the loss curves and one packed sample as PNGs."""
+
     out: str = option("output directory", "build/demo", path="out_dir")
     steps: int = option("training steps", 40, ge=1, le=10**6)
     verbose: bool = _verbose()
 
+    def run(self) -> int:
+        from ulysses_mm.tools.demo import run_demo  # lazy: torch
 
-def _demo(a: Demo) -> int:
-    from ulysses_mm.tools.demo import run_demo  # lazy: torch
-
-    _log_to(a.verbose)
-    return run_demo(a.out, a.steps)
+        _log_to(self.verbose)
+        return run_demo(self.out, self.steps)
 
 
 @dataclass
 class Train:
+    """Train the model of CONFIG on the shards its data.train manifest names. With --nproc
+    N it starts N local processes itself; under torchrun or the DeepSpeed launcher it joins
+    the world it is given."""
+
     config: str = positional(
         "run config YAML, or a shipped config's name (ulysses-mm configs)", "run_config"
     )
@@ -69,19 +73,24 @@ class Train:
     )  # fmt: skip
     verbose: bool = _verbose()
 
+    def run(self) -> int:
+        from ulysses_mm.tools.estimate.stages import check_stages_fit  # lazy: numpy
+        from ulysses_mm.train.loop import run_train  # lazy: torch
 
-def _train(a: Train) -> int:
-    from ulysses_mm.train.loop import run_train  # lazy: torch
+        started = time.time()
+        _log_to(self.verbose)
+        extra = ["train.resume=always"] if self.resume else []
+        extra += [f"train.max_minutes={self.max_minutes}"] if self.max_minutes is not None else []
+        cfg = load_config(RunConfig, self.config, [*self.overrides, *extra])
+        # the pre-flight checks every stage against train.gpu_mem_gib, before any process starts
+        result = run_train(cfg, self.nproc, started, memory=check_stages_fit)
+        if os.environ.get("RANK", "0") != "0":
+            return 75 if result.get("stopped") else 0
+        return _trained(result, cfg)
 
-    started = time.time()
-    _log_to(a.verbose)
-    extra = ["train.resume=always"] if a.resume else []
-    extra += [f"train.max_minutes={a.max_minutes}"] if a.max_minutes is not None else []
-    cfg = load_config(RunConfig, a.config, [*a.overrides, *extra])
-    # the pre-flight checks every stage against train.gpu_mem_gib, before any process starts
-    result = run_train(cfg, a.nproc, started, memory=check_stages_fit)
-    if os.environ.get("RANK", "0") != "0":
-        return 75 if result.get("stopped") else 0
+
+def _trained(result: dict, cfg: RunConfig) -> int:
+    """What rank 0 prints when the run ends: complete, stopped (exit 75) or trained."""
     if result.get("complete"):
         print(
             f"the run in {result['run_dir']} is complete: step {result['steps']} of "
@@ -128,114 +137,80 @@ def _save_line(result: dict, every: int) -> str:
 
 @dataclass
 class Export:
+    """Write a checkpoint as a transformers model (config.json + model.safetensors) that
+    AutoModelForCausalLM.from_pretrained reads."""
+
     checkpoint: str = positional(CHECKPOINT, "in_dir")
     out: str = positional("output directory (config.json + model.safetensors)", "out_dir")
 
+    def run(self) -> int:
+        import json
+        from pathlib import Path
 
-def _export(a: Export) -> int:
-    import json
-    from pathlib import Path
+        from ulysses_mm.train.export import export  # lazy: torch
 
-    from ulysses_mm.train.export import export  # lazy: torch
-
-    out = export(a.checkpoint, a.out)
-    arch = json.loads((Path(out) / "config.json").read_text())["architectures"][0]
-    print(f"wrote a transformers {arch} checkpoint to {out} (AutoModelForCausalLM.from_pretrained)")
-    return 0
+        out = export(self.checkpoint, self.out)
+        arch = json.loads((Path(out) / "config.json").read_text())["architectures"][0]
+        print(
+            f"wrote a transformers {arch} checkpoint to {out} (AutoModelForCausalLM.from_pretrained)"
+        )
+        return 0
 
 
 @dataclass
 class Generate:
+    """Tokenize PROMPT with the tokenizer the model's training data used, sample
+    --new-tokens ids with a KV cache within the modality's head (and the tokenizer's
+    layout: whole video frames, interleaved audio), and decode them to --out: FASTA for
+    DNA, WAV for audio, MP4 for video (with the clip's audio when the spec interleaves it),
+    UTF-8 text. The same seed gives the same output. --nproc N prefills a long prompt with
+    N sequence-parallel processes."""
+
     checkpoint: str = positional("a run dir, a checkpoint (step_*) dir or an export dir", "in_dir")
 
+    def run(self, opts: Any) -> int:
+        from ulysses_mm.tools.generate import run_generate  # lazy: torch
 
-def _generate(a: Generate, opts: object) -> int:
-    from ulysses_mm.tools.generate import run_generate  # lazy: torch
-
-    r = run_generate(a.checkpoint, opts)
-    if r["out"]:
-        print(
-            f"wrote {r['out']}: {r['what']} ({r['kind']}); {r['new_ids']:,} new ids "
-            f"({r['sampled']:,} sampled{', ended by </doc>' if r['ended'] else ''}) after a "
-            f"{r['prompt_ids']:,}-id prompt; {r['tokens_per_s']:,.1f} ids/s with the prefill, "
-            f"on {r['device']} × {r['processes']}"
-        )
-    return 0
+        r = run_generate(self.checkpoint, opts)
+        if r["out"]:
+            print(
+                f"wrote {r['out']}: {r['what']} ({r['kind']}); {r['new_ids']:,} new ids "
+                f"({r['sampled']:,} sampled{', ended by </doc>' if r['ended'] else ''}) after "
+                f"a {r['prompt_ids']:,}-id prompt; {r['tokens_per_s']:,.1f} ids/s with the "
+                f"prefill, on {r['device']} × {r['processes']}"
+            )
+        return 0
 
 
 @dataclass
 class Evaluate:
+    """Run MANIFEST's samples, in order, at full length or as windows of --seq-len tokens
+    cut out of them, through the training step's forward under the run's sequence-parallel
+    layout (or --sp): cross-entropy per modality in nats per token and in the units people
+    quote (DNA bits per base, audio bits per sample, text bits per byte, video bits per
+    frame), and against the target's position inside its document in log-spaced bins. The
+    figures match the periodic eval of `ulysses-mm train` on the same batches."""
+
     checkpoint: str = positional(CHECKPOINT, "in_dir")
     manifest: str = positional("manifest.json of held-out shards (path or fsspec URL)", "in_path")
     json: bool = option("print every figure as JSON", False)
     png: str | None = option("plot loss against position", None, path="out_file", metavar="FILE")
 
+    def run(self, opts: Any) -> int:
+        from ulysses_mm.tools.evaluate import cli  # lazy: torch
 
-def _evaluate(a: Evaluate, opts: object) -> int:
-    from ulysses_mm.tools.evaluate import cli  # lazy: torch
-
-    return cli(a.checkpoint, a.manifest, opts, a.json, a.png)
+        return cli(self.checkpoint, self.manifest, opts, self.json, self.png)
 
 
 @dataclass
 class Report:
+    """Plot a run's loss curves per modality."""
+
     run_dir: str = positional("the run directory (train.out_dir)", "in_dir")
     png: str = option("where to write the plot", path="out_file")
 
+    def run(self) -> int:
+        from ulysses_mm.tools.report import plot  # lazy: matplotlib
 
-def _report(a: Report) -> int:
-    from ulysses_mm.tools.report import plot  # lazy: matplotlib
-
-    print(f"wrote {plot(a.run_dir, a.png)}")
-    return 0
-
-
-def add_demo(sub: argparse._SubParsersAction) -> None:
-    command(sub, "demo", "the default job: prepare the sample data, train the debug model at SP=2, plot", [Demo], _demo, (
-        "Prepare the repository's sample files (DNA, speech, video) with "
-        "pipelines/mixed.yaml, train configs/debug-tiny.yaml at SP=2 on 2 CPU processes with "
-        "W&B offline, and write the loss curves and one packed sample as PNGs."
-    ))  # fmt: skip
-
-
-def add_train(sub: argparse._SubParsersAction) -> None:
-    command(sub, "train", "train from shards with DeepSpeed + Ulysses", [Train], _train, (
-        "Train the model of CONFIG on the shards its data.train manifest names. With "
-        "--nproc N it starts N local processes itself; under torchrun or the DeepSpeed "
-        "launcher it joins the world it is given."
-    ))  # fmt: skip
-
-
-def add_export(sub: argparse._SubParsersAction) -> None:
-    command(
-        sub, "export", "write a checkpoint as a transformers (safetensors) model", [Export], _export
-    )
-
-
-def add_generate(sub: argparse._SubParsersAction) -> None:
-    options = [Generate, "ulysses_mm.tools.generate:GenerateOptions"]
-    command(sub, "generate", "continue a prompt in one modality; write FASTA / WAV / MP4 / text", options, _generate, (
-        "Tokenize PROMPT with the tokenizer the model's training data used, sample "
-        "--new-tokens ids with a KV cache within the modality's head (and the tokenizer's "
-        "layout: whole video frames, interleaved audio), and decode them to --out: FASTA "
-        "for DNA, WAV for audio, MP4 for video (with the clip's audio when the spec "
-        "interleaves it), UTF-8 text. The same seed gives the same output. --nproc N "
-        "prefills a long prompt with N sequence-parallel processes."
-    ))  # fmt: skip
-
-
-def add_evaluate(sub: argparse._SubParsersAction) -> None:
-    options = [Evaluate, "ulysses_mm.tools.evaluate:EvaluateOptions"]
-    command(sub, "evaluate", "held-out loss per modality (bits per base / sample / byte) and by position", options, _evaluate, (
-        "Run MANIFEST's samples, in order, at full length or as windows of --seq-len tokens "
-        "cut out of them, through the training step's forward under the run's "
-        "sequence-parallel layout (or --sp): cross-entropy per modality in nats per token "
-        "and in the units people quote (DNA bits per base, audio bits per sample, text bits "
-        "per byte, video bits per frame), and against the target's position inside its "
-        "document in log-spaced bins. The figures match the periodic eval of `ulysses-mm "
-        "train` on the same batches."
-    ))  # fmt: skip
-
-
-def add_report(sub: argparse._SubParsersAction) -> None:
-    command(sub, "report", "plot a run's loss curves per modality", [Report], _report)
+        print(f"wrote {plot(self.run_dir, self.png)}")
+        return 0

@@ -63,6 +63,17 @@ def option(
     return field(default=default, metadata=metadata)
 
 
+def positional(text: str, path: str | None = None, **cli: Any) -> Any:
+    """A command's required positional argument (``path``: what it must be)."""
+    return option(text, path=path, positional=True, **cli)
+
+
+def overrides(example: str = "") -> Any:
+    """A command's ``section.key=value`` words, applied over its config file."""
+    text = "section.key=value overrides, applied after the file (CLI > file > defaults)"
+    return option(text + example, factory=list, positional=True)
+
+
 def range_of(cls: type, name: str) -> Range:
     """The range :func:`option` gave field ``name`` of dataclass ``cls``."""
     for f in dataclasses.fields(cls):

@@ -313,10 +313,12 @@ PATHS: dict[str, Callable[..., str]] = {
 }
 
 
-def arg_type(check: str, fn: Callable[[str], T], bounds: str = "") -> Callable[[str], T]:
+def arg_type(
+    check: str, fn: Callable[[str], T], bounds: str = "", within: Range | None = None
+) -> Callable[[str], T]:
     """``fn`` as an argparse ``type=``: its refusal becomes ``ArgumentTypeError`` (whose
     message argparse prints as is), marked with ``check`` (``number``, ``integer``,
-    ``int_list``, a key of :data:`PATHS`) and ``bounds`` (the range's text)."""
+    ``int_list``, a key of :data:`PATHS`), ``bounds`` (the range's text) and ``range``."""
 
     def parse(value: str) -> T:
         try:
@@ -328,4 +330,5 @@ def arg_type(check: str, fn: Callable[[str], T], bounds: str = "") -> Callable[[
     marked: Any = parse
     marked.check = check
     marked.bounds = bounds
+    marked.range = within
     return parse

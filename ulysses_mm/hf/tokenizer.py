@@ -24,9 +24,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ulysses_mm.config.parse import option, positional
 from ulysses_mm.core.errors import DataError, NotFoundError, first_line
 from ulysses_mm.core.storage import atomic_local_dir
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
@@ -132,3 +134,28 @@ def write_tokenizer(
         tok.save_pretrained(str(tmp))
         (tmp / SPACE_FILE).write_text(json.dumps(manifest.token_space.to_dict(), indent=1) + "\n")
     return out
+
+
+@dataclass
+class HfTokenizer:
+    """``ulysses-mm hf-tokenizer``: a transformers tokenizer whose vocabulary is a
+    manifest's token space, with readable names (AutoTokenizer.from_pretrained)."""
+
+    manifest: str = positional("manifest.json (path or URL) or its dataset directory", "in_path")
+    out: str = positional(
+        "new output directory (tokenizer.json + tokenizer_config.json)", "out_dir"
+    )
+    text_tokenizer: str | None = option(
+        "the text modality's transformers tokenizer directory, to name text ids by its "
+        "tokens (default: bytes for the shipped text-bytes spec, else the local id)", None,
+        path="in_dir", exist=True,
+    )  # fmt: skip
+
+    def run(self) -> int:
+        manifest = Manifest.load(self.manifest)
+        out = write_tokenizer(manifest, self.out, self.text_tokenizer)
+        print(
+            f"wrote a transformers tokenizer of the {manifest.token_space.describe()} to {out} "
+            "(AutoTokenizer.from_pretrained)"
+        )
+        return 0

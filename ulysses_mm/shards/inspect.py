@@ -24,7 +24,9 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from ulysses_mm.config.parse import option, positional
 from ulysses_mm.core import storage
+from ulysses_mm.core.checks import INT64_SAFE
 from ulysses_mm.core.errors import RangeError
 from ulysses_mm.core.format import (
     SEG_LENGTH,
@@ -379,3 +381,30 @@ __all__ = [
     "segment_table_text",
     "summary_text",
 ]
+
+
+@dataclass
+class Inspect:
+    """``ulysses-mm inspect``: print the manifest summary (token space, tokenizers, counts,
+    skipped inputs, shards) and the segment table of one packed sample. With --png, render
+    the sample: a modality ribbon, then video frames, audio waveform and DNA GC content
+    decoded through the tokenizers the manifest names."""
+
+    target: str = positional(
+        "manifest.json, a dataset directory, or one shard .tar (path or fsspec URL)", "in_path"
+    )
+    sample: int = option(
+        "sample to show: global index for a manifest/directory, position inside the shard "
+        "for a .tar", 0, ge=0, le=INT64_SAFE,
+    )  # fmt: skip
+    png: str | None = option(
+        "also render the sample to FILE", None, path="out_file", metavar="FILE"
+    )
+    storage_options: dict | None = option(
+        'fsspec options for a remote target, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'',
+        None, metavar="JSON",
+    )  # fmt: skip
+
+    def run(self) -> int:
+        where = storage.Location(self.target, self.storage_options or {})
+        return run_inspect(where, sample=self.sample, png=self.png)

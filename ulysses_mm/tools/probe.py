@@ -40,6 +40,8 @@ from typing import IO
 
 import numpy as np
 
+from ulysses_mm.config.parse import option, positional
+from ulysses_mm.core.checks import MAX_PROCESSES, MAX_SEED, MAX_TOKENS
 from ulysses_mm.core.errors import ConfigError, DataError
 from ulysses_mm.core.resources import resource
 from ulysses_mm.core.storage import atomic_local_file
@@ -232,3 +234,70 @@ def score(
     if len(rows) != 2:
         raise DataError(f"{manifest}: no targets in one of the halves")
     return rows[0][2] / LN2, rows[1][2] / LN2
+
+
+@dataclass
+class ProbeWrite:
+    """``ulysses-mm probe write``: DNA documents of L random bases followed by the same L
+    bases (and one N), 2L+4 tokens, one (or --pack K) per packed sample, prepared into a
+    training and a held-out dataset (and one held-out dataset per --eval-lengths)."""
+
+    out: str = positional("output directory (train/, eval/, src/)", "out_dir")
+    length: int = option("bases per half", ge=1, le=MAX_TOKENS, metavar="L")
+    documents: int = option("training documents", 2048, ge=1, le=10**7)
+    eval_documents: int = option("held-out documents", 64, ge=1, le=10**7)
+    seed: int = option("seed of the bases (held out: seed+1)", 0, ge=0, le=MAX_SEED)
+    eval_lengths: list[int] | None = option(
+        "also write held-out documents of these lengths, one dataset each (eval-L<n>/)", None,
+        ge=1, le=MAX_TOKENS, metavar="L1,L2,...",
+    )  # fmt: skip
+    pack: int = option(
+        "documents per packed sample, K·(2L+4) tokens, in every dataset", 1, ge=1, le=10**6,
+        metavar="K",
+    )  # fmt: skip
+
+    def run(self) -> int:
+        d = write_probe(
+            self.out, self.length, self.documents, self.eval_documents, self.seed,
+            self.eval_lengths, self.pack,
+        )  # fmt: skip
+        edges = ",".join(str(e) for e in halves(d.length))
+        each = "one document" if d.pack == 1 else f"{d.pack} documents"
+        held = "".join(f"\n  held out, L={n:,}: {p}" for n, p in d.evals.items() if n != d.length)
+        print(
+            f"wrote the probe of L={d.length:,} ({d.seq_len:,}-token samples, {each} each):\n"
+            f"  train: {d.train}\n  held out: {d.eval}{held}\n"
+            f"train on it: ulysses-mm train CONFIG data.train={d.train} parallel.sp=P\n"
+            f"then: ulysses-mm probe score RUN_DIR {d.eval}   (or ulysses-mm evaluate "
+            f"RUN_DIR {d.eval} --seq-len {2 * d.length + 4} --edges {edges})"
+        )
+        return 0
+
+
+@dataclass
+class ProbeScore:
+    """``ulysses-mm probe score``: bits per base of each half on a held-out probe dataset,
+    on windows of one document (the first stays at 2, the second falls to 0 once the model
+    copies from L back)."""
+
+    checkpoint: str = positional("a run dir, its checkpoints/ dir or a step_* dir", "in_dir")
+    manifest: str = positional("the probe's held-out manifest.json", "in_path")
+    nproc: int | None = option("processes (default: the sp)", None, ge=1, le=MAX_PROCESSES)
+    length: int = option(
+        "the L of the documents to score, on windows of 2L+4 tokens, one document each (0: "
+        "the manifest's; refused if its documents have another)", 0, ge=0, le=MAX_TOKENS,
+        metavar="L",
+    )  # fmt: skip
+    sp: int = option(
+        "N Ulysses ranks instead of the run's layout (0: the run's parallel.sp)", 0,
+        ge=0, le=MAX_PROCESSES, metavar="N",
+    )  # fmt: skip
+
+    def run(self) -> int:
+        first, second = score(self.checkpoint, self.manifest, self.nproc, self.length, self.sp)
+        print(
+            f"first half: {first:.4f} bits/base (unpredictable: 2 at best)\n"
+            f"second half: {second:.4f} bits/base (a copy from L bases back: 0 once the "
+            "model uses its context)"
+        )
+        return 0
