@@ -121,7 +121,7 @@ def test_flip_ids_replaces_exactly_that_many_by_other_ids() -> None:
     assert (flip_ids(ids[:10], 1e-6, rng, vocab=300) != ids[:10]).sum() == 1  # at least one
     # a codec's id stays in its quantizer's codebook (ids q*16 .. q*16+15)
     codec = np.tile(np.arange(4) * 16 + 3, 500)
-    bad = flip_ids(codec, 0.2, rng, vocab=64, group=16)
+    bad = flip_ids(codec, 0.2, rng, vocab=64, codebook=16)
     assert (bad // 16 == codec // 16).all() and (bad != codec).sum() == 400
 
 

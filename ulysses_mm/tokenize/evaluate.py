@@ -39,12 +39,13 @@ from ulysses_mm.tokenize.base import DecodeError, Entry, Tokenizer
 
 
 def flip_ids(
-    ids: np.ndarray, rate: float, rng: np.random.Generator, vocab: int, group: int = 0
+    ids: np.ndarray, rate: float, rng: np.random.Generator, vocab: int, codebook: int = 0
 ) -> np.ndarray:
     """A copy of ``ids`` with ``round(rate·n)`` (at least one) of its n non-negative ids
     replaced, at distinct random positions, by a different id drawn uniformly from
-    ``0..vocab-1`` -- or, with ``group``, from the id's own block of ``group`` consecutive
-    ids (a codec's quantizer). Negative ids (a ragged kind's frame ends) are left alone."""
+    ``0..vocab-1`` -- or, with ``codebook``, from the id's own codebook of that many
+    consecutive ids (a codec's quantizer). Negative ids (a ragged kind's frame ends) are
+    left alone."""
     out = np.array(ids, dtype=np.int64, copy=True)
     flat = out.reshape(-1)
     where = np.flatnonzero(flat >= 0)
@@ -53,9 +54,9 @@ def flip_ids(
     k = min(where.size, max(1, round(rate * where.size)))
     at = rng.choice(where, k, replace=False)
     old = flat[at]
-    low = old // group * group if group else np.zeros_like(old)
-    span = group or vocab
-    new = rng.integers(0, span - 1, k)  # one of the span - 1 other ids
+    low = old // codebook * codebook if codebook else np.zeros_like(old)
+    choices = codebook or vocab
+    new = rng.integers(0, choices - 1, k)  # one of the choices - 1 other ids
     new += new >= old - low
     flat[at] = low + new
     return out
@@ -66,11 +67,11 @@ def damaged(
 ) -> list[Entry]:
     """Per rate: ``measure(decoded ids)`` after :func:`flip_ids` with seeds 0..seeds-1,
     the mean over the seeds as ``key`` and the worst seed as ``worst_<key>``."""
-    vocab, group = tok.damage_alphabet()
+    vocab, codebook = tok.damage_alphabet()
     out = []
     for rate in rates:
         vals = [
-            measure(flip_ids(ids, rate, np.random.default_rng(seed), vocab, group))
+            measure(flip_ids(ids, rate, np.random.default_rng(seed), vocab, codebook))
             for seed in range(seeds)
         ]
         out.append(
