@@ -121,6 +121,13 @@ def test_installed_wheel_runs_from_an_empty_directory(installed, tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert _samples(tmp_path / "out" / "dna" / "manifest.json") == SAMPLES[4096]
+    # the README tour's: all modalities, a spec's artifact (video-vq.npy) read beside it
+    run = _um(
+        installed, tmp_path, "prepare", "mixed", "output=out/mixed", "pack.seq_len=8192",
+        "progress=false",
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert _samples(tmp_path / "out" / "mixed" / "manifest.json") == 25
     assert sorted(os.listdir(tmp_path)) == ["build", "out"]  # nothing else written
     assert _data_files(installed) == shipped  # nor anything into the install
 

@@ -41,6 +41,11 @@ def add(sub: argparse._SubParsersAction) -> None:
             ),
         )
         p.add_argument(
-            "name", nargs="?", default=None, choices=names(folder), help=f"print this {what}"
+            "name",
+            nargs="?",
+            default=None,
+            choices=names(folder),
+            metavar="NAME",
+            help=f"print this {what} ({', '.join(names(folder))})",
         )
         p.set_defaults(func=_cmd)
