@@ -46,6 +46,6 @@ def add(sub: argparse._SubParsersAction) -> None:
             default=None,
             choices=names(folder),
             metavar="NAME",
-            help=f"print this {what} ({', '.join(names(folder))})",
+            help=f"print this {what} (the listing names them)",
         )
         p.set_defaults(func=_cmd)
