@@ -29,10 +29,10 @@ class Prepare:
     overrides: list[str] = overrides(
         ", e.g. output=out/dna 'sources=[data/*.fa.gz]' pack.seq_len=65536"
     )
-    engine: str | None = option(
+    executor: str | None = option(
         "what runs the partitions: this machine's process pool (local, the default) or a "
         "Ray cluster (ray; pip install 'ulysses-mm[ray]'); the same bytes either way",
-        None, choices=ENGINES,
+        None, choices=ENGINES, flags=("--engine",), metavar="{local,ray}",
     )  # fmt: skip
     address: str | None = option(
         "with --engine ray: the cluster to join ('auto' for the one `ray start` began "
@@ -40,10 +40,10 @@ class Prepare:
     )  # fmt: skip
     print_config: bool = option("print the resolved pipeline config and exit", False)
 
-    def run(self) -> int:
+    def main(self) -> int:
         from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare  # lazy: numpy
 
-        extra = [f"engine={self.engine}"] if self.engine else []
+        extra = [f"engine={self.executor}"] if self.executor else []  # the pipeline's key
         extra += [f"ray_address={self.address}"] if self.address is not None else []
         cfg = load_pipeline_config(self.pipeline, [*self.overrides, *extra])
         if self.print_config:

@@ -9,7 +9,7 @@ dataclass. The annotation gives the shape: ``bool`` a switch, ``int`` / ``float`
 checked number, ``list[int]`` comma-separated integers, ``list[X]`` several words (or a
 repeated flag, ``repeat=True``), ``int | str`` a count or the one word ``word=``, ``dict``
 a JSON mapping. The first dataclass's docstring is the command's description and its
-``run()`` runs the command with the others.
+``main()`` carries the command out, given the others.
 
 :class:`Parser` adds a command's arguments only when the command is chosen or its help is
 shown, so a command whose options live beside torch code imports it only then.
@@ -99,8 +99,8 @@ def command(
     sub: argparse._SubParsersAction, name: str, text: str, options: Sequence[str | type], **kw: Any
 ) -> Parser:
     """Subcommand ``name``: its arguments are the fields of ``options`` (dataclasses, or
-    ``"module:Class"`` imported when the command is chosen); it runs the first one's
-    ``run()`` with an instance of each of the others."""
+    ``"module:Class"`` imported when the command is chosen); the first one's ``main()``
+    carries it out, given an instance of each of the others."""
 
     def declare(p: Parser) -> None:
         classes = [load(o) for o in options]
@@ -109,14 +109,14 @@ def command(
         doc = classes[0].__doc__ or ""
         if p.description is None and not doc.startswith(f"{classes[0].__name__}("):
             p.description = inspect.cleandoc(doc).replace("``", "")  # a docstring of its own
-        p.set_defaults(func=lambda args: _run([read(cls, args) for cls in classes]))
+        p.set_defaults(func=lambda args: _main([read(cls, args) for cls in classes]))
 
     parser: Parser = sub.add_parser(name, help=text, declare=declare, **kw)
     return parser
 
 
-def _run(parsed: list[Any]) -> int:
-    return int(parsed[0].run(*parsed[1:]))
+def _main(parsed: list[Any]) -> int:
+    return int(parsed[0].main(*parsed[1:]))
 
 
 def _shape(tp: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -206,7 +206,7 @@ def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
     ``--field-name`` (or the field's ``flags``; ``aliases``: hidden old spellings with a
     one-line hint), or a positional with ``positional=True``."""
     hints = typing.get_type_hints(cls)
-    groups: dict[str, Any] = {}
+    exclusive: dict[str, Any] = {}  # mutually exclusive flags, by the name they share
     for f in dataclasses.fields(cls):
         if not f.init or "help" not in f.metadata:
             continue
@@ -220,10 +220,10 @@ def add_fields(parser: argparse.ArgumentParser, cls: type) -> None:
         elif f.default_factory is not dataclasses.MISSING:
             kw["default"] = f.default_factory()
         target: Any = parser
-        if "group" in cli:
-            if cli["group"] not in groups:
-                groups[cli["group"]] = parser.add_mutually_exclusive_group()
-            target = groups[cli["group"]]
+        if "exclusive" in cli:
+            if cli["exclusive"] not in exclusive:
+                exclusive[cli["exclusive"]] = parser.add_mutually_exclusive_group()
+            target = exclusive[cli["exclusive"]]
         if cli.get("positional"):
             nargs = {"nargs": "?"} if "default" in kw and "nargs" not in kw else {}
             target.add_argument(f.name, **kw, **nargs)

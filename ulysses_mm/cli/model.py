@@ -43,7 +43,7 @@ class Demo:
     steps: int = option("training steps", 40, ge=1, le=10**6)
     verbose: bool = _verbose()
 
-    def run(self) -> int:
+    def main(self) -> int:
         from ulysses_mm.tools.demo import run_demo  # lazy: torch
 
         _log_to(self.verbose)
@@ -73,7 +73,7 @@ class Train:
     )  # fmt: skip
     verbose: bool = _verbose()
 
-    def run(self) -> int:
+    def main(self) -> int:
         from ulysses_mm.tools.estimate.stages import check_stages_fit  # lazy: numpy
         from ulysses_mm.train.loop import run_train  # lazy: torch
 
@@ -143,7 +143,7 @@ class Export:
     checkpoint: str = positional(CHECKPOINT, "in_dir")
     out: str = positional("output directory (config.json + model.safetensors)", "out_dir")
 
-    def run(self) -> int:
+    def main(self) -> int:
         import json
         from pathlib import Path
 
@@ -168,7 +168,7 @@ class Generate:
 
     checkpoint: str = positional("a run dir, a checkpoint (step_*) dir or an export dir", "in_dir")
 
-    def run(self, opts: Any) -> int:
+    def main(self, opts: Any) -> int:
         from ulysses_mm.tools.generate import run_generate  # lazy: torch
 
         r = run_generate(self.checkpoint, opts)
@@ -196,7 +196,7 @@ class Evaluate:
     json: bool = option("print every figure as JSON", False)
     png: str | None = option("plot loss against position", None, path="out_file", metavar="FILE")
 
-    def run(self, opts: Any) -> int:
+    def main(self, opts: Any) -> int:
         from ulysses_mm.tools.evaluate import cli  # lazy: torch
 
         return cli(self.checkpoint, self.manifest, opts, self.json, self.png)
@@ -209,7 +209,7 @@ class Report:
     run_dir: str = positional("the run directory (train.out_dir)", "in_dir")
     png: str = option("where to write the plot", path="out_file")
 
-    def run(self) -> int:
+    def main(self) -> int:
         from ulysses_mm.tools.report import plot  # lazy: matplotlib
 
         print(f"wrote {plot(self.run_dir, self.png)}")

@@ -35,7 +35,7 @@ class Verify:
     )  # fmt: skip
     overrides: list[str] = overrides()
 
-    def run(self, opts: Any) -> int:
+    def main(self, opts: Any) -> int:
         from ulysses_mm.tools.verify import run_verify  # lazy: torch
 
         layout = [f"parallel.{k}={getattr(self, k)}" for k in ("sp", "dp", "ring")]
@@ -59,7 +59,7 @@ class Config:
         "still win", None, path="in_dir", metavar="DIR",
     )  # fmt: skip
 
-    def run(self) -> int:
+    def main(self) -> int:
         import yaml  # lazy: only this command prints YAML
 
         from ulysses_mm.config import deep_merge, from_dict, parse_overrides, read_yaml, to_dict

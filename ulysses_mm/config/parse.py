@@ -48,8 +48,8 @@ def option(
     by :func:`check_ranges` and by the command line. ``path`` names what a path must be (a
     key of :data:`ulysses_mm.core.checks.PATHS`: ``in_file``, ``out_dir``, …), ``choices``
     the values allowed. A command's option may say how it is spelled (``cli``:
-    ``flags=("-v", "--verbose")``, ``metavar``, ``positional=True``, ``group`` (a mutually
-    exclusive group's name), ``repeat=True``); see :mod:`ulysses_mm.cli.declare`."""
+    ``flags=("-v", "--verbose")``, ``metavar``, ``positional=True``, ``exclusive`` (a name
+    the flags that exclude each other share), ``repeat=True``); see :mod:`ulysses_mm.cli.declare`."""
     metadata: dict[str, Any] = {"help": text, "cli": cli}
     r = Range.of(ge, gt, le, lt)
     if r is not None:

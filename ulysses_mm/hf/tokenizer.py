@@ -151,7 +151,7 @@ class HfTokenizer:
         path="in_dir", exist=True,
     )  # fmt: skip
 
-    def run(self) -> int:
+    def main(self) -> int:
         manifest = Manifest.load(self.manifest)
         out = write_tokenizer(manifest, self.out, self.text_tokenizer)
         print(

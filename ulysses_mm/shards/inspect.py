@@ -405,6 +405,6 @@ class Inspect:
         None, metavar="JSON",
     )  # fmt: skip
 
-    def run(self) -> int:
+    def main(self) -> int:
         where = storage.Location(self.target, self.storage_options or {})
         return run_inspect(where, sample=self.sample, png=self.png)

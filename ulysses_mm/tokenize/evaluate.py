@@ -178,7 +178,7 @@ class TokenizerEval:
         "random draws per --damage rate, seeds 0..N-1: mean and worst", 5, ge=1, le=10**4
     )
 
-    def run(self) -> int:
+    def main(self) -> int:
         return cli_eval(self)
 
 

@@ -32,7 +32,7 @@ class Kind:
     # the audio tokenizer reads a video container's sound track when there is no video one
     fallback_suffixes: tuple[str, ...] = ()
     # a kind with a learned part says how it is fitted: "module:Class" of the dataclass of
-    # ``tokenizer fit KIND``'s options, whose ``run()`` fits and writes the spec
+    # ``tokenizer fit KIND``'s options, whose ``main()`` fits and writes the spec
     fit: str = ""
 
 

@@ -256,7 +256,7 @@ class ProbeWrite:
         metavar="K",
     )  # fmt: skip
 
-    def run(self) -> int:
+    def main(self) -> int:
         d = write_probe(
             self.out, self.length, self.documents, self.eval_documents, self.seed,
             self.eval_lengths, self.pack,
@@ -293,7 +293,7 @@ class ProbeScore:
         ge=0, le=MAX_PROCESSES, metavar="N",
     )  # fmt: skip
 
-    def run(self) -> int:
+    def main(self) -> int:
         first, second = score(self.checkpoint, self.manifest, self.nproc, self.length, self.sp)
         print(
             f"first half: {first:.4f} bits/base (unpredictable: 2 at best)\n"

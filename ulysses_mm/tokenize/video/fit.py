@@ -85,7 +85,7 @@ class VideoVqFit(VideoFitOptions):
         path="in_file",
     )  # fmt: skip
 
-    def run(self) -> int:
+    def main(self) -> int:
         return cli_fit(self)
 
 

@@ -47,11 +47,11 @@ class EstimateArgs:
     seq_len: int | None = option(
         "tokens per sample N (default data.seq_len); with train.stages, the length of the "
         "stages whose data.seq_len is 0 (default: --manifest's seq_len)", None,
-        ge=1, le=1 << 40, group="length",
+        ge=1, le=1 << 40, exclusive="length",
     )  # fmt: skip
     max: bool = option(
         "find the longest N that fits --gpu-mem (refused with train.stages: one length per "
-        "stage)", False, group="length",
+        "stage)", False, exclusive="length",
     )  # fmt: skip
     manifest: str | None = option(
         "take the token space from this manifest when model.modalities is empty (default: "
@@ -88,5 +88,5 @@ class EstimateArgs:
     phases: bool = option("also list every phase's figure", False)
     json: bool = option("print the estimate as JSON", False)
 
-    def run(self) -> int:
+    def main(self) -> int:
         return run_cli(self)
