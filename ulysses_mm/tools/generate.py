@@ -49,11 +49,11 @@ class GenerateOptions:
         None, path="in_file", metavar="FILE",
     )  # fmt: skip
     prompt_tokens: int | None = option(
-        "keep the first N ids", None, ge=1, le=MAX_TOKENS, metavar="N", group="prompt"
+        "keep the first N ids", None, ge=1, le=MAX_TOKENS, metavar="N", exclusive="prompt"
     )
     prompt_seconds: float | None = option(
         "keep the first S seconds (audio, video)", None, gt=0, le=10**6, metavar="S",
-        group="prompt",
+        exclusive="prompt",
     )  # fmt: skip
     temperature: float = option("softmax temperature (0: greedy)", 1.0, ge=0)
     top_k: int = option("sample among the k likeliest (0: all)", 0, ge=0, le=INT64_SAFE)
