@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 from ulysses_mm.core.resources import resource
 from ulysses_mm.core.shipped import FOLDERS, SUFFIX, describe, names
@@ -28,6 +29,19 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0
 
 
+def _name_of(folder: str) -> Callable[[str], str]:
+    """An argparse ``type=``: a name ``folder`` ships, else one line listing them."""
+
+    def check(value: str) -> str:
+        if value not in names(folder):
+            raise argparse.ArgumentTypeError(
+                f"no shipped {FOLDERS[folder]} {value!r} (shipped: {', '.join(names(folder))})"
+            )
+        return value
+
+    return check
+
+
 def add(sub: argparse._SubParsersAction) -> None:
     """Both listing commands."""
     for folder, what in FOLDERS.items():
@@ -44,8 +58,8 @@ def add(sub: argparse._SubParsersAction) -> None:
             "name",
             nargs="?",
             default=None,
-            choices=names(folder),
+            type=_name_of(folder),
             metavar="NAME",
-            help=f"print this {what} (the listing names them)",
+            help=f"print this {what}",
         )
         p.set_defaults(func=_cmd)
