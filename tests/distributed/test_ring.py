@@ -129,7 +129,7 @@ def _attention_skip(rank, world, doc):
     ref = LocalAttention("sdpa_dense")(*ref_in, mask)
     gout = torch.randn(ref.shape, generator=g)
     ref.backward(gout)
-    idx = ring_order(mask.run_ids, world).view(world, -1)[mesh.ring_rank]
+    idx = ring_order(mask.doc_index, world).view(world, -1)[mesh.ring_rank]
     loc = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
     out = attn(*loc, DocumentMask(doc))
     out.backward(gout[:, idx])
@@ -173,8 +173,8 @@ def test_ring_order_is_a_permutation_of_equal_parts():
     # every slot of every row holds N/2R tokens, whatever the documents
     for ring, mean in ((2, 5), (4, 37), (8, 100)):
         doc = packed_doc_ids(3, 1024, mean, seed=mean)
-        runs = DocumentMask(doc).run_ids
-        order = ring_order(runs, ring)
+        docs = DocumentMask(doc).doc_index
+        order = ring_order(docs, ring)
         for row in order:
             assert sorted(row.tolist()) == list(range(1024))
             for part in row.view(ring, -1):  # a rank's tokens stay in global order

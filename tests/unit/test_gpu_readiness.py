@@ -362,7 +362,7 @@ def test_flex_block_mask_from_spans_is_create_block_masks(s):
 
     mask = DocumentMask(_docs(2, s, 0.004, seed=s))
     got = mask.block_mask(4)
-    r = mask.run_ids
+    r = mask.doc_index
     want = create_block_mask(
         lambda b, h, q, k: (q >= k) & (r[b, q] == r[b, k]), 2, None, s, s, device="cpu"
     )
@@ -375,7 +375,7 @@ def test_flex_block_mask_from_spans_is_create_block_masks(s):
 def test_flex_block_mask_holds_what_the_estimate_counts_not_s_squared():
     b, s = 2, 16384
     mask = DocumentMask(_docs(b, s, 0.001, seed=0))
-    _ = mask.run_ids, mask.spans  # shared with the other kernels; not the block mask's
+    _ = mask.doc_index, mask.spans  # shared with the other kernels; not the block mask's
     with TensorMemoryTracker() as t:
         block = mask.block_mask(4)
         held = t.live

@@ -56,7 +56,7 @@ def test_fields_are_the_loaders_batch_in_the_hf_convention(manifests):
         docs = document_ids(item["position_ids"][None])
         real = batch.doc_ids[i] >= 0
         # the documents the positions describe are the packer's; the pad tail is one more
-        want = DocumentMask(batch.doc_ids[i : i + 1]).run_ids[0]
+        want = DocumentMask(batch.doc_ids[i : i + 1]).doc_index[0]
         assert docs[0].tolist() == want.tolist()
         assert item["position_ids"][real].tolist() == batch.position_ids[i][real].tolist()
         pads = item["position_ids"][~real]

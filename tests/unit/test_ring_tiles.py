@@ -57,7 +57,7 @@ def test_tiles_merged_equal_dense_attention(ring, mean, heads):
     k, v = (torch.randn(b, n, hk, d, generator=g) for _ in range(2))
     ref = LocalAttention("sdpa_dense")(q, k, v, mask)
     plan = RingPlan.of(mask, ring)
-    runs = mask.run_ids
+    docs = mask.doc_index
     cut = []
     for j, (out, _) in enumerate(_ring_forward(TorchBlockKernel, q, k, v, plan, ring)):
         want = ref.gather(1, plan.idx[j][..., None, None].expand(-1, -1, h, d))
@@ -66,9 +66,9 @@ def test_tiles_merged_equal_dense_attention(ring, mean, heads):
         for src in range(ring):
             allowed = _allowed(
                 plan.idx[j],
-                runs.gather(1, plan.idx[j]),
+                docs.gather(1, plan.idx[j]),
                 plan.idx[src],
-                runs.gather(1, plan.idx[src]),
+                docs.gather(1, plan.idx[src]),
             )
             assert sum(t.pairs for t in plan.block(j, src)) == int(allowed.sum())
             # the dense kernel works a row's worth of queries at a time, not b rows at once

@@ -7,7 +7,7 @@ weighted ``data.train`` mixture. Underneath is the training loader itself
 seed and epoch), mixing, node cache and prefetch thread, and its resumable state. Each
 item is one packed sample as :mod:`ulysses_mm.hf.inputs` describes (``input_ids``,
 ``position_ids`` restarting at every document, ``labels``, ``shift_labels``); the pad
-tail is one run of positions of its own, so it is a document whose targets are ignored.
+tail is one span of positions of its own, so it is a document whose targets are ignored.
 
 Who reads what. ``readers`` is how many data-parallel ways the samples are split (it fixes
 the order: one source drops an epoch's tail shorter than ``readers × micro_batch``):
@@ -67,7 +67,7 @@ def sample_fields(sample: PackedSample, space: TokenSpace) -> dict[str, np.ndarr
     tokens = np.asarray(sample.tokens, dtype=np.int64)
     n = len(tokens)
     doc, pos = segments_to_ids(sample.segments, n)
-    pads = np.flatnonzero(doc < 0)  # the tail no segment covers: one run of positions
+    pads = np.flatnonzero(doc < 0)  # the tail no segment covers: one span of positions
     pos[pads] = np.arange(len(pads))
     step = np.diff(pos) != 1
     if not np.array_equal(step, doc[1:] != doc[:-1]):

@@ -8,7 +8,7 @@ target of token t is token t + 1 of its document; what DeepSpeed's sequence-para
 adapter and the Trainer's sequence-parallel loss read). Shifting ``labels`` by one gives
 ``shift_labels`` exactly, so every consumer sees the same targets.
 
-Documents are the runs of consecutive positions: a new one starts wherever
+Documents are the spans of consecutive positions: a new one starts wherever
 ``position_ids[t] != position_ids[t - 1] + 1``, transformers' own rule for packed
 sequences (``masking_utils.find_packed_sequence_indices``). The packer starts every
 document at position 0, except a long document's continuation at the very start of a

@@ -48,7 +48,7 @@ _BY_STREAM: dict[int, tuple[Any, ShardDataset]] = {}  # id(trl_dataset) -> it, i
 
 
 def seq_lengths(position_ids: torch.Tensor | np.ndarray) -> list[int]:
-    """The lengths of the runs of consecutive positions (documents, then the pad tail)."""
+    """The lengths of the spans of consecutive positions (documents, then the pad tail)."""
     pos = np.asarray(position_ids)
     starts = np.flatnonzero(np.diff(pos) != 1) + 1
     return np.diff(np.concatenate([[0], starts, [len(pos)]])).tolist()

@@ -2,7 +2,7 @@
 
 A kernel sees the FULL sequence on some heads (under Ulysses: after the all-to-all, H/P
 heads) and must honour two rules: causal order, and no token attends across a document
-boundary. Documents are the contiguous runs of equal ``doc_ids``; a kernel never sees the
+boundary. Documents are the contiguous spans of equal ``doc_ids``; a kernel never sees the
 segment table itself, only :class:`DocumentMask`, which is built once per batch and shared
 by every layer.
 
@@ -55,7 +55,7 @@ FLEX_BLOCK = 128
 
 @dataclass
 class DocumentMask:
-    """Which tokens may attend to which: contiguous runs of ``doc_ids`` ([b, s], full
+    """Which tokens may attend to which: contiguous spans of ``doc_ids`` ([b, s], full
     sequence) are documents; attention is causal inside a document and zero across."""
 
     doc_ids: Tensor
@@ -66,21 +66,21 @@ class DocumentMask:
         return int(self.doc_ids.shape[-1])
 
     @property
-    def run_ids(self) -> Tensor:
-        """[b, s] document index per token, counted per row from 0 (runs, not raw ids)."""
-        if "run_ids" not in self._cache:
+    def doc_index(self) -> Tensor:
+        """[b, s] document index per token, counted per row from 0 (spans, not raw ids)."""
+        if "doc_index" not in self._cache:
             d = self.doc_ids
             change = torch.zeros_like(d, dtype=torch.int32)
             change[:, 1:] = (d[:, 1:] != d[:, :-1]).to(torch.int32)
-            self._cache["run_ids"] = torch.cumsum(change, dim=1, dtype=torch.int32)
-        return self._cache["run_ids"]
+            self._cache["doc_index"] = torch.cumsum(change, dim=1, dtype=torch.int32)
+        return self._cache["doc_index"]
 
     @property
     def spans(self) -> list[list[tuple[int, int]]]:
         """Per row, the (start, end) of every document (host-side, computed once)."""
         if "spans" not in self._cache:
             rows = []
-            for row in self.run_ids.cpu():
+            for row in self.doc_index.cpu():
                 bounds = (torch.nonzero(row[1:] != row[:-1]).flatten() + 1).tolist()
                 edges = [0, *bounds, int(row.shape[0])]
                 rows.append(list(itertools.pairwise(edges)))
@@ -90,7 +90,7 @@ class DocumentMask:
     def dense(self) -> Tensor:
         """[b, 1, s, s] boolean: True where attention is allowed."""
         if "dense" not in self._cache:
-            r = self.run_ids
+            r = self.doc_index
             s = self.seq_len
             causal = torch.ones(s, s, dtype=torch.bool, device=r.device).tril()
             self._cache["dense"] = (r[:, :, None] == r[:, None, :]) & causal
@@ -126,15 +126,16 @@ class DocumentMask:
         if key not in self._cache:
             from torch.nn.attention.flex_attention import BlockMask
 
-            r = self.run_ids  # [b, s]
+            r = self.doc_index  # [b, s]
             s = self.seq_len
             blocks = -(-s // FLEX_BLOCK)
             idx = torch.arange(blocks, device=r.device)
-            first = r[:, idx * FLEX_BLOCK]  # [b, nb] run of each block's first token
+            first = r[:, idx * FLEX_BLOCK]  # [b, nb] document of each block's first token
             last = r[:, ((idx + 1) * FLEX_BLOCK).clamp(max=s) - 1]  # ... and of its last
             qi, kj = idx[:, None], idx[None, :]
-            # runs never decrease along a row: kv block j <= i shares a document with q
-            # block i iff the run that starts block i has not ended before block j's end
+            # document indices never decrease along a row: kv block j <= i shares a
+            # document with q block i iff the document that starts block i has not ended
+            # before block j's end
             touch = (kj <= qi) & (first[:, :, None] <= last[:, None, :])  # [b, nb, nb]
             whole = idx < s // FLEX_BLOCK  # blocks without padding past s
             full = (

@@ -55,29 +55,31 @@ def sp_index(doc_ids: Tensor, sp_rank: int, sp: int, ring_size: int = 1) -> Tens
     """[b, N/sp] the positions of each row of ``doc_ids`` [b, N] that rank ``sp_rank``
     holds, in the order :func:`sp_slice` gives it."""
     chunk = doc_ids.shape[-1] // sp
-    order = ring_order(DocumentMask(doc_ids).run_ids, ring_size)  # the identity at ring_size 1
+    order = ring_order(DocumentMask(doc_ids).doc_index, ring_size)  # the identity at ring_size 1
     return order[:, sp_rank * chunk : (sp_rank + 1) * chunk]
 
 
-def doc_spans(run_ids: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """(per token of ``run_ids`` [b, N]: its document's index over the flattened batch and
+def doc_spans(doc_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(per token of ``doc_index`` [b, N]: its document's index over the flattened batch and
     its document's global start in its row, both [b, N]; each document's length [docs])."""
-    b, n = run_ids.shape
-    flat = (run_ids.long() + torch.arange(b, device=run_ids.device)[:, None] * (n + 1)).flatten()
+    b, n = doc_index.shape
+    flat = (
+        doc_index.long() + torch.arange(b, device=doc_index.device)[:, None] * (n + 1)
+    ).flatten()
     _, inverse, lengths = torch.unique_consecutive(flat, return_inverse=True, return_counts=True)
     starts = torch.cumsum(lengths, 0) - lengths  # flat start of each document
-    row_start = (torch.arange(b, device=run_ids.device) * n)[:, None]
+    row_start = (torch.arange(b, device=doc_index.device) * n)[:, None]
     doc = inverse.view(b, n)
     return doc, starts[doc] - row_start, lengths
 
 
-def ring_order(run_ids: Tensor, ring_size: int) -> Tensor:
+def ring_order(doc_index: Tensor, ring_size: int) -> Tensor:
     """[b, N] permutation of each row whose consecutive N/R pieces are the ring ranks'
     tokens (document zigzag, see the module docstring); needs N % 2R == 0."""
-    b, n = run_ids.shape
+    b, n = doc_index.shape
     if ring_size == 1:
-        return torch.arange(n, device=run_ids.device).expand(b, n).clone()
-    return document_zigzag(doc_spans(run_ids), ring_size)
+        return torch.arange(n, device=doc_index.device).expand(b, n).clone()
+    return document_zigzag(doc_spans(doc_index), ring_size)
 
 
 def document_zigzag(spans: tuple[Tensor, Tensor, Tensor], ring_size: int) -> Tensor:
@@ -110,26 +112,26 @@ def zigzag_order(seq_len: int, ring_size: int) -> Tensor:
     return ring_order(torch.zeros(1, seq_len, dtype=torch.long), ring_size)[0]
 
 
-def _allowed(q_idx: Tensor, q_run: Tensor, k_idx: Tensor, k_run: Tensor) -> Tensor:
-    """[b, nq, nk] boolean: same document and key not in the future (idx, run: [b, n])."""
+def _allowed(q_idx: Tensor, q_doc: Tensor, k_idx: Tensor, k_doc: Tensor) -> Tensor:
+    """[b, nq, nk] boolean: same document and key not in the future (idx, doc: [b, n])."""
     causal = k_idx[:, None, :] <= q_idx[:, :, None]
-    return causal & (q_run[:, :, None] == k_run[:, None, :])
+    return causal & (q_doc[:, :, None] == k_doc[:, None, :])
 
 
 def unmasked_pairs(doc_ids: Tensor, ring_size: int, contiguous: bool = False) -> list[int]:
     """Per ring rank, the query-key pairs its attention computes (causal, document-masked)
     over ``doc_ids`` [b, N]: the work each rank of the ring does. ``contiguous`` counts
     the plain N/R split instead of the ring layout (to show the imbalance it removes)."""
-    runs = DocumentMask(doc_ids).run_ids
-    b, n = runs.shape
+    docs = DocumentMask(doc_ids).doc_index
+    b, n = docs.shape
     order = (
-        torch.arange(n, device=runs.device).expand(b, n)
+        torch.arange(n, device=docs.device).expand(b, n)
         if contiguous
-        else ring_order(runs, ring_size)
+        else ring_order(docs, ring_size)
     )
-    every = torch.arange(n, device=runs.device).expand(b, n)
+    every = torch.arange(n, device=docs.device).expand(b, n)
     counts = []
     for j in range(ring_size):
         idx = order[:, j * n // ring_size : (j + 1) * n // ring_size]
-        counts.append(int(_allowed(idx, runs.gather(1, idx), every, runs).sum()))
+        counts.append(int(_allowed(idx, docs.gather(1, idx), every, docs).sum()))
     return counts

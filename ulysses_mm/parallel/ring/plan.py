@@ -2,7 +2,7 @@
 
 Because every rank keeps its tokens in global order (the document zigzag of
 :func:`ulysses_mm.parallel.slice.ring_order`), the keys a query may see in a block are one
-contiguous run of that block (its document's keys up to its position). :func:`block_calls`
+contiguous span of that block (its document's keys up to its position). :func:`block_calls`
 cuts a (query block, key block) pair into varlen segments that are either full (every
 query of the segment sees the same keys) or causal aligned bottom-right (each next query
 sees one key more): exactly flash-attn's varlen calls with ``causal=False`` /
@@ -103,7 +103,7 @@ def block_calls(q_idx: Tensor, q_start: Tensor, k_idx: Tensor) -> list[VarlenCal
     """The varlen calls (at most two: full, causal) that compute queries at global
     positions ``q_idx`` [b, nq] (their documents starting at ``q_start``) against keys at
     ``k_idx`` [b, nk] (both sorted per row). A query sees the keys of its document at or
-    before it: one contiguous run [kstart, kend) of the key block. Consecutive queries
+    before it: one contiguous span [kstart, kend) of the key block. Consecutive queries
     with the same kstart whose kend stays put form a full segment; whose kend grows by one,
     a causal one. Queries that see nothing are in no segment."""
     b = q_idx.shape[0]
@@ -170,11 +170,11 @@ class RingPlan:
     def of(cls, mask: DocumentMask, ring_size: int) -> RingPlan:
         key = ("ring", ring_size)
         if key not in mask._cache:
-            runs = mask.run_ids
+            docs = mask.doc_index
             n = mask.seq_len // ring_size
-            spans = doc_spans(runs)
+            spans = doc_spans(docs)
             start = spans[1]
-            order = document_zigzag(spans, ring_size) if ring_size > 1 else ring_order(runs, 1)
+            order = document_zigzag(spans, ring_size) if ring_size > 1 else ring_order(docs, 1)
             idx = [order[:, j * n : (j + 1) * n].contiguous() for j in range(ring_size)]
             mask._cache[key] = cls(idx, [start.gather(1, i) for i in idx])
         plan: RingPlan = mask._cache[key]
