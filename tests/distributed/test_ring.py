@@ -188,7 +188,7 @@ def test_sp_slice_ring_layout_keeps_every_label():
     space = TokenSpace.from_vocab(VOCAB)
     batch = random_batch(space, 2, 64, seed=5, pad_tail=False, min_doc=9)
     parts = [sp_slice(batch, r, 4, ring_size=2) for r in range(4)]
-    order = ring_order(DocumentMask(batch.doc_ids).run_ids, 2)
+    order = ring_order(DocumentMask(batch.doc_ids).doc_index, 2)
     got = torch.cat([p.input_ids for p in parts], 1)
     assert torch.equal(got, batch.input_ids.gather(1, order))
     assert torch.equal(torch.cat([p.labels for p in parts], 1), batch.labels.gather(1, order))
