@@ -15,11 +15,11 @@ from ulysses_mm.cli import main
 from ulysses_mm.shards.inspect import (
     decode_sample,
     find_tokenizer,
+    inspect_dataset,
     load_sample,
     modality_tokens,
     open_target,
     render_png,
-    run_inspect,
 )
 from ulysses_mm.shards.manifest import Manifest, ShardIntegrityError
 from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
@@ -46,7 +46,7 @@ def true_frames(data: Path) -> np.ndarray:
 
 def test_summary_and_segment_table(dataset, capsys):
     _, out = dataset
-    assert run_inspect(str(out / "manifest.json"), sample=1) == 0
+    assert inspect_dataset(str(out / "manifest.json"), sample=1) == 0
     text = capsys.readouterr().out
     m = Manifest.load(str(out))
     assert "dataset fake" in text and m.token_space.describe() in text
@@ -95,7 +95,7 @@ def test_png_panels_decode_to_the_inputs(dataset, tmp_path):
     assert len(wave) == len(speech) + 2 * (20 // VIDEO["chunk_frames"])
     assert "audio" in decoded
     png = tmp_path / "s.png"
-    assert run_inspect(str(out), sample=0, png=str(png)) == 0
+    assert inspect_dataset(str(out), sample=0, png=str(png)) == 0
     image = matplotlib.image.imread(png)
     assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
     assert image.std() > 0.05  # not a blank canvas
@@ -149,14 +149,14 @@ def test_missing_tokenizer_is_named_in_the_figure(dataset, tmp_path):
 
 def test_inspect_a_shard_with_and_without_its_manifest(dataset, tmp_path, capsys):
     _, out = dataset
-    assert run_inspect(str(out / "shard-000000.tar"), sample=1) == 0
+    assert inspect_dataset(str(out / "shard-000000.tar"), sample=1) == 0
     text = capsys.readouterr().out
     assert "dataset fake" in text and "sample 1 (shard-000000.tar #1)" in text
     lone = tmp_path / "lone"
     lone.mkdir()
     shutil.copy(out / "shard-000000.tar", lone / "shard-000000.tar")
     png = tmp_path / "lone.png"
-    assert run_inspect(str(lone / "shard-000000.tar"), sample=0, png=str(png)) == 0
+    assert inspect_dataset(str(lone / "shard-000000.tar"), sample=0, png=str(png)) == 0
     text = capsys.readouterr().out
     assert "no manifest.json beside it" in text and png.is_file()
     s, _ = load_sample(open_target(str(lone / "shard-000000.tar")), 0)
@@ -175,4 +175,4 @@ def test_cli_inspect(dataset, tmp_path, capsys):
     shard = bad / "shard-000000.tar"
     shard.write_bytes(shard.read_bytes()[:-512])
     with pytest.raises(ShardIntegrityError, match="truncated or replaced"):
-        run_inspect(str(bad), sample=0)
+        inspect_dataset(str(bad), sample=0)

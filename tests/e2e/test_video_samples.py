@@ -13,7 +13,7 @@ from media_factory import smooth_frames, write_video
 
 from ulysses_mm.core.format import SEG_POS
 from ulysses_mm.core.tokenspace import EOF
-from ulysses_mm.shards.inspect import decode_sample, load_sample, open_target, run_inspect
+from ulysses_mm.shards.inspect import decode_sample, inspect_dataset, load_sample, open_target
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 from ulysses_mm.tokenize.registry import load_tokenizer
@@ -74,6 +74,6 @@ def test_every_sample_of_a_long_clip_decodes_to_its_frames(tmp_path: Path) -> No
     assert shown >= 30  # the check above ran on real frames
 
     png = tmp_path / "mid.png"
-    assert run_inspect(str(out), sample=m.num_samples // 2, png=str(png)) == 0
+    assert inspect_dataset(str(out), sample=m.num_samples // 2, png=str(png)) == 0
     image = matplotlib.image.imread(str(png))
     assert image.ndim == 3 and image.std() > 0.05

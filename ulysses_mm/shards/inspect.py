@@ -338,7 +338,7 @@ def _draw_decoded(fig: Any, cell: Any, d: Decoded) -> None:
 # ------------------------------------------------------------------------ entry
 
 
-def run_inspect(
+def inspect_dataset(
     where: storage.Location | str,
     sample: int = 0,
     png: str | None = None,
@@ -373,11 +373,11 @@ __all__ = [
     "Target",
     "decode_sample",
     "find_tokenizer",
+    "inspect_dataset",
     "load_sample",
     "modality_tokens",
     "open_target",
     "render_png",
-    "run_inspect",
     "segment_table_text",
     "summary_text",
 ]
@@ -407,4 +407,4 @@ class Inspect:
 
     def main(self) -> int:
         where = storage.Location(self.target, self.storage_options or {})
-        return run_inspect(where, sample=self.sample, png=self.png)
+        return inspect_dataset(where, sample=self.sample, png=self.png)

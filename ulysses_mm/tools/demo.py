@@ -46,7 +46,7 @@ def run_demo(
     """The demo in ``out``; ``eval_batches`` caps what the training eval and ``evaluate``
     read (default: every sample); ``samples`` > 0 turns ``logging.samples`` on with that
     many ids per modality."""
-    from ulysses_mm.shards.inspect import run_inspect
+    from ulysses_mm.shards.inspect import inspect_dataset
     from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
     from ulysses_mm.tools.evaluate import EvaluateOptions, plot_positions, run_evaluate
     from ulysses_mm.tools.report import plot
@@ -96,7 +96,9 @@ def run_demo(
     loss_png = plot(run_dir, run_dir / "loss.png")
     sample_png = out_dir / "sample.png"
     pick = _most_mixed_sample(str(shards / "manifest.json"))
-    run_inspect(str(shards / "manifest.json"), sample=pick, png=str(sample_png), out=io.StringIO())
+    inspect_dataset(
+        str(shards / "manifest.json"), sample=pick, png=str(sample_png), out=io.StringIO()
+    )
     position_png = run_dir / "loss_by_position.png"
     evaluated = run_evaluate(
         result["checkpoint"], str(shards / "manifest.json"), EvaluateOptions(batches=eval_batches)
