@@ -170,7 +170,7 @@ def test_user_errors_are_one_line(demo, tmp_path, capsys):
 
 
 def test_evaluate_matches_the_training_eval_and_plots_by_position(demo):
-    """The demo's ``evaluate`` (``run_evaluate``, what the CLI runs; every figure in its
+    """The demo's ``evaluate`` (``evaluate_checkpoint``, what the CLI runs; every figure in its
     JSON) against the eval its training run logged: the same batches, the same figures."""
     run = Path(demo["out"]) / "run"
     got = json.loads((run / "loss_by_position.json").read_text())

@@ -48,7 +48,7 @@ def run_demo(
     many ids per modality."""
     from ulysses_mm.shards.inspect import inspect_dataset
     from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
-    from ulysses_mm.tools.evaluate import EvaluateOptions, plot_positions, run_evaluate
+    from ulysses_mm.tools.evaluate import EvaluateOptions, evaluate_checkpoint, plot_positions
     from ulysses_mm.tools.report import plot
     from ulysses_mm.train.loop import run_train
 
@@ -100,7 +100,7 @@ def run_demo(
         str(shards / "manifest.json"), sample=pick, png=str(sample_png), out=io.StringIO()
     )
     position_png = run_dir / "loss_by_position.png"
-    evaluated = run_evaluate(
+    evaluated = evaluate_checkpoint(
         result["checkpoint"], str(shards / "manifest.json"), EvaluateOptions(batches=eval_batches)
     )
     plot_positions(evaluated, position_png, "demo: loss by position (its training shards)")

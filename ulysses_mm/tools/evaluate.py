@@ -152,7 +152,7 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
     return result
 
 
-def run_evaluate(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalResult:
+def evaluate_checkpoint(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalResult:
     from ulysses_mm.parallel.launch import run_world
     from ulysses_mm.parallel.mesh import in_launched_world
     from ulysses_mm.train.plan import world_size
@@ -240,7 +240,7 @@ def plot_positions(r: EvalResult, png: str | Path, title: str = "") -> Path:
 def cli(
     checkpoint: str, manifest: str, opts: EvaluateOptions, as_json: bool, png: str | None
 ) -> int:
-    r = run_evaluate(checkpoint, manifest, opts)
+    r = evaluate_checkpoint(checkpoint, manifest, opts)
     if int(os.environ.get("RANK", "0")) != 0:  # one of a launched world's ranks: rank 0 writes
         return 0
     if png:

@@ -219,7 +219,7 @@ def score(
     """(bits per base of the first half, of the second) on a probe dataset, scored on
     windows of one document each; ``length`` > 0: the documents' L it expects; ``sp`` > 0:
     that many Ulysses ranks instead of the run's layout."""
-    from ulysses_mm.tools.evaluate import EvaluateOptions, run_evaluate
+    from ulysses_mm.tools.evaluate import EvaluateOptions, evaluate_checkpoint
 
     held = copy_length(Manifest.load(manifest))
     if length and length != held:
@@ -229,7 +229,7 @@ def score(
             f"--eval-lengths {length}`"
         )
     opts = EvaluateOptions(nproc=nproc, edges=halves(held), seq_len=document_tokens(held), sp=sp)
-    r = run_evaluate(checkpoint, manifest, opts)
+    r = evaluate_checkpoint(checkpoint, manifest, opts)
     rows = r.bins.get("dna", [])
     if len(rows) != 2:
         raise DataError(f"{manifest}: no targets in one of the halves")
