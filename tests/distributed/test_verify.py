@@ -10,7 +10,7 @@ import pytest
 from conftest import REPO
 
 from ulysses_mm.config import RunConfig, load_config
-from ulysses_mm.tools.verify import VerifyOptions, run_verify
+from ulysses_mm.tools.verify import VerifyOptions, verify_against_one_process
 
 
 def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
@@ -91,7 +91,7 @@ def test_verify_exit_status_follows_the_comparison(monkeypatch, capsys):
 
     monkeypatch.setattr("ulysses_mm.parallel.launch.run_world", fake_world)
     cfg = load_config(RunConfig, None, ["parallel.sp=2"])
-    assert run_verify(cfg, VerifyOptions(seq_len=64)) == 1
+    assert verify_against_one_process(cfg, VerifyOptions(seq_len=64)) == 1
     assert "FAIL" in capsys.readouterr().out
 
 
@@ -99,7 +99,7 @@ def test_verify_exit_status_follows_the_comparison(monkeypatch, capsys):
 def test_verify_dp_times_sp_in_process_api(sp, dp):
     cfg = load_config(RunConfig, None, [f"parallel.sp={sp}", f"parallel.dp={dp}"])
     cfg.model.modalities = {"dna": 16, "audio": 32}
-    assert run_verify(cfg, VerifyOptions(seq_len=128)) == 0
+    assert verify_against_one_process(cfg, VerifyOptions(seq_len=128)) == 0
 
 
 def test_verify_reads_the_run_config_and_its_overrides(monkeypatch, tmp_path, capsys):

@@ -169,9 +169,9 @@ class Generate:
     checkpoint: str = positional("a run dir, a checkpoint (step_*) dir or an export dir", "in_dir")
 
     def main(self, opts: Any) -> int:
-        from ulysses_mm.tools.generate import run_generate  # lazy: torch
+        from ulysses_mm.tools.generate import generate_from_checkpoint  # lazy: torch
 
-        r = run_generate(self.checkpoint, opts)
+        r = generate_from_checkpoint(self.checkpoint, opts)
         if r["out"]:
             print(
                 f"wrote {r['out']}: {r['what']} ({r['kind']}); {r['new_ids']:,} new ids "

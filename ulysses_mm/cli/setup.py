@@ -36,11 +36,13 @@ class Verify:
     overrides: list[str] = overrides()
 
     def main(self, opts: Any) -> int:
-        from ulysses_mm.tools.verify import run_verify  # lazy: torch
+        from ulysses_mm.tools.verify import verify_against_one_process  # lazy: torch
 
         layout = [f"parallel.{k}={getattr(self, k)}" for k in ("sp", "dp", "ring")]
         layout = [x for x in layout if not x.endswith("=None")]
-        return run_verify(load_config(RunConfig, self.config, [*layout, *self.overrides]), opts)
+        return verify_against_one_process(
+            load_config(RunConfig, self.config, [*layout, *self.overrides]), opts
+        )
 
 
 @dataclass

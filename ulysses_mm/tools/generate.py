@@ -261,7 +261,7 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-def run_generate(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
+def generate_from_checkpoint(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
     """Generate, decode and write ``opts.out``; returns what was done (for the CLI line)."""
     from ulysses_mm.parallel.launch import run_world
     from ulysses_mm.parallel.mesh import in_launched_world

@@ -215,7 +215,7 @@ def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, A
     return "\n".join(lines)
 
 
-def run_verify(cfg: RunConfig, opts: VerifyOptions) -> int:
+def verify_against_one_process(cfg: RunConfig, opts: VerifyOptions) -> int:
     """dp × sp (``parallel.dp`` × ``parallel.sp``; dp 0 = 1 when verify starts its own
     processes) against one process; 0 when every difference is within tolerance."""
     from ulysses_mm.parallel.launch import run_world
