@@ -209,7 +209,7 @@ def test_an_input_a_ray_task_died_on_twice_is_skipped_even_as_its_first(tmp_path
         max_samples=0,
         multi=False,
         keep_staging=False,
-        run_key="",
+        data_key="",
     )
     task = PartitionTask(0, 0, inputs)
     first = plan_partition(job, task, loaded(worker)).tasks[0]

@@ -84,7 +84,7 @@ class Job:
     max_samples: int
     multi: bool  # more than one partition
     keep_staging: bool
-    run_key: str  # of the data-shaping config, token space and specs (the fragments' key)
+    data_key: str  # of the data-shaping config, token space and specs (the fragments' key)
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class PartitionTask:
         """Identifies what this partition's output would be: its fragment's key."""
         ident = {
             "v": FRAGMENT_VERSION,
-            "run": job.run_key,
+            "run": job.data_key,  # named so in the hash: earlier fragments keep their keys
             "index": self.index,
             "multi": job.multi,
             "inputs": [[f.location, f.identity] for f in self.inputs],

@@ -196,7 +196,7 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
         max_samples=cfg.shards.max_samples,
         multi=len(ranges) > 1,
         keep_staging=cfg.keep_staging,
-        run_key=_run_key(cfg, specs, space),
+        data_key=_data_key(cfg, specs, space),
     )
     tasks = [PartitionTask(p, a, inputs[a:b]) for p, (a, b) in enumerate(ranges)]
     unmatched_entries = [InputEntry(p, "skipped", reason="matches no file") for p in unmatched]
@@ -324,7 +324,7 @@ def _worker_config(
     )
 
 
-def _run_key(cfg: PipelineConfig, specs: list[TokenizerSpec], space: TokenSpace) -> str:
+def _data_key(cfg: PipelineConfig, specs: list[TokenizerSpec], space: TokenSpace) -> str:
     """Identifies what shapes the data: the recorded config, the token space, the specs."""
     ident = {
         "config": _recorded_config(cfg, multi=True),
