@@ -174,7 +174,7 @@ def _hostile_codecs(root):
     (jit / "decoder.jit").write_bytes(b"garbage")
     cases.append(("jit", spec("jit", jit), f"{jit / 'decoder.jit'} is not a TorchScript"))
     cases.append(("window", spec("window", emu3, window_frames=0), "window_frames (0)"))
-    cases.append(("gpu", spec("gpu", emu3, device="cuda:7"), "params.device is 'cuda:7'"))
+    cases.append(("gpu", spec("gpu", emu3, device="cuda:4096"), "params.device is 'cuda:4096'"))
     cases.append(("device", spec("device", emu3, device="gpu"), "params.device 'gpu'"))
     return cases
 
