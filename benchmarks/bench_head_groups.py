@@ -1,4 +1,4 @@
-"""Attention in head groups (``parallel.head_chunks`` = C): measured peak memory above the
+"""Attention in head groups (``parallel.head_groups`` = C): measured peak memory above the
 step's start per token and tokens/s for C = 1, 2, 4 at one shape, beside the estimate.
 
 The shape is debug-tiny (D 64) with 8 query / 2 kv heads of 32 (the heads four times
@@ -16,7 +16,7 @@ the slowest rank).
 The whole measurement is made ``--repeats`` times (default 5), each in a fresh world, and
 each figure printed as min / median / max.
 
-    python benchmarks/bench_head_chunks.py [--seq-len 8192] [--sp 2] [--steps 3] [--repeats 5]
+    python benchmarks/bench_head_groups.py [--seq-len 8192] [--sp 2] [--steps 3] [--repeats 5]
 
 Last line: ``shrink_c4=X shrink_c4_min=.. shrink_c4_max=.. est_shrink_c4=Y
 step_time_ratio_c4=Z`` (the peak above the step's start at C=1 over C=4, measured (the
@@ -31,7 +31,7 @@ import statistics
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-CHUNKS = (1, 2, 4)
+GROUPS = (1, 2, 4)
 SHAPE = [
     "model.num_attention_heads=8",
     "model.num_key_value_heads=2",
@@ -44,13 +44,13 @@ SHAPE = [
 ]
 
 
-def _cfg(args: argparse.Namespace, chunks: int):
+def _cfg(args: argparse.Namespace, groups: int):
     from ulysses_mm.config import RunConfig, load_config
 
     return load_config(
         RunConfig,
         args.config,
-        [*SHAPE, f"parallel.sp={args.sp}", f"parallel.head_chunks={chunks}"],
+        [*SHAPE, f"parallel.sp={args.sp}", f"parallel.head_groups={groups}"],
     )
 
 
@@ -66,9 +66,9 @@ def worker(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     runners, out = {}, {}
     try:
-        for chunks in CHUNKS:
-            cfg = _cfg(args, chunks)
-            runners[chunks] = StepRunner(cfg, open_world(cfg, device="cpu"))
+        for groups in GROUPS:
+            cfg = _cfg(args, groups)
+            runners[groups] = StepRunner(cfg, open_world(cfg, device="cpu"))
             # memory: the first step at this length, as the estimate counts it (the
             # buffers it makes included). The cycle collector is off for it: when it runs
             # depends on what other threads (gloo, the offload) allocate, and the tensors
@@ -76,30 +76,30 @@ def worker(args: argparse.Namespace) -> dict:
             gc.collect()
             gc.disable()
             try:
-                out[chunks] = runners[chunks].measure(args.seq_len, args.doc_len).to_dict()
+                out[groups] = runners[groups].measure(args.seq_len, args.doc_len).to_dict()
             finally:
                 gc.enable()
         # time: the same steps, the three settings interleaved round by round
         batch = runners[1].batch(args.seq_len, args.doc_len)
-        times: dict[int, list[float]] = {c: [] for c in CHUNKS}
+        times: dict[int, list[float]] = {c: [] for c in GROUPS}
         for r in range(args.steps):
-            for chunks in CHUNKS[r % 2 :: 1] + CHUNKS[: r % 2]:
+            for groups in GROUPS[r % 2 :: 1] + GROUPS[: r % 2]:
                 t0 = time.perf_counter()
-                runners[chunks].step(batch)
-                times[chunks].append(time.perf_counter() - t0)
-        for chunks in CHUNKS:
-            out[chunks]["step_s"] = min(times[chunks])
+                runners[groups].step(batch)
+                times[groups].append(time.perf_counter() - t0)
+        for groups in GROUPS:
+            out[groups]["step_s"] = min(times[groups])
     finally:
-        for chunks in reversed(list(runners)):  # memory trackers leave in reverse order
-            runners[chunks].close()
+        for groups in reversed(list(runners)):  # memory trackers leave in reverse order
+            runners[groups].close()
     return out
 
 
-def _estimated(args: argparse.Namespace, chunks: int) -> tuple[int, int]:
+def _estimated(args: argparse.Namespace, groups: int) -> tuple[int, int]:
     """(estimated peak, estimated bytes live at the step's start) on CPU."""
     from ulysses_mm.tools.estimate import EstimateOptions, estimate
 
-    est = estimate(_cfg(args, chunks), args.seq_len, EstimateOptions(device="cpu"))
+    est = estimate(_cfg(args, groups), args.seq_len, EstimateOptions(device="cpu"))
     before = est.phase("optimizer step")
     base = sum(
         t.bytes for t in before.terms if t.name not in ("gradients", "optimizer step temporaries")
@@ -131,20 +131,20 @@ def main() -> None:
     tokens = args.seq_len // args.sp
     # per repeat and C: the highest rank's peak, its bytes above the step's start per
     # token, the slowest rank's step time
-    peaks: dict[int, list[float]] = {c: [] for c in CHUNKS}
-    above: dict[int, list[float]] = {c: [] for c in CHUNKS}
-    step: dict[int, list[float]] = {c: [] for c in CHUNKS}
+    peaks: dict[int, list[float]] = {c: [] for c in GROUPS}
+    above: dict[int, list[float]] = {c: [] for c in GROUPS}
+    step: dict[int, list[float]] = {c: [] for c in GROUPS}
     tokens_per_step = 0
     for _ in range(max(1, args.repeats)):
         res = launch_local(worker, args.sp, args) if args.sp > 1 else {0: worker(args)}
-        for c in CHUNKS:
+        for c in GROUPS:
             worst = max((res[r][c] for r in res), key=lambda m: m["peak"])
             peaks[c].append(worst["peak"] / 2**20)
             above[c].append((worst["peak"] - worst["base"]) / tokens)
             step[c].append(max(res[r][c]["step_s"] for r in res))
             tokens_per_step = worst["tokens"]
     print(
-        f"head chunks, {args.config} + {' '.join(SHAPE)}; sp {args.sp}, N={args.seq_len} "
+        f"head groups, {args.config} + {' '.join(SHAPE)}; sp {args.sp}, N={args.seq_len} "
         f"({tokens:,} tokens per rank), fp32, CPU/gloo; {len(peaks[1])} measurements, "
         "min / median / max"
     )
@@ -153,7 +153,7 @@ def main() -> None:
         f"{'est/meas':>9} {'tokens/s':>9}"
     )
     est_above = {}
-    for c in CHUNKS:
+    for c in GROUPS:
         peak, base = _estimated(args, c)
         est_above[c] = (peak - base) / tokens
         mid = statistics.median(above[c])
@@ -164,7 +164,7 @@ def main() -> None:
         )
     shrink = [a / b for a, b in zip(above[1], above[4])]
     print(f"shrink_c4 (min / median / max): {_spread(shrink, '.3f')}")
-    best = {c: min(step[c]) for c in CHUNKS}
+    best = {c: min(step[c]) for c in GROUPS}
     print(
         f"shrink_c4={statistics.median(shrink):.3f} shrink_c4_min={min(shrink):.3f} "
         f"shrink_c4_max={max(shrink):.3f} est_shrink_c4={est_above[1] / est_above[4]:.3f} "
@@ -173,7 +173,7 @@ def main() -> None:
     from _results import record
 
     record(
-        "bench_head_chunks",
+        "bench_head_groups",
         {
             "above": {c: statistics.median(v) for c, v in above.items()},
             "above_min": {c: min(v) for c, v in above.items()},

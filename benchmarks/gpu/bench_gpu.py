@@ -32,10 +32,10 @@ prints the plan and runs nothing.
 
 ``--memory-mode`` sets the memory modes (``model.offload_checkpoints``,
 ``model.layer_tile_tokens``): as the config has them (the shipped GPU configs: both on),
-none, one or both; ``--head-chunks C`` runs attention in C head groups
-(``parallel.head_chunks``); the estimate beside each point counts the same settings.
+none, one or both; ``--head-groups C`` runs attention in C head groups
+(``parallel.head_groups``); the estimate beside each point counts the same settings.
 
-    python benchmarks/gpu/bench_gpu.py --config configs/llama3-8b.yaml --head-chunks 8
+    python benchmarks/gpu/bench_gpu.py --config configs/llama3-8b.yaml --head-groups 8
 """
 
 from __future__ import annotations
@@ -569,10 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints only, layer tiles only, or both",
     )
     ap.add_argument(
-        "--head-chunks",
+        "--head-groups",
         type=int,
         default=None,
-        help="attention in C groups of heads (parallel.head_chunks; default: the config's)",
+        help="attention in C groups of heads (parallel.head_groups; default: the config's)",
     )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     ap.add_argument(
@@ -598,8 +598,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     args.granularity = args.granularity or (128 if cpu else 1024)
     tile = 128 if cpu else 8192
     mode = [o.format(tile=tile) for o in MEMORY_MODES[args.memory_mode]]
-    if args.head_chunks is not None:
-        mode.append(f"parallel.head_chunks={args.head_chunks}")
+    if args.head_groups is not None:
+        mode.append(f"parallel.head_groups={args.head_groups}")
     args.overrides = [*mode, *args.overrides]
     return args
 
@@ -640,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "config": _shown(args.config),
         "memory_mode": args.memory_mode,
-        "head_chunks": args.head_chunks,
+        "head_groups": args.head_groups,
         "overrides": args.overrides,
         "device": args.device,
         "device_name": name,

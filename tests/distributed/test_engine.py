@@ -13,6 +13,7 @@ from gloo import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import RunConfig, load_config
+from ulysses_mm.core.layout import Layout
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.loader.synthetic import random_batch
@@ -135,7 +136,7 @@ def test_ds_config_follows_the_run_config():
             "deepspeed.extra={zero_optimization: {stage3_max_live_parameters: 1000}}",
         ],
     )
-    ds = ds_config(cfg, Mesh(dp=1, sp=4, rank=0))
+    ds = ds_config(cfg, Mesh(Layout(dp=1, sp=4), rank=0))
     assert ds["train_micro_batch_size_per_gpu"] == 2 and ds["gradient_accumulation_steps"] == 4
     assert ds["gradient_clipping"] == 0.5 and ds["bf16"] == {"enabled": True}
     z = ds["zero_optimization"]

@@ -14,7 +14,7 @@ offload holds is measured apart from the peak and must be the estimate's. Three 
 hybrid Ulysses × ring (parallel.ring = 2) in a world of 4: (U, R) = (1, 2) under dp 2 in
 fp32 and in bf16 with ZeRO-2 and checkpointing, and (2, 2); at 1,024 tokens the ring's dense
 per-block scores ([b, hq/U, N/R, N/R] fp32, five at once in backward) are most of the peak.
-Three run attention in head groups (``parallel.head_chunks``): C = 2 and 4 at SP=2 with
+Three run attention in head groups (``parallel.head_groups``): C = 2 and 4 at SP=2 with
 heads four times wider than the model and the memory modes on (the groups' attention sets
 at the peak), and C = 4 under the ring (1, 2).
 """
@@ -38,7 +38,7 @@ from ulysses_mm.tools.estimate import (
     MAX_GRANULARITY,
     EstimateOptions,
     GiB,
-    best_head_chunks,
+    best_head_groups,
     estimate,
     max_seq_len,
     model_shape,
@@ -112,7 +112,7 @@ CASES = [
         (
             f"debug-tiny-wide-heads-chunks{c}-sp2",
             "debug-tiny.yaml",
-            [*WIDE, f"parallel.head_chunks={c}"],
+            [*WIDE, f"parallel.head_groups={c}"],
             4096,
             2,
         )
@@ -121,7 +121,7 @@ CASES = [
     (
         "debug-tiny-ring-u1-r2-chunks4",
         "debug-tiny.yaml",
-        [*RING, "model.num_attention_heads=8", "parallel.head_chunks=4"],
+        [*RING, "model.num_attention_heads=8", "parallel.head_groups=4"],
         1024,
         2,
     ),
@@ -403,7 +403,7 @@ def test_ring_is_estimated_with_its_bytes(capsys):
         est = estimate(cfg, n, EstimateOptions(gpus=16))
         lay, sent = est.step, est.sent_per_layer
         # a GPU in bf16 runs the ring's blocks as flash-attn varlen calls
-        assert (lay.sp, lay.ring, lay.ulysses) == (16, ring, 16 // ring)
+        assert (lay.sp, lay.ring_size, lay.ulysses_size) == (16, ring, 16 // ring)
         assert est.kernel == "ring_flash"
         assert (sent["ring_forward"], sent["ring_backward"]) == ring_theory_bytes(
             n, ring, 16 // ring, 32, 8, 128, 1, elem_bytes=2
@@ -430,7 +430,7 @@ def test_ring_is_estimated_with_its_bytes(capsys):
     # the pure ring (U = 1) moves no all-to-all bytes and needs no heads to divide sp
     cfg = load_config(RunConfig, CONFIGS / "debug-tiny.yaml", ["parallel.sp=8", "parallel.ring=8"])
     est = estimate(cfg, 4096, EstimateOptions(gpus=8))
-    assert est.step.ulysses == 1 and est.sent_per_layer["all_to_all_forward"] == 0
+    assert est.step.ulysses_size == 1 and est.sent_per_layer["all_to_all_forward"] == 0
     assert est.sent_per_layer["ring_forward"] > 0
 
     tiny = str(CONFIGS / "debug-tiny.yaml")
@@ -447,7 +447,7 @@ def test_ring_is_estimated_with_its_bytes(capsys):
     args = ["--seq-len", "1024", "--json", "parallel.sp=4", "parallel.ring=2"]
     rc, out, _ = _cli(capsys, tiny, *args)
     data = json.loads(out)
-    assert rc == 0 and data["layout"]["ring"] == 2
+    assert rc == 0 and data["layout"]["ring_size"] == 2
     assert (data["sent_per_layer"]["ring_forward"], data["sent_per_layer"]["ring_backward"]) == (
         ring_theory_bytes(1024, 2, 2, 4, 2, 16, 1, elem_bytes=4)
     )
@@ -463,7 +463,7 @@ GOAL = [
 ]
 
 
-def test_head_chunks_reach_1m_tokens_on_one_gpu_and_8m_on_eight():
+def test_head_groups_reach_1m_tokens_on_one_gpu_and_8m_on_eight():
     """Llama-3-8B (text vocabulary 128,256 beside the shipped modalities, bf16, ZeRO-3,
     optimizer and parameters offloaded): 1,000,000 tokens fit one 80 GiB GPU and
     8,000,000 fit eight, in head groups and not without them, within 2 TiB of host memory
@@ -471,47 +471,47 @@ def test_head_chunks_reach_1m_tokens_on_one_gpu_and_8m_on_eight():
     cfg = load_config(RunConfig, CONFIGS / "llama3-8b.yaml", GOAL)
     for gpus, n, chunks in ((1, 1_000_000, 16), (8, 8_000_000, 4)):
         kw = dict(gpus=gpus, gpu_mem_gib=80, host_mem_gib=2048)
-        grouped = estimate(cfg, n, EstimateOptions(head_chunks=chunks, **kw))
+        grouped = estimate(cfg, n, EstimateOptions(head_groups=chunks, **kw))
         assert grouped.fits and grouped.host_fits, (gpus, grouped.total / GiB)
-        assert not estimate(cfg, n, EstimateOptions(head_chunks=1, **kw)).fits
+        assert not estimate(cfg, n, EstimateOptions(head_groups=1, **kw)).fits
         # the groups shrink what attention keeps and works with
-        one = estimate(cfg, n, EstimateOptions(head_chunks=1, **kw))
+        one = estimate(cfg, n, EstimateOptions(head_groups=1, **kw))
         assert grouped.act.kernel_saved < one.act.kernel_saved
         assert grouped.act.attention_backward < one.act.attention_backward
-        longest, est, tried = best_head_chunks(
+        longest, est, tried = best_head_groups(
             cfg, EstimateOptions(gpu_mem_gib=80, gpus=gpus, host_mem_gib=2048)
         )
-        assert longest >= n and est.step.head_chunks == max(tried, key=tried.get)
+        assert longest >= n and est.step.head_groups == max(tried, key=tried.get)
     # the exchange carries q, k, v again in backward (the recomputation)
     from ulysses_mm.parallel.head_groups import exchange_heads
 
-    est = estimate(cfg, 8_000_000, EstimateOptions(gpus=8, head_chunks=4))
+    est = estimate(cfg, 8_000_000, EstimateOptions(gpus=8, head_groups=4))
     fwd, bwd = exchange_heads(32, 8, 8, 4)
     per_head = 8_000_000 * 128 // 8 * 7 // 8 * 2
     assert est.sent_per_layer["all_to_all_forward"] == fwd * per_head
     assert est.sent_per_layer["all_to_all_backward"] == bwd * per_head
 
 
-def test_cli_head_chunks_and_host_memory(capsys):
+def test_cli_head_groups_and_host_memory(capsys):
     cfg = str(CONFIGS / "llama3-8b.yaml")
     args = [cfg, *GOAL, "--gpu-mem", "80"]
-    rc, out, _ = _cli(capsys, *args, "--gpus", "8", "--max", "--head-chunks", "auto")
-    assert rc == 0 and "head chunks auto: 4 (longest sequence by head chunks: 1: " in out
+    rc, out, _ = _cli(capsys, *args, "--gpus", "8", "--max", "--head-groups", "auto")
+    assert rc == 0 and "head groups auto: 4 (longest sequence by head groups: 1: " in out
     assert "attention in 4 head groups" in out and "of 2048 GiB (--host-mem)" in out
     n = int(out.split("longest sequence that fits: ")[1].split(" tokens")[0].replace(",", ""))
     assert n >= 8_000_000
     # a plan over the node's host memory: one line, exit 2
-    rc, out, err = _cli(capsys, *args, "--gpus", "8", "--seq-len", "9000000", "--head-chunks", "4")
+    rc, out, err = _cli(capsys, *args, "--gpus", "8", "--seq-len", "9000000", "--head-groups", "4")
     assert rc == 2 and err.count("\n") == 1
     assert "host memory:" in err and "more than --host-mem 2048 GiB" in err
     # --max keeps within it
-    rc, out, _ = _cli(capsys, *args, "--gpus", "8", "--max", "--head-chunks", "4", "--json")
+    rc, out, _ = _cli(capsys, *args, "--gpus", "8", "--max", "--head-groups", "4", "--json")
     data = json.loads(out)
     assert rc == 0 and data["host_fits"] and data["host_per_node"] <= 2048 * GiB
     rc, _, err = _cli(capsys, *args, "--gpus", "8", "--max", "--host-mem", "100")
     assert rc == 2 and "host memory:" in err
-    # head chunks that do not split the heads: one line naming what works
-    rc, _, err = _cli(capsys, *args, "--gpus", "8", "--seq-len", "65536", "--head-chunks", "3")
-    assert rc == 2 and "head_chunks=3" in err and "[1, 2, 4]" in err
-    rc, _, err = _cli(capsys, *args, "--seq-len", "65536", "--head-chunks", "x")
-    assert rc == 2 and "--head-chunks must be a positive integer or auto" in err
+    # head groups that do not split the heads: one line naming what works
+    rc, _, err = _cli(capsys, *args, "--gpus", "8", "--seq-len", "65536", "--head-groups", "3")
+    assert rc == 2 and "head_groups=3" in err and "[1, 2, 4]" in err
+    rc, _, err = _cli(capsys, *args, "--seq-len", "65536", "--head-groups", "x")
+    assert rc == 2 and "--head-groups must be" in err and "auto" in err

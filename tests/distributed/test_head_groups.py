@@ -1,4 +1,4 @@
-"""Attention in head groups (``parallel.head_chunks``) changes no number.
+"""Attention in head groups (``parallel.head_groups``) changes no number.
 
 For C in {2, 4}: the attention alone (outputs and q, k, v gradients against one local
 kernel over the whole sequence, fp32) and the whole model (loss and every parameter
@@ -19,7 +19,7 @@ from gloo import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig, RunConfig, load_config
-from ulysses_mm.core.layout import LayoutError, check_layout, valid_head_chunks
+from ulysses_mm.core.layout import Layout, LayoutError, valid_head_groups
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model import Offload, apply_memory_policy, build_model
@@ -173,7 +173,7 @@ def _engine_case(rank, world) -> bool:
                 "deepspeed.gradient_clipping=0.0",
                 "deepspeed.scheduler.type=none",
                 "parallel.sp=2",
-                f"parallel.head_chunks={chunks}",
+                f"parallel.head_groups={chunks}",
             ],
         )
         setup = build_setup(cfg, SPACE, open_world(cfg, device="cpu"))
@@ -209,14 +209,14 @@ def _world4(rank, world):
     return results
 
 
-def test_head_chunks_change_nothing_in_a_world_of_4():
+def test_head_groups_change_nothing_in_a_world_of_4():
     for res in run_distributed(_world4, 4, timeout=300):
         want = ["0:C=2", "0:C=4", "1:C=4", "2:C=2"]
         assert res["sp4"] == res["sp2"] == res["u1r2"] == res["u2r2"] == want
         assert res["engine"] is True
 
 
-def test_head_chunks_change_nothing_in_one_process():
+def test_head_groups_change_nothing_in_one_process():
     _attention_cases(0, 1, None)
     assert _model_cases(Mesh.single()) == ["0:C=2", "0:C=4", "1:C=4", "2:C=2"]
 
@@ -247,22 +247,18 @@ def test_groups_take_the_heads_their_queries_read():
     assert dk.flatten().tolist() == [2.0, 2.0, 2.0, 2.0]
 
 
-def test_layout_refuses_head_chunks_that_do_not_split_the_heads():
-    assert valid_head_chunks(32, 8, 8) == [1, 2, 4]
-    assert valid_head_chunks(32, 8, 1) == [1, 2, 4, 8, 16, 32]
-    assert valid_head_chunks(12, 4, 1) == [1, 2, 4, 12]  # 3, 6: a group would straddle
-    check_layout(8, num_heads=32, num_kv_heads=8, head_chunks=4)
+def test_layout_refuses_head_groups_that_do_not_split_the_heads():
+    assert valid_head_groups(32, 8, 8) == [1, 2, 4]
+    assert valid_head_groups(32, 8, 1) == [1, 2, 4, 8, 16, 32]
+    assert valid_head_groups(12, 4, 1) == [1, 2, 4, 12]  # 3, 6: a group would straddle
+    Layout(sp=8, head_groups=4).check(num_heads=32, num_kv_heads=8)
     with pytest.raises(
-        LayoutError, match=r"head_chunks=8 does not split the 4 query heads .*\[1, 2, 4\]"
+        LayoutError, match=r"head_groups=8 does not split the 4 query heads .*\[1, 2, 4\]"
     ):
-        check_layout(8, num_heads=32, num_kv_heads=8, head_chunks=8)
+        Layout(sp=8, head_groups=8).check(num_heads=32, num_kv_heads=8)
     # with a ring, the groups split the heads of a Ulysses rank (U = sp / R)
-    check_layout(8, num_heads=32, num_kv_heads=8, ring=2, seq_len=64, head_chunks=8)
-    cfg = load_config(RunConfig, None, ["parallel.head_chunks=3"])
-    with pytest.raises(LayoutError, match="head_chunks=3"):
-        check_layout(
-            cfg.parallel.sp,
-            num_heads=cfg.model.num_attention_heads,
-            num_kv_heads=cfg.model.num_key_value_heads,
-            head_chunks=cfg.parallel.head_chunks,
-        )
+    Layout(sp=8, ring_size=2, head_groups=8).check(num_heads=32, num_kv_heads=8, seq_len=64)
+    cfg = load_config(RunConfig, None, ["parallel.head_groups=3"])
+    m = cfg.model
+    with pytest.raises(LayoutError, match="head_groups=3"):
+        Layout.from_config(cfg.parallel, 1).check(m.num_attention_heads, m.num_key_value_heads)

@@ -22,7 +22,7 @@ from torch.testing import assert_close
 
 from ulysses_mm.core.errors import UnsupportedError
 from ulysses_mm.core.format import IGNORE
-from ulysses_mm.core.layout import LayoutError
+from ulysses_mm.core.layout import Layout, LayoutError
 
 VOCAB = 96
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -166,6 +166,6 @@ def test_layout_refused_in_one_line():
     from ulysses_mm.hf.attention import Backend
     from ulysses_mm.parallel import Mesh
 
-    mesh = Mesh(dp=1, sp=2, rank=0)
+    mesh = Mesh(Layout(dp=1, sp=2), rank=0)
     with pytest.raises(LayoutError, match=r"sp sizes that do: \[1, 3\]"):
         Backend(mesh).module(3, 1)

@@ -227,9 +227,9 @@ def test_bench_gpu_memory_modes_reach_the_plan():
         args = bench.resolve(bench.build_parser().parse_args(["--memory-mode", mode]))
         cfg = bench.make_plan(args, n_gpus=1, gpu_mem_gib=80)["sp"][1]["cfg"]
         assert (cfg.model.offload_checkpoints, cfg.model.layer_tile_tokens) == (offload, tile)
-    # --head-chunks reaches the plan (and the estimate beside each point)
-    args = bench.resolve(bench.build_parser().parse_args(["--head-chunks", "4"]))
-    assert bench.make_plan(args, n_gpus=1, gpu_mem_gib=80)["sp"][1]["cfg"].parallel.head_chunks == 4
+    # --head-groups reaches the plan (and the estimate beside each point)
+    args = bench.resolve(bench.build_parser().parse_args(["--head-groups", "4"]))
+    assert bench.make_plan(args, n_gpus=1, gpu_mem_gib=80)["sp"][1]["cfg"].parallel.head_groups == 4
     # the shipped GPU config has both on; "none" fits a shorter sequence
     plans = {
         m: bench.make_plan(

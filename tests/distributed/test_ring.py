@@ -15,7 +15,7 @@ from gloo import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig, ParallelConfig
-from ulysses_mm.core.layout import LayoutError, check_layout, valid_sp_sizes
+from ulysses_mm.core.layout import Layout, LayoutError, valid_sp_sizes
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import make_labels
 from ulysses_mm.loader.synthetic import packed_doc_ids, random_batch
@@ -205,13 +205,13 @@ def test_sp_slice_ring_layout_keeps_every_label():
 
 def test_ring_layout_check():
     # sp is bounded by the heads only through U = sp / R
-    assert check_layout(8, world=8, num_heads=2, seq_len=64, ring=4) == 1
+    assert Layout.resolve(8, 8, ring_size=4, num_heads=2, seq_len=64).dp == 1
     with pytest.raises(LayoutError, match=r"ulysses=4 \(sp / ring\) does not divide the 2"):
-        check_layout(8, num_heads=2, seq_len=64, ring=2)
+        Layout(sp=8, ring_size=2).check(num_heads=2, seq_len=64)
     with pytest.raises(LayoutError, match=r"2·sp=8 .* sequence of 36 tokens"):
-        check_layout(4, num_heads=4, seq_len=36, ring=2)
+        Layout(sp=4, ring_size=2).check(num_heads=4, seq_len=36)
     with pytest.raises(LayoutError, match="ring=3 does not divide sp=4"):
-        check_layout(4, ring=3)
+        Layout(sp=4, ring_size=3)
     assert valid_sp_sizes(num_heads=2, seq_len=64, ring=2) == [2, 4]
     assert valid_sp_sizes(num_heads=2, seq_len=64, world=8, ring=4) == [4, 8]
     with pytest.raises(ValueError, match="parallel.ring"):

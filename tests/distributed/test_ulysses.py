@@ -14,7 +14,7 @@ from gloo import run_distributed
 from torch.testing import assert_close
 
 from ulysses_mm.config import ModelConfig
-from ulysses_mm.core.layout import check_layout, valid_sp_sizes
+from ulysses_mm.core.layout import Layout, valid_sp_sizes
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.loader.synthetic import random_batch
@@ -129,7 +129,7 @@ def test_dynamic_rope_sees_the_whole_sequences_length():
 
 
 def test_a_model_laid_out_again_matches_single_process():
-    """Laid out as sp 4 = 2 Ulysses × 2 ring in head chunks, then as dp 2 × sp 2 (a run
+    """Laid out as sp 4 = 2 Ulysses × 2 ring in head groups, then as dp 2 × sp 2 (a run
     moving to its next stage): the second layout replaces the first entirely."""
     kw = dict(num_attention_heads=4, num_key_value_heads=2)
     totals = run_distributed(_model_parity, 4, 2, kw, 192, 1, "sdpa_varlen", (4, 2))
@@ -210,26 +210,26 @@ def test_bad_shapes_fail_before_any_collective():
         assert "[1, 2]" in msgs[1]
 
 
-def test_check_layout_lists_what_works():
-    check_layout(4, num_heads=8, seq_len=1024)
+def test_layout_check_lists_what_works():
+    Layout(sp=4).check(num_heads=8, seq_len=1024)
     with pytest.raises(ValueError, match=r"sp=3 does not divide the 8 query heads.*\[1, 2, 4, 8\]"):
-        check_layout(3, num_heads=8, seq_len=1024)
+        Layout(sp=3).check(num_heads=8, seq_len=1024)
     with pytest.raises(ValueError, match=r"sequence of 1000 tokens.*\[1, 2, 4, 8\]"):
-        check_layout(16, num_heads=8, seq_len=1000)
+        Layout(sp=16).check(num_heads=8, seq_len=1000)
     with pytest.raises(ValueError, match=r"sequence of 1001 tokens.*\[1\]"):
-        check_layout(2, num_heads=8, seq_len=1001)
+        Layout(sp=2).check(num_heads=8, seq_len=1001)
     # the world: sp must divide it and dp × sp fill it; dp 0 resolves to world / sp
-    assert check_layout(2, world=8, num_heads=8) == 4
+    assert Layout.resolve(8, 2, num_heads=8) == Layout(dp=4, sp=2)
     with pytest.raises(
         ValueError, match=r"sp=4 does not divide the world of 6 processes.*\[1, 2\]"
     ):
-        check_layout(4, world=6, num_heads=8)
+        Layout.resolve(6, 4, num_heads=8)
     with pytest.raises(ValueError, match=r"dp=3 × sp=2 = 6 but the world has 4 processes"):
-        check_layout(2, dp=3, world=4)
+        Layout.resolve(4, 2, dp=3)
     # kv heads never limit sp (they are replicated), but must divide the query heads
-    assert check_layout(8, world=8, num_heads=8, num_kv_heads=1) == 1
+    assert Layout.resolve(8, 8, num_heads=8, num_kv_heads=1).dp == 1
     with pytest.raises(ValueError, match="not a multiple of the 3 key/value heads"):
-        check_layout(2, num_heads=8, num_kv_heads=3)
+        Layout(sp=2).check(num_heads=8, num_kv_heads=3)
     assert valid_sp_sizes(num_heads=32, seq_len=96, world=6) == [1, 2]
     assert valid_sp_sizes(num_heads=12) == [1, 2, 3, 4, 6, 12]
 

@@ -26,7 +26,7 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_dna.py": [],
     "bench_estimate.py": [],
     "bench_generate.py": ["--device", "cpu"],
-    "bench_head_chunks.py": [],
+    "bench_head_groups.py": [],
     "bench_hf_backend.py": [],
     "bench_loader.py": [],
     "bench_pack.py": [],

@@ -39,7 +39,7 @@ def no_processes(monkeypatch):
         (["--nproc", "2", "parallel.sp=3"], "sp=3 does not divide the 4 query heads"),
         (["--nproc", "2", "parallel.sp=2", "parallel.dp=2"], "dp=2 × sp=2 = 4 but the world has 2"),
         (["--nproc", "3", "parallel.sp=2"], "sp=2 does not divide the world of 3 processes"),
-        (["parallel.head_chunks=3"], "head_chunks=3 does not split the 4 query heads"),
+        (["parallel.head_groups=3"], "head_groups=3 does not split the 4 query heads"),
         (["'model.modalities={dna: 12}'"], "differs from the model's"),
         ([f"data.seq_len={2 * SEQ}"], f"hold samples of {SEQ} tokens"),
         (["--resume"], "no checkpoint to resume from"),

@@ -47,7 +47,7 @@ train:
       model: {rope: {kind: yarn, factor: 4.0, original_max_position_embeddings: 65536}}
     - steps: 10
       data: {seq_len: 1048576}
-      parallel: {head_chunks: 2}
+      parallel: {head_groups: 2}
 """
 
 
@@ -72,7 +72,7 @@ def test_every_stage_is_its_own_estimate_and_the_longest_is_the_peak(staged: Pat
         (r.est.step.seq_len, r.est.step.micro_batch, r.est.step.sp, r.est.step.dp) for r in rows
     ]
     assert layouts == [(65536, 2, 2, 2), (262144, 1, 4, 1), (1048576, 1, 4, 1)]
-    assert [r.est.step.head_chunks for r in rows] == [1, 1, 2]
+    assert [r.est.step.head_groups for r in rows] == [1, 1, 2]
     # each stage's figure is the plain estimate of that stage's run config
     for r, stage in zip(rows, run_stages(cfg), strict=True):
         sp = stage.cfg.parallel.sp
@@ -95,7 +95,7 @@ def test_cli_prints_a_line_per_stage_then_the_peak_stages_breakdown(capsys, stag
     assert [r[:2] for r in rows] == [["0", "1-10"], ["1", "11-20"], ["2", "21-30"]]
     assert [r[2] for r in rows] == ["65,536", "262,144", "1,048,576"]
     assert [r[7] for r in rows] == ["4", "2", "2"]  # dp = 8 / the stage's sp
-    assert [r[8] for r in rows] == ["1", "1", "2"]  # head chunks
+    assert [r[8] for r in rows] == ["1", "1", "2"]  # head groups
     assert "yarn ×4" in lines[3] and "yes," in lines[4] and lines[4].endswith("<- peak")
     assert "stage 2 (steps 21-30), the peak stage:" in out
     assert "1,048,576 tokens per sample, 262,144 per GPU" in breakdown
@@ -112,7 +112,7 @@ def test_cli_json_has_the_stages_and_the_peak(capsys, staged: Path):
         (10, 20, 4, 1),
         (20, 30, 4, 1),
     ]
-    assert data["stages"][1]["rope"]["kind"] == "yarn" and data["stages"][2]["head_chunks"] == 2
+    assert data["stages"][1]["rope"]["kind"] == "yarn" and data["stages"][2]["head_groups"] == 2
     # the top level is the peak stage's estimate
     assert data["layout"]["seq_len"] == 1048576 and data["total"] == data["stages"][2]["total"]
     assert max(s["total"] for s in data["stages"]) == data["total"]
@@ -128,7 +128,7 @@ def test_cli_refuses_a_stage_that_does_not_fit_in_one_line(capsys, staged: Path)
     assert "\n" not in line
     assert f"stage 2 (steps 21-30) needs {totals[2]:.2f} GiB per GPU" in line
     assert f"more than --gpu-mem {mem:g} GiB" in line and "so do" not in line
-    assert "train.stages[2].parallel.sp=8" in line  # its head chunks are already the most
+    assert "train.stages[2].parallel.sp=8" in line  # its head groups are already the most
     assert "model.activation_checkpointing=true" in line
 
 
@@ -168,7 +168,7 @@ def test_pre_flight_passes_fails_and_is_off_without_a_budget(staged: Path):
     assert "\n" not in msg and msg.startswith("stage 1 (steps 11-20) needs")
     assert f"{totals[1]:.2f} GiB per GPU" in msg and "(so do stage 2)" in msg
     assert f"train.gpu_mem_gib={cfg.train.gpu_mem_gib:g} GiB" in msg
-    assert "train.stages[1].parallel.sp=8, train.stages[1].parallel.head_chunks=2" in msg
+    assert "train.stages[1].parallel.sp=8, train.stages[1].parallel.head_groups=2" in msg
     # a stage that takes the manifest's length is estimated at it
     staged.write_text(STAGED.replace("seq_len: 65536, micro_batch_size", "micro_batch_size"))
     cfg = load_config(RunConfig, staged, ["train.gpu_mem_gib=0.001"])

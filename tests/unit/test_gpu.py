@@ -96,7 +96,7 @@ def test_flash_varlen_over_65535_documents():
 
 
 @pytest.mark.parametrize("chunks", [2, 4])
-def test_head_chunks_on_the_gpu_match_all_heads(chunks):
+def test_head_groups_on_the_gpu_match_all_heads(chunks):
     """Attention in head groups on CUDA (the forward's exchanges on a side stream, here
     without SP) gives the all-heads output and gradients."""
     from ulysses_mm.parallel import UlyssesAttention

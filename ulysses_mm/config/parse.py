@@ -101,6 +101,17 @@ def check_ranges(where: str, obj: Any) -> None:
             r.check(key, value)
 
 
+def check_flags(obj: Any) -> None:
+    """Every field of a command's options dataclass that has a range holds a value in it
+    (each item of a list), the error naming its flag (``--new-tokens``): what the command
+    line checks, for a caller that builds the options in code."""
+    for f in dataclasses.fields(obj):
+        r, value = f.metadata.get("range"), getattr(obj, f.name)
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if r is not None and v is not None:
+                r.check("--" + f.name.replace("_", "-"), v)
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 

@@ -37,7 +37,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ulysses_mm.core.errors import UnsupportedError
-from ulysses_mm.core.layout import check_layout
 from ulysses_mm.hf.inputs import document_ids, documents_from_cu
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.parallel.comm import CommStats, Workspace
@@ -68,7 +67,7 @@ class Backend:
         key = (num_heads, num_kv_heads)
         if key not in self._modules:
             m = self.mesh
-            check_layout(m.sp, num_heads=num_heads, num_kv_heads=num_kv_heads, ring=m.ring_size)
+            m.layout.check(num_heads, num_kv_heads)
             core: nn.Module = LocalAttention(self.kernel)
             if m.ring_size > 1:
                 core = RingAttention(
@@ -83,6 +82,7 @@ class Backend:
                 self.stats,
                 self.workspace,
                 ring_size=m.ring_size,
+                head_groups=m.layout.head_groups,
             )
         return self._modules[key]
 

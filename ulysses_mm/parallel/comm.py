@@ -45,8 +45,8 @@ class CommStats:
     backward_calls: int = 0
     per_call: list[tuple[str, int]] = field(default_factory=list)
 
-    def record(self, direction: str, tensor: Tensor, world: int) -> None:
-        sent = tensor.numel() * tensor.element_size() * (world - 1) // world
+    def record(self, direction: str, tensor: Tensor, size: int) -> None:
+        sent = tensor.numel() * tensor.element_size() * (size - 1) // size
         if direction == "forward":
             self.forward_bytes += sent
             self.forward_calls += 1
@@ -81,7 +81,7 @@ class Exchange:
     """Where an exchange runs: the SP group and its size, the send workspace, the counter."""
 
     group: Any
-    world: int
+    size: int  # the ranks of the group
     workspace: Workspace | None
     stats: CommStats | None = None
 
@@ -93,7 +93,7 @@ class Exchange:
 
     def run(self, send: Tensor, direction: str) -> Tensor:
         if self.stats is not None:
-            self.stats.record(direction, send, self.world)
+            self.stats.record(direction, send, self.size)
         recv = torch.empty(send.shape, dtype=send.dtype, device=send.device)
         dist.all_to_all_single(recv, send, group=self.group)
         return recv
@@ -102,7 +102,7 @@ class Exchange:
 def seq_to_heads_parts(ex: Exchange, parts: Sequence[Tensor], direction: str) -> list[Tensor]:
     """``[b, s/P, P, h_i/P, d]`` each (chunk j: rank j's heads) -> ``[b, s, h_i/P, d]`` each,
     in one exchange (views of what arrived)."""
-    P = ex.world
+    P = ex.size
     b, n, _, _, d = parts[0].shape
     heads = [t.shape[3] for t in parts]
     send = ex.send_buffer((P, b, n, sum(heads), d), parts[0].dtype, parts[0].device)
@@ -118,7 +118,7 @@ def seq_to_heads_parts(ex: Exchange, parts: Sequence[Tensor], direction: str) ->
 
 def seq_to_heads(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> list[Tensor]:
     """``[b, s/P, h_i, d]`` each -> ``[b, s, h_i/P, d]`` each, in one exchange."""
-    P = ex.world
+    P = ex.size
     b, n, _, d = tensors[0].shape
     # [b, s/P, h, d] -> [b, s/P, P, h/P, d]: rank j's heads are the j-th block of h/P
     return seq_to_heads_parts(
@@ -129,7 +129,7 @@ def seq_to_heads(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> lis
 def heads_to_seq_parts(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> list[Tensor]:
     """``[b, s, h_i/P, d]`` each -> ``[b, s/P, P, h_i/P, d]`` each (chunk j: the heads rank
     j held), in one exchange (views of what arrived)."""
-    P = ex.world
+    P = ex.size
     b, s, _, d = tensors[0].shape
     n = s // P
     heads = [t.shape[2] for t in tensors]
@@ -150,7 +150,7 @@ def heads_to_seq_parts(ex: Exchange, tensors: Sequence[Tensor], direction: str) 
 
 def heads_to_seq(ex: Exchange, tensors: Sequence[Tensor], direction: str) -> list[Tensor]:
     """``[b, s, h_i/P, d]`` each -> ``[b, s/P, h_i, d]`` each, in one exchange."""
-    P = ex.world
+    P = ex.size
     b, s, _, d = tensors[0].shape
     parts = heads_to_seq_parts(ex, tensors, direction)
     # [b, s/P, P, h/P, d] -> [b, s/P, h, d]

@@ -1,4 +1,4 @@
-"""Attention in groups of heads (``parallel.head_chunks`` = C > 1: C head groups).
+"""Attention in groups of heads (``parallel.head_groups`` = C > 1: C head groups).
 
 Each Ulysses rank runs attention on hq/U query heads; here it runs them in C groups of
 hg = hq/(U·C), one after another: group g's q, k, v go through their own all-to-all

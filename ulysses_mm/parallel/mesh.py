@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ulysses_mm.core.errors import ConfigError, UnsupportedError
 from ulysses_mm.core.launch_env import LAUNCH_ENV, in_launched_world
-from ulysses_mm.core.layout import check_layout
+from ulysses_mm.core.layout import Layout, LayoutError
 
 if TYPE_CHECKING:
     from ulysses_mm.config import RunConfig
@@ -39,21 +39,35 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class Mesh:
-    dp: int
-    sp: int
+    """This rank's place in a :class:`~ulysses_mm.core.layout.Layout` and the process
+    groups of its axes."""
+
+    layout: Layout
     rank: int
     sp_group: Any = None  # ProcessGroup of this rank's SP group (None when sp == 1 alone)
     dp_group: Any = None  # ProcessGroup of ranks holding the same SP slice
     world_group: Any = None  # the default group (None for a single process)
-    ring_size: int = 1  # R: ring size inside the SP group (sp = U × R)
     ulysses_group: Any = None  # U consecutive ranks (the SP group itself when R == 1)
     ring_group: Any = None  # R ranks at stride U (None when R == 1)
     ring_members: tuple[int, ...] = ()  # global ranks of this rank's ring, in ring order
 
     @property
+    def dp(self) -> int:
+        return self.layout.dp
+
+    @property
+    def sp(self) -> int:
+        return self.layout.sp
+
+    @property
+    def ring_size(self) -> int:
+        """R: ring size inside the SP group (sp = U × R)."""
+        return self.layout.ring_size
+
+    @property
     def ulysses_size(self) -> int:
         """U: the ranks of one Ulysses all-to-all group (sp / ring_size)."""
-        return self.sp // self.ring_size
+        return self.layout.ulysses_size
 
     @property
     def ulysses_rank(self) -> int:
@@ -65,7 +79,7 @@ class Mesh:
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.sp
+        return self.layout.world_size
 
     @property
     def sp_rank(self) -> int:
@@ -82,22 +96,41 @@ class Mesh:
     @classmethod
     def single(cls) -> Mesh:
         """One process, no collectives: the reference every parallel layout must match."""
-        return cls(dp=1, sp=1, rank=0)
+        return cls(Layout(), rank=0)
 
     @classmethod
-    def build(cls, sp: int, dp: int = 0, ring_size: int = 1) -> Mesh:
-        """The mesh over the initialised default process group (dp = 0: world / sp;
-        ``ring_size`` = R divides sp).
+    def build(cls, sp: int, dp: int = 0, ring_size: int = 1, head_groups: int = 1) -> Mesh:
+        """:meth:`over` the layout of ``sp`` × ``dp`` (0: world / sp; ``ring_size`` = R
+        divides sp) on the initialised default process group's world.
 
         Every rank must call this (group creation is collective)."""
         if not dist.is_initialized():
             if sp == 1 and dp in (0, 1) and ring_size == 1:
-                return cls.single()
+                return cls(Layout(head_groups=head_groups), rank=0)
+            raise RuntimeError(
+                "torch.distributed is not initialised; call init_distributed() first"
+            )
+        return cls.over(Layout.resolve(dist.get_world_size(), sp, dp, ring_size, head_groups))
+
+    @classmethod
+    def over(cls, layout: Layout) -> Mesh:
+        """The mesh of ``layout`` over the initialised default process group, whose world
+        it must fill (one process without a group: the single mesh).
+
+        Every rank must call this (group creation is collective)."""
+        if not dist.is_initialized():
+            if layout.world_size == 1:
+                return cls(layout, rank=0)
             raise RuntimeError(
                 "torch.distributed is not initialised; call init_distributed() first"
             )
         world, rank = dist.get_world_size(), dist.get_rank()
-        dp = check_layout(sp, dp=dp, world=world, ring=ring_size)
+        if layout.world_size != world:
+            raise LayoutError(
+                f"dp={layout.dp} × sp={layout.sp} = {layout.world_size} but the world has "
+                f"{world} processes"
+            )
+        dp, sp, ring_size = layout.dp, layout.sp, layout.ring_size
         sp_group = dp_group = None
         for d in range(dp):
             ranks = list(range(d * sp, (d + 1) * sp))
@@ -112,7 +145,7 @@ class Mesh:
         ulysses_group, ring_group = sp_group, None
         ring_members: tuple[int, ...] = ()
         if ring_size > 1:
-            u = sp // ring_size
+            u = layout.ulysses_size
             ulysses_group = None
             for d in range(dp):
                 for j in range(ring_size):
@@ -126,13 +159,11 @@ class Mesh:
                     if rank in ranks:
                         ring_group, ring_members = g, tuple(ranks)
         return cls(
-            dp=dp,
-            sp=sp,
+            layout,
             rank=rank,
             sp_group=sp_group,
             dp_group=dp_group,
             world_group=dist.group.WORLD,
-            ring_size=ring_size,
             ulysses_group=ulysses_group,
             ring_group=ring_group,
             ring_members=ring_members,
@@ -324,7 +355,9 @@ def open_world(cfg: RunConfig, deepspeed_comm: bool = True, device: str | None =
     if deepspeed_comm:
         deepspeed = _quiet_deepspeed(backend, Path(cfg.train.out_dir) / "logs")
         deepspeed.init_distributed(backend, verbose=False)
-    mesh = Mesh.build(cfg.parallel.sp, cfg.parallel.dp, cfg.parallel.ring)
+    p = cfg.parallel
+    world = dist.get_world_size() if dist.is_initialized() else p.sp * (p.dp or 1)
+    mesh = Mesh.over(Layout.from_config(p, world))
     if device is None:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         device = f"cuda:{local}" if backend == "nccl" else "cpu"

@@ -22,7 +22,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from ulysses_mm.core.layout import check_layout
+from ulysses_mm.core.layout import Layout
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.model.attention import DocumentMask
 
@@ -32,7 +32,7 @@ def sp_slice(batch: Batch, sp_rank: int, sp: int, ring_size: int = 1) -> Batch:
     ring layout, :func:`ring_order`, when ``ring_size`` > 1); doc_ids
     stay whole."""
     n = batch.input_ids.shape[-1]
-    check_layout(sp, seq_len=n, ring=ring_size)
+    Layout(sp=sp, ring_size=ring_size).check(seq_len=n)
     if sp == 1:
         return batch
     chunk = n // sp

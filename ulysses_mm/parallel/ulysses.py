@@ -21,7 +21,7 @@ U = sp/R consecutive ranks and the local kernel is :class:`~ulysses_mm.parallel.
 across the R Ulysses groups (each rank then holds N/(U·R) tokens; kv heads are replicated
 to lcm(hk, U)).
 
-Head groups (``head_groups`` = C > 1, set by ``parallel.head_chunks``, also without
+Head groups (``head_groups`` = C > 1, set by ``parallel.head_groups``, also without
 sequence parallelism): the exchange and the kernel run for one group of hq/(U·C) query
 heads at a time, each recomputed in backward (:mod:`ulysses_mm.parallel.head_groups`).
 
@@ -32,12 +32,13 @@ of one ring rank (:mod:`ulysses_mm.parallel.ring`), a *head group* a share of th
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, cast
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ulysses_mm.core.layout import LayoutError, check_layout, expanded_kv_heads, valid_sp_sizes
+from ulysses_mm.core.layout import Layout, LayoutError, expanded_kv_heads, valid_sp_sizes
 from ulysses_mm.model.attention import DocumentMask, LocalAttention
 from ulysses_mm.model.llama import Attention, DecoderLayer, MultimodalLM
 from ulysses_mm.parallel.comm import CommStats, Exchange, Workspace, gather_heads, scatter_heads
@@ -69,7 +70,8 @@ class UlyssesAttention(nn.Module):
         self.ulysses_size = dist.get_world_size(group) if group is not None else 1
         self.ring_size = ring_size
         U = self.ulysses_size
-        check_layout(U, num_heads=num_heads, num_kv_heads=num_kv_heads, head_chunks=head_groups)
+        layout = Layout(sp=U * ring_size, ring_size=ring_size, head_groups=head_groups)
+        layout.check(num_heads, num_kv_heads)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.kv_expanded = expanded_kv_heads(num_heads, num_kv_heads, U)
@@ -146,33 +148,28 @@ def apply_ulysses(
     mesh: Mesh,
     stats: CommStats | None = None,
     ring_stats: dict[str, int] | None = None,
-    head_groups: int = 1,
+    head_groups: int | None = None,
 ) -> MultimodalLM:
     """Make every decoder layer's attention kernel (``model.layers[i].self_attn.core``)
     sequence-parallel over ``mesh.sp`` = U × R ranks, in place: Ulysses over the
     U = ``mesh.ulysses_size`` ranks of the Ulysses group and, when ``mesh.ring_size`` = R > 1,
     ring attention across the R groups (``ring_stats`` counts its bytes); with
-    ``head_groups`` = C > 1 (``parallel.head_chunks``) in C groups of heads (also at
+    C = ``head_groups`` > 1 (default the mesh's layout's) in C groups of heads (also at
     sp = 1), and the RoPE's view of the sequence's length made the SP group's (the loss's
     balance over the SP group is :func:`~ulysses_mm.parallel.apply_loss_balance`'s). Raises
     before any collective if the heads do not split over U (and C).
 
     A model laid out before is laid out again (a run moving to its next stage): every
     layer goes back to its local kernel first, so the new layout replaces the old."""
+    layout = mesh.layout if head_groups is None else replace(mesh.layout, head_groups=head_groups)
     attns = attention_modules(model)
-    for attn in attns:
-        check_layout(
-            mesh.sp,
-            num_heads=attn.num_heads,
-            num_kv_heads=attn.num_kv_heads,
-            ring=mesh.ring_size,
-            head_chunks=head_groups,
-        )
+    for heads in dict.fromkeys((a.num_heads, a.num_kv_heads) for a in attns):
+        layout.check(*heads)
     for attn in attns:  # back to the local kernel of a layout applied before
         core = attn.core.local if isinstance(attn.core, UlyssesAttention) else attn.core
         attn.core = LocalAttention(core.kernel) if isinstance(core, RingAttention) else core
     model.model.rotary_emb.seen_length = _seen_length(mesh.sp_group) if mesh.sp > 1 else None
-    if mesh.sp == 1 and head_groups == 1:
+    if mesh.sp == 1 and layout.head_groups == 1:
         return model
     workspace = Workspace()  # one send buffer for every layer: exchanges never overlap
     for attn in attns:
@@ -190,6 +187,6 @@ def apply_ulysses(
             stats,
             workspace,
             ring_size=mesh.ring_size,
-            head_groups=head_groups,
+            head_groups=layout.head_groups,
         )
     return model

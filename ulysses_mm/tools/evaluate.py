@@ -28,6 +28,7 @@ from tqdm import tqdm
 from ulysses_mm.config.parse import option
 from ulysses_mm.core.checks import INT64_SAFE, MAX_PROCESSES
 from ulysses_mm.core.errors import ConfigError, UserError
+from ulysses_mm.core.layout import Layout
 from ulysses_mm.train.evaluate import EvalResult
 from ulysses_mm.train.metrics import LN2
 
@@ -77,7 +78,6 @@ class EvaluateOptions:
 
 def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> Any:
     """What the parent checks before any process starts (one line each)."""
-    from ulysses_mm.core.layout import check_layout
     from ulysses_mm.loader.window import check_enough_windows, check_window_length
     from ulysses_mm.shards.manifest import Manifest
     from ulysses_mm.train.inference import open_trained
@@ -92,18 +92,16 @@ def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> 
     length = opts.seq_len or m.seq_len
     check_window_length(m, length)
     p = cfg.parallel
-    if opts.sp:  # a plain Ulysses layout of its own (ring and head chunks change no figure)
-        p = replace(p, sp=opts.sp, ring=1, head_chunks=1)
+    if opts.sp:  # a plain Ulysses layout of its own (ring and head groups change no figure)
+        p = replace(p, sp=opts.sp, ring=1, head_groups=1)
     mc = cfg.model
-    dp = check_layout(
-        p.sp,
-        world=world,
+    dp = Layout.from_config(
+        replace(p, dp=0),  # dp follows the world
+        world,
         num_heads=mc.num_attention_heads,
         num_kv_heads=mc.num_key_value_heads,
         seq_len=length,
-        ring=p.ring,
-        head_chunks=p.head_chunks,
-    )
+    ).dp
     check_enough_windows(m, length, dp, d.micro_batch_size)
     cfg = replace(cfg, parallel=replace(p, dp=dp), data=replace(d, seq_len=length))
     return trained, cfg, m

@@ -30,7 +30,7 @@ import numpy as np
 from ulysses_mm.config.parse import option
 from ulysses_mm.core.checks import INT64_SAFE, MAX_PROCESSES, MAX_SEED, MAX_TOKENS
 from ulysses_mm.core.errors import ConfigError, DataError, UnsupportedError, UserError
-from ulysses_mm.core.layout import check_layout
+from ulysses_mm.core.layout import Layout
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
 from ulysses_mm.model.generate import Sampling
 from ulysses_mm.tokenize.base import Tokenizer
@@ -276,7 +276,8 @@ def generate_from_checkpoint(checkpoint: str, opts: GenerateOptions) -> dict[str
     prompt = prompt_ids(tok, trained.space, opts.prompt, opts.prompt_tokens, opts.prompt_seconds)
     world = world_size(opts.nproc)
     m = trained.cfg.model
-    check_layout(world, num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads)
+    # one SP group over every process (the ranks' layout: sp = the world, dp 1, no ring)
+    Layout(dp=1, sp=world).check(m.num_attention_heads, m.num_key_value_heads)
     check_cache_fits(trained, opts, len(prompt), world)
     payload = {
         "checkpoint": str(checkpoint),

@@ -131,17 +131,10 @@ class StepRunner:
     def measure(self, seq_len: int, doc_len: int | None = None, steps: int = 1) -> MeasuredStep:
         """``steps`` training steps of ``seq_len`` tokens (documents of ``doc_len``,
         default min(seq_len, 4096)); their mean time and the peak memory among them."""
-        from ulysses_mm.core.layout import check_layout
         from ulysses_mm.train.flops import causal_pairs, train_flops
 
         m = self.cfg.model
-        check_layout(
-            self.mesh.sp,
-            num_heads=m.num_attention_heads,
-            num_kv_heads=m.num_key_value_heads,
-            seq_len=seq_len,
-            ring=self.mesh.ring_size,
-        )
+        self.mesh.layout.check(m.num_attention_heads, m.num_key_value_heads, seq_len)
         batch = self.batch(seq_len, doc_len or min(seq_len, 4096))
         gc.collect()
         if isinstance(self.counter, _CudaCounter):

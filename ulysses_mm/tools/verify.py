@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ulysses_mm.config import RunConfig, from_dict, to_dict
 from ulysses_mm.config.parse import option
 from ulysses_mm.core.checks import MAX_SEED
-from ulysses_mm.core.layout import check_layout, expanded_kv_heads
+from ulysses_mm.core.layout import Layout, expanded_kv_heads
 from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES, TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model.attention import check_kernel_config, resolve_kernel
@@ -49,14 +49,15 @@ def theory_bytes_per_layer(cfg: RunConfig, opts: VerifyOptions, elem_bytes: int)
     4·N·D/P·(P−1)/P, and the same with k, v at their real (GQA, replicated) width)."""
     m = cfg.model
     assert m.head_dim is not None
-    P, N, b = cfg.parallel.sp // cfg.parallel.ring, opts.seq_len, opts.micro_batch
-    N //= cfg.parallel.ring  # the all-to-all runs over the N/R tokens of one ring rank
+    layout = Layout(sp=cfg.parallel.sp, ring_size=cfg.parallel.ring)
+    P, N, b = layout.ulysses_size, opts.seq_len, opts.micro_batch
+    N //= layout.ring_size  # the all-to-all runs over the N/R tokens of one ring rank
     if P == 1:
         return 0, 0
     mha = 4 * N * m.hidden_size // P * (P - 1) // P * elem_bytes * b
     # q + out + k + v (in head groups, a kv head shared by several groups travels with each)
     heads, _ = exchange_heads(
-        m.num_attention_heads, m.num_key_value_heads, P, cfg.parallel.head_chunks
+        m.num_attention_heads, m.num_key_value_heads, P, cfg.parallel.head_groups
     )
     real = N * heads * m.head_dim // P * (P - 1) // P * elem_bytes * b
     return mha, real
@@ -129,7 +130,7 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
         "mesh": mesh.describe(),
         "sp": mesh.sp,
         "dp": mesh.dp,
-        "ring": mesh.ring_size,
+        "ring_size": mesh.ring_size,
         "ring_fwd": ring_stats["forward_bytes"] / max(1, ring_stats["forward_calls"]),
         "ring_bwd": ring_stats["backward_bytes"] / max(1, ring_stats["backward_calls"]),
         "ring_theory": (ring_fwd, ring_bwd),
@@ -146,7 +147,7 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
         # two exchanges per layer call and head group; activation checkpointing
         # recomputes (and re-sends)
         "bytes_per_layer": fwd_bytes
-        / max(1, stats.forward_calls // (2 * cfg.parallel.head_chunks)),
+        / max(1, stats.forward_calls // (2 * cfg.parallel.head_groups)),
         "theory_mha": mha,
         "theory_real": real,
         "documents": int(sum(len(torch.unique(d)) for d in global_batch.doc_ids)),
@@ -156,7 +157,7 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
 def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, Any]]) -> str:
     r0 = results[0]
     m = cfg.model
-    sp, dp, ring = r0["sp"], r0["dp"], r0.get("ring", 1)
+    sp, dp, ring = r0["sp"], r0["dp"], r0["ring_size"]
     u = sp // ring
     e = expanded_kv_heads(m.num_attention_heads, m.num_key_value_heads, u)
     hybrid = f" (ulysses {u} × ring {ring})" if ring > 1 else ""
@@ -224,17 +225,14 @@ def verify_against_one_process(cfg: RunConfig, opts: VerifyOptions) -> int:
     check_kernel_config(p.attention, "fp32")  # verify compares in fp32
     launched = in_launched_world()
     # verify starts dp × sp processes itself unless a launcher made the world
-    dp = check_layout(
-        p.sp,
-        dp=p.dp,
-        world=int(os.environ["WORLD_SIZE"]) if launched else None,
+    layout = Layout.from_config(
+        p,
+        int(os.environ["WORLD_SIZE"]) if launched else p.sp * (p.dp or 1),
         num_heads=m.num_attention_heads,
         num_kv_heads=m.num_key_value_heads,
         seq_len=opts.seq_len,
-        ring=p.ring,
-        head_chunks=p.head_chunks,
     )
-    results = run_world(verify_worker, p.sp * (dp or 1), to_dict(cfg), opts)
+    results = run_world(verify_worker, layout.world_size, to_dict(cfg), opts)
     if launched and results[0]["rank"] != 0:
         # Only rank 0 prints (its own view: the gradients are already summed globally).
         return 0 if results[0]["ok"] else 1

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ulysses_mm.config import RunConfig, Stage, from_dict, run_stages, stage_of, to_dict
 from ulysses_mm.core.errors import Interrupted, UserError, WorkerError
+from ulysses_mm.core.layout import Layout
 from ulysses_mm.loader.batch import Batch, samples_batch
 from ulysses_mm.loader.fetch import FetchInterrupted
 from ulysses_mm.loader.node_cache import NodeCache
@@ -184,14 +185,13 @@ class Trainer:
         if stage.index == self.stage.index:
             return
         old, new = self.stage.cfg, stage.cfg
-        layout = (new.parallel.sp, new.parallel.ring, new.parallel.head_chunks)
-        if (old.parallel.sp, old.parallel.ring, old.parallel.head_chunks) != layout:
-            p = new.parallel
-            mesh = Mesh.build(p.sp, p.dp, p.ring)  # collective: every rank enters together
+        layout = Layout.from_config(new.parallel, self.mesh.world_size)
+        if layout != self.mesh.layout:
+            mesh = Mesh.over(layout)  # collective: every rank enters together
             self.place = replace(self.place, mesh=mesh)
             self.mesh = mesh
             self.setup.place = self.place
-            apply_ulysses(self.model, mesh, head_groups=p.head_chunks)
+            apply_ulysses(self.model, mesh)  # in the layout's head groups
             apply_loss_balance(self.model, mesh)
         if old.model.rope != new.model.rope:
             self.model.model.rotary_emb.set_rope(new.model.rope)

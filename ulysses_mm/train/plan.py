@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from ulysses_mm.config import RunConfig, Stage, run_stages, stage_of, to_dict
 from ulysses_mm.core import checks
 from ulysses_mm.core.errors import ConfigError, DataError, UserError
-from ulysses_mm.core.layout import check_layout
+from ulysses_mm.core.layout import Layout
 from ulysses_mm.core.tokenspace import SPACE_FILE, TokenSpace
 from ulysses_mm.loader.mixing import modality_pools
 from ulysses_mm.loader.order import check_enough_samples
@@ -208,16 +208,13 @@ def _check_stage(
                 f"those of {first.location} of {first.seq_len}; set data.seq_len to a length "
                 "that divides both"
             )
-    dp = check_layout(
-        cfg.parallel.sp,
-        dp=cfg.parallel.dp,
-        world=world,
+    dp = Layout.from_config(
+        cfg.parallel,
+        world,
         num_heads=m.num_attention_heads,
         num_kv_heads=m.num_key_value_heads,
         seq_len=seq_len,
-        ring=cfg.parallel.ring,
-        head_chunks=cfg.parallel.head_chunks,
-    )
+    ).dp
     manifest = sources[0][0]
     if len(sources) == 1 and not modalities[0]:  # one source drops a short epoch tail
         if seq_len == manifest.seq_len:

@@ -58,9 +58,9 @@ def lay_out(
     """Lay a built model out for this run, in place, the one way every caller does: the
     memory policy of ``cfg.model`` (``offload``: the host copies' owner, made when the
     policy offloads and none is given; returned), Ulysses over ``mesh.sp`` (in
-    ``parallel.head_chunks`` groups of heads), the loss balance over the SP group."""
+    ``parallel.head_groups`` groups of heads), the loss balance over the SP group."""
     offload = apply_memory_policy(model, cfg.model, offload)
-    apply_ulysses(model, mesh, stats, head_groups=cfg.parallel.head_chunks)
+    apply_ulysses(model, mesh, stats, head_groups=cfg.parallel.head_groups)
     apply_loss_balance(model, mesh)
     return offload
 
@@ -159,7 +159,7 @@ def build_inference_setup(
     model = build_model(cfg.model, space, kernel, seed=cfg.train.seed)
     load(model)
     offload = apply_memory_policy(model, cfg.model)
-    apply_ulysses(model, place.mesh)  # all heads at once: no backward to save memory for
+    apply_ulysses(model, place.mesh, head_groups=1)  # all heads: no backward to save memory for
     apply_loss_balance(model, place.mesh)
     model.to(device=place.device, dtype=dtype).eval()
     weights = loss_weights(space.modalities, cfg.model.loss_weights, place.device)

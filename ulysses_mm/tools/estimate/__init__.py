@@ -13,9 +13,9 @@ be chosen before any GPU is held.
 - ``phases.py``: the tensors live at each phase's high point.
 - ``result.py``: :func:`estimate` (its options one :class:`EstimateOptions`), the peak,
   allocator headroom and runtime reserve.
-- ``head_chunks.py``: attention in head groups' sets (``parallel.head_chunks``).
+- ``head_groups.py``: attention in head groups' sets (``parallel.head_groups``).
 - ``search.py``: :func:`max_seq_len`, the longest sequence that fits (and
-  :func:`best_head_chunks`, over every head-chunk count).
+  :func:`best_head_groups`, over every head-group count).
 - ``render.py``: the breakdown as text; ``cli.py``: the command.
 """
 
@@ -30,7 +30,7 @@ from ulysses_mm.tools.estimate.result import (
     EstimateOptions,
     estimate,
 )
-from ulysses_mm.tools.estimate.search import MAX_GRANULARITY, best_head_chunks, max_seq_len
+from ulysses_mm.tools.estimate.search import MAX_GRANULARITY, best_head_groups, max_seq_len
 from ulysses_mm.tools.estimate.shape import (
     ModelShape,
     StepShape,
@@ -55,7 +55,7 @@ __all__ = [
     "StepShape",
     "Term",
     "ZeroStates",
-    "best_head_chunks",
+    "best_head_groups",
     "estimate",
     "flex_block_mask_bytes",
     "max_seq_len",

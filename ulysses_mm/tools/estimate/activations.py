@@ -10,7 +10,7 @@ its input, what the kernel saves and the kernel output; norms, projections and M
 per tile only. ``sdpa_dense`` adds its [b, s, s] masks (O(s²) per rank whatever sp is),
 ``flex`` its block tables; SDPA without native GQA saves k, v expanded to the query heads.
 Ring attention's own sets are in :mod:`ulysses_mm.tools.estimate.ring`, attention in
-head groups (``parallel.head_chunks``) in :mod:`ulysses_mm.tools.estimate.head_chunks`.
+head groups (``parallel.head_groups``) in :mod:`ulysses_mm.tools.estimate.head_groups`.
 
 Symbols: T = b·N/sp tokens of a rank, a = 2 bytes (bf16/fp16) or 4 (fp32), D hidden, F MLP
 width, Q = hq·d, K = hk·d, E = e·d with e the kv heads replicated for Ulysses, V' the
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ulysses_mm.config import RunConfig
-from ulysses_mm.tools.estimate.head_chunks import grouped_sets
+from ulysses_mm.tools.estimate.head_groups import grouped_sets
 from ulysses_mm.tools.estimate.ring import ring_working_sets
 from ulysses_mm.tools.estimate.shape import ModelShape, StepShape
 
@@ -71,7 +71,7 @@ class Activations:
     ring_scores: int = 0  # ring: one block's [b, hq/U, N/R, N/R] fp32 scores
     ring_forward: int = 0  # ring: the forward's working set (K/V blocks, block kernel)
     ring_backward: int = 0  # ring: the backward's (K/V blocks, dK/dV, block kernel)
-    head_chunks: int = 1  # C: attention in C groups of heads (parallel.head_chunks)
+    head_groups: int = 1  # C: attention in C groups of heads (parallel.head_groups)
 
     @property
     def layer(self) -> int:
@@ -99,7 +99,7 @@ def batch_inputs(step: StepShape, cuda: bool) -> int:
     GPU the slice is copied over and doc_ids stay whole."""
     T, S = step.tokens, step.full_tokens
     inputs = 40 * S if not cuda else 32 * T + 8 * S
-    if step.ring > 1 and not cuda:
+    if step.ring_size > 1 and not cuda:
         inputs += 32 * T  # the zigzag slice gathers its tokens: copies, not views
     return inputs
 
@@ -115,7 +115,7 @@ def local_kernel(
     sh: ModelShape, step: StepShape, a: int, cuda: bool, kernel: str
 ) -> tuple[int, int]:
     """(what the local attention kernel saves, what it adds to the fixed tensors)."""
-    T, U = step.tokens, step.ulysses
+    T, U = step.tokens, step.ulysses_size
     Q, E = sh.q_width, sh.kv_expanded(U) * sh.head_dim
     saved = T * ((2 * Q + 2 * E) * a + 4 * sh.heads)
     fixed = 0
@@ -140,7 +140,7 @@ def _ulysses_held(sh: ModelShape, step: StepShape, a: int) -> int:
     """What the Ulysses forward holds while its kernel runs: the caller's q, k, v, the
     replicated k, v, and (for b > 1) the receive buffer's copy (the [b, P, n] -> [b, s]
     reshape copies)."""
-    T, U = step.tokens, step.ulysses
+    T, U = step.tokens, step.ulysses_size
     Q, K, E = sh.q_width, sh.kv_width, sh.kv_expanded(U) * sh.head_dim
     rep = 2 * T * E * a if sh.kv_expanded(U) > sh.kv_heads else 0
     recv = T * (Q + 2 * E) * a if step.micro_batch > 1 else 0
@@ -150,10 +150,10 @@ def _ulysses_held(sh: ModelShape, step: StepShape, a: int) -> int:
 def exchange_sets(sh: ModelShape, step: StepShape, a: int) -> tuple[int, int, int]:
     """(forward, backward working sets, send workspace) of attention with all heads at
     once: under Ulysses (U > 1) around the all-to-alls, else around the local kernel."""
-    T, U = step.tokens, step.ulysses
+    T, U = step.tokens, step.ulysses_size
     Q, E = sh.q_width, sh.kv_expanded(U) * sh.head_dim
     packed = T * (Q + 2 * E) * a
-    if U > 1 and step.head_chunks == 1:
+    if U > 1 and step.head_groups == 1:
         # the send buffer: one workspace the size of the largest exchange (q, k, v
         # packed), kept for the whole run (ulysses_mm.parallel.comm.Workspace); at the
         # return exchange the kernel output, its contiguous copy and the receive buffer
@@ -172,7 +172,7 @@ def ring_sets(
 ) -> _Attention:
     """Ring attention (R > 1) in place of the local kernel, around the ``forward`` and
     ``backward`` sets of the exchanges (U > 1)."""
-    T, U, S = step.tokens, step.ulysses, step.full_tokens
+    T, U, S = step.tokens, step.ulysses_size, step.full_tokens
     Q, E = sh.q_width, sh.kv_expanded(U) * sh.head_dim
     scores, ring_fwd, ring_bwd = ring_working_sets(sh, step, a, kernel == "ring_flash")
     pre = _ulysses_held(sh, step, a) if U > 1 else 0
@@ -197,7 +197,7 @@ def kernel_scratch(sh: ModelShape, step: StepShape, a: int, cuda: bool, kernel: 
     if not (cuda and kernel in ("flash_varlen", "sdpa_varlen")):
         return 0
     T, Q = step.tokens, sh.q_width
-    return 4 * T * Q + (2 * T * Q * a if sh.heads > sh.kv_expanded(step.ulysses) else 0)
+    return 4 * T * Q + (2 * T * Q * a if sh.heads > sh.kv_expanded(step.ulysses_size) else 0)
 
 
 def attention(
@@ -205,12 +205,12 @@ def attention(
 ) -> _Attention:
     """Attention's saved set and working sets: the local kernel, the Ulysses exchanges,
     ring attention (R > 1), the flash scratch, or head groups (C > 1) in their place."""
-    T, U = step.tokens, step.ulysses
+    T, U = step.tokens, step.ulysses_size
     Q, E = sh.q_width, sh.kv_expanded(U) * sh.head_dim
     saved, fixed = local_kernel(sh, step, a, cuda, kernel)
     forward, backward, workspace = exchange_sets(sh, step, a)
     at = _Attention(saved, T * (Q + 2 * E) * a, 0, forward, backward, fixed + workspace)
-    if step.ring > 1:
+    if step.ring_size > 1:
         ring = ring_sets(sh, step, a, kernel, forward, backward)
         at = replace(ring, fixed=at.fixed + ring.fixed)
     at = replace(
@@ -218,7 +218,7 @@ def attention(
         backward=at.backward + kernel_scratch(sh, step, a, cuda, kernel),
         all_to_all=2 * at.after_all_to_all if U > 1 else 0,
     )
-    if step.head_chunks > 1:  # in head groups: their own sets (send buffers per exchange)
+    if step.head_groups > 1:  # in head groups: their own sets (send buffers per exchange)
         g = grouped_sets(sh, step, a, cuda, kernel, layer_tiled)
         at = replace(
             at,
@@ -347,5 +347,5 @@ def activations(
         ring_scores=at.ring_scores,
         ring_forward=at.ring_forward,
         ring_backward=at.ring_backward,
-        head_chunks=step.head_chunks,
+        head_groups=step.head_groups,
     )

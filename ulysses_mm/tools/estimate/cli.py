@@ -5,61 +5,35 @@ stage, then the peak stage's breakdown). The arguments are
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from typing import Any
 
-from ulysses_mm.config import RunConfig
+from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.core.errors import UserError
 from ulysses_mm.tools.estimate.render import render
 from ulysses_mm.tools.estimate.result import (
     GPUS_PER_NODE,
     HOST_GIB_PER_NODE,
     NCCL_GIB_PER_COMMUNICATOR,
-    Estimate,
     EstimateOptions,
     estimate,
+    host_refusal,
 )
 from ulysses_mm.tools.estimate.search import (
     MAX_GRANULARITY,
-    best_head_chunks,
-    head_chunk_choices,
+    best_head_groups,
+    head_group_choices,
+    head_groups_arg,
     max_seq_len,
 )
 from ulysses_mm.tools.estimate.shape import token_space
+from ulysses_mm.tools.estimate.stages import run_staged_cli
 from ulysses_mm.tools.estimate.units import GiB
-
-
-def head_chunks_arg(value: str | None) -> int | str | None:
-    """``--head-chunks``: a count, ``auto``, or None (the config's)."""
-    if value is None or value == "auto":
-        return value
-    try:
-        chunks = int(value)
-    except ValueError:
-        chunks = 0
-    if chunks < 1:
-        raise UserError(f"--head-chunks must be a positive integer or auto, got {value!r}")
-    return chunks
-
-
-def host_refusal(est: Estimate) -> str:
-    """The one line that refuses a plan whose host memory exceeds the node's."""
-    assert est.host_mem is not None
-    ckpt = est.host_checkpoints if est.offload_checkpoints else 0
-    return (
-        f"host memory: {est.host / GiB:.1f} GiB per GPU (offloaded states "
-        f"{(est.host - ckpt) / GiB:.1f} + checkpoints {ckpt / GiB:.1f}) × {est.node_gpus} GPUs "
-        f"of a node = {est.host_per_node / GiB:.1f} GiB, more than --host-mem "
-        f"{est.host_mem / GiB:g} GiB; use a shorter sequence or more nodes, or raise --host-mem"
-    )
 
 
 def run_cli(args: Any) -> int:
     """``ulysses-mm estimate`` (arguments from :func:`ulysses_mm.cli.setup.add_estimate`)."""
-    import json
-
-    from ulysses_mm.config import load_config
-
     cfg = load_config(RunConfig, args.config, args.overrides)
     space, space_from = token_space(cfg, args.manifest)
     opts = EstimateOptions(
@@ -76,19 +50,17 @@ def run_cli(args: Any) -> int:
         host_mem_gib=getattr(args, "host_mem", HOST_GIB_PER_NODE),
         gpus_per_node=getattr(args, "gpus_per_node", GPUS_PER_NODE),
     )
-    chunks = head_chunks_arg(getattr(args, "head_chunks", None))
+    groups = head_groups_arg(getattr(args, "head_groups", None))
     if cfg.train.stages:  # a length and layout per stage: the per-stage table
-        from ulysses_mm.tools.estimate.stages import run_staged_cli
-
         return run_staged_cli(args, cfg, opts)
-    if isinstance(chunks, int):
-        opts = replace(opts, head_chunks=chunks)
-    longest, per_chunks = None, None
+    if isinstance(groups, int):
+        opts = replace(opts, head_groups=groups)
+    longest, per_groups = None, None
     if args.max:
         if args.gpu_mem is None:
             raise UserError("--max needs --gpu-mem GB (the memory of one GPU)")
-        if chunks == "auto":
-            longest, est, per_chunks = best_head_chunks(cfg, opts)
+        if groups == "auto":
+            longest, est, per_groups = best_head_groups(cfg, opts)
         else:
             longest, est = max_seq_len(cfg, opts)
         if not longest and est.host_fits is False:
@@ -99,13 +71,13 @@ def run_cli(args: Any) -> int:
             raise UserError(
                 "give --seq-len N or --max (data.seq_len is 0 in this config: the manifest's)"
             )
-        if chunks == "auto":  # the fewest chunks among the lowest totals
+        if groups == "auto":  # the fewest groups among the lowest totals
             tried = [
-                estimate(cfg, seq_len, replace(opts, head_chunks=c))
-                for c in head_chunk_choices(cfg, args.gpus, args.sp)
+                estimate(cfg, seq_len, replace(opts, head_groups=c))
+                for c in head_group_choices(cfg, args.gpus, args.sp)
             ]
-            est = min(tried, key=lambda e: (e.total, e.step.head_chunks))
-            per_chunks = {e.step.head_chunks: e.total for e in tried}
+            est = min(tried, key=lambda e: (e.total, e.step.head_groups))
+            per_groups = {e.step.head_groups: e.total for e in tried}
         else:
             est = estimate(cfg, seq_len, opts)
         if est.host_fits is False:
@@ -114,19 +86,19 @@ def run_cli(args: Any) -> int:
         out = est.to_dict()
         if args.max:
             out["max_seq_len"] = longest
-        if per_chunks is not None:
-            out["head_chunks_tried"] = per_chunks
+        if per_groups is not None:
+            out["head_groups_tried"] = per_groups
         print(json.dumps(out, indent=1))
         return 0
-    if per_chunks is not None:
+    if per_groups is not None:
         what = "longest sequence" if args.max else "total per GPU"
         shown = (
-            {c: f"{v:,}" for c, v in per_chunks.items()}
+            {c: f"{v:,}" for c, v in per_groups.items()}
             if args.max
-            else {c: f"{v / GiB:.2f} GiB" for c, v in per_chunks.items()}
+            else {c: f"{v / GiB:.2f} GiB" for c, v in per_groups.items()}
         )
         print(
-            f"head chunks auto: {est.step.head_chunks} ({what} by head chunks: "
+            f"head groups auto: {est.step.head_groups} ({what} by head groups: "
             + ", ".join(f"{c}: {v}" for c, v in shown.items())
             + ")"
         )

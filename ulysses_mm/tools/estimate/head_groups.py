@@ -1,4 +1,4 @@
-"""Attention in C groups of heads (``parallel.head_chunks`` > 1, in place of the all-heads
+"""Attention in C groups of heads (``parallel.head_groups`` > 1, in place of the all-heads
 sets of :mod:`ulysses_mm.tools.estimate.activations`).
 
 :mod:`ulysses_mm.parallel.head_groups` keeps the caller's q, k, v [T, Q + 2K] for backward
@@ -44,7 +44,7 @@ def grouped_sets(
     """The sets of grouped attention at ``a`` bytes per element under ``kernel`` (the one
     that runs, or ``ring`` / ``ring_flash``); ``tiled``: a sequence-tiled layer, whose
     kernel-output gradient is not counted elsewhere."""
-    T, U, C = step.tokens, step.ulysses, step.head_chunks
+    T, U, C = step.tokens, step.ulysses_size, step.head_groups
     d, Q, K = sh.head_dim, sh.q_width, sh.kv_width
     hg, kg, index = group_heads(sh, U, C)
     Qg, Kg = hg * d, kg * d

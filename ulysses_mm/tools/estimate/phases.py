@@ -134,7 +134,7 @@ class _Step:
         act, x = self.act, self.x
         if self.tiled:
             # (in head groups the caller's q, k, v are what the kernel keeps)
-            qkv = act.qkv if self.a == 4 and act.head_chunks == 1 else 0
+            qkv = act.qkv if self.a == 4 and act.head_groups == 1 else 0
             live = act.kernel_saved + act.attention_forward + qkv
         else:
             live = act.norm + act.kernel_saved + act.attention_forward

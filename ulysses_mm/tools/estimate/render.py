@@ -23,7 +23,7 @@ class _Row:
 def _replicated_for(est: Estimate) -> str:
     """The group the kv heads are replicated for (and the all-to-all runs over)."""
     step = est.step
-    return f"ulysses={step.ulysses}" if step.ring > 1 else f"sp={step.sp}"
+    return f"ulysses={step.ulysses_size}" if step.ring_size > 1 else f"sp={step.sp}"
 
 
 def _training(est: Estimate) -> list[str]:
@@ -43,8 +43,8 @@ def _training(est: Estimate) -> list[str]:
     elif act.mlp_tile_tokens:
         out.append(f"MLP tiles of {act.mlp_tile_tokens:,}")
     out.append(f"loss tiles of {act.loss_tile_tokens:,}")
-    if est.step.head_chunks > 1:
-        out.append(f"attention in {est.step.head_chunks} head groups")
+    if est.step.head_groups > 1:
+        out.append(f"attention in {est.step.head_groups} head groups")
     out.append(f"kernel {est.kernel}" + (" (CPU tensors)" if est.device == "cpu" else ""))
     return out
 
@@ -52,7 +52,7 @@ def _training(est: Estimate) -> list[str]:
 def _header(est: Estimate, unit: str) -> list[str]:
     """The run: model, tokens, world, training, then the table's head."""
     step, sh = est.step, est.shape
-    e = sh.kv_expanded(step.ulysses)
+    e = sh.kv_expanded(step.ulysses_size)
     return [
         f"ulysses-mm estimate{': ' + est.config if est.config else ''}",
         f"model     {est.params / 1e9:.3f} B parameters: {sh.layers} layers, D {sh.hidden}, "
@@ -63,7 +63,7 @@ def _header(est: Estimate, unit: str) -> list[str]:
         + ", ".join(f"{k} {v}" for k, v in est.space.items())
         + f" ({est.space_from}); widest head {sh.widest_head} logits",
         f"world     {step.gpus} GPU{'s' if step.gpus > 1 else ''} = dp {step.dp} × sp {step.sp}"
-        + (f" (ulysses {step.ulysses} × ring {step.ring})" if step.ring > 1 else "")
+        + (f" (ulysses {step.ulysses_size} × ring {step.ring_size})" if step.ring_size > 1 else "")
         + "; "
         f"{step.seq_len:,} tokens per sample, {step.seq_len // step.sp:,} per GPU, micro-batch "
         f"{step.micro_batch}",
@@ -105,8 +105,8 @@ def _states_and_activations(est: Estimate, row: _Row, at: dict[str, int]) -> lis
         "  attention of one layer",
         row(
             "q, k, v after the all-to-all [b, s, hq/P + 2e/P, d]"
-            if act.head_chunks == 1
-            else f"q, k, v of one head group of {act.head_chunks} after the all-to-all",
+            if act.head_groups == 1
+            else f"q, k, v of one head group of {act.head_groups} after the all-to-all",
             act.after_all_to_all,
             indent=2,
         ),
@@ -118,14 +118,14 @@ def _states_and_activations(est: Estimate, row: _Row, at: dict[str, int]) -> lis
 def _ring(est: Estimate, row: _Row) -> list[str]:
     """Ring attention's block scores and working sets (none without a ring)."""
     step, act = est.step, est.act
-    if step.ring == 1:
+    if step.ring_size == 1:
         return []
     out = []
-    n_r = step.seq_len // step.ring
+    n_r = step.seq_len // step.ring_size
     if act.ring_scores:
         out.append(
             row(
-                f"ring block scores [{est.shape.heads // step.ulysses}, {n_r:,}, {n_r:,}] fp32 "
+                f"ring block scores [{est.shape.heads // step.ulysses_size}, {n_r:,}, {n_r:,}] fp32 "
                 "(per row)",
                 act.ring_scores,
                 "× 3 in forward, × 5 in backward",
@@ -171,7 +171,7 @@ def _tiles_and_buffers(est: Estimate, row: _Row, at: dict[str, int]) -> list[str
         "  communication buffers",
         row(
             "all-to-all send + receive (one exchange of q, k, v)"
-            if act.head_chunks == 1
+            if act.head_groups == 1
             else "all-to-all send + receive (a group's q, k, v, output gradient)",
             act.all_to_all,
             indent=2,
@@ -192,8 +192,8 @@ def _sent(est: Estimate) -> list[str]:
         return []
     out = ["  sent per rank per layer (forward / backward)"]
     rows = [("all_to_all", f"all-to-all over {_replicated_for(est).replace('=', ' ')}")]
-    if step.ring > 1:
-        rows.append(("ring", f"ring of {step.ring} (K/V blocks; backward + dK/dV)"))
+    if step.ring_size > 1:
+        rows.append(("ring", f"ring of {step.ring_size} (K/V blocks; backward + dK/dV)"))
     for key, label in rows:
         fwd, bwd = sent[f"{key}_forward"], sent[f"{key}_backward"]
         out.append(f"    {label:<60s}{fwd / MiB:9.2f} / {bwd / MiB:.2f} MiB")

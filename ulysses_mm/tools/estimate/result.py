@@ -123,7 +123,7 @@ class Estimate:
 
     def to_dict(self) -> dict[str, Any]:
         d = {("layout" if k == "step" else k): v for k, v in asdict(self).items()}
-        d["layout"] = {**asdict(self.step), "dp": self.step.dp, "tokens": self.step.tokens}
+        d["layout"] = self.step.to_dict()
         d["activations"] = d.pop("act")
         d["activations"]["layer"] = self.act.layer
         d["phases"] = {p.name: {t.name: t.bytes for t in p.terms} for p in self.phases}
@@ -144,7 +144,7 @@ class EstimateOptions:
     runtime reserve); ``device='cpu'`` the tensor memory of a CPU process, which
     :mod:`ulysses_mm.tools.measure` measures. The runtime reserve is CONTEXT_RESERVE_GIB plus
     ``nccl_gib`` per NCCL communicator of the layout, or ``reserve_gib`` flat when given.
-    ``head_chunks`` (default: parallel.head_chunks) runs attention in that many head
+    ``head_groups`` (default: parallel.head_groups) runs attention in that many head
     groups; ``host_mem_gib`` is the host memory of a node of ``gpus_per_node`` GPUs that
     the offloaded states and checkpoints of its GPUs share (:attr:`Estimate.host_fits`)."""
 
@@ -158,7 +158,7 @@ class EstimateOptions:
     nccl_gib: float = NCCL_GIB_PER_COMMUNICATOR
     gpu_mem_gib: float | None = None  # the memory of one GPU (``fits``)
     config_name: str = ""
-    head_chunks: int | None = None
+    head_groups: int | None = None
     host_mem_gib: float | None = None
     gpus_per_node: int = GPUS_PER_NODE
 
@@ -177,7 +177,7 @@ def estimate(cfg: RunConfig, seq_len: int, opts: EstimateOptions | None = None) 
         raise ConfigError("deepspeed.offload_optimizer needs deepspeed.zero_stage >= 1")
     if ds.offload_param != "none" and ds.zero_stage != 3:
         raise ConfigError("deepspeed.offload_param needs deepspeed.zero_stage=3")
-    step = step_shape(cfg, seq_len, o.gpus, o.sp, o.head_chunks)
+    step = step_shape(cfg, seq_len, o.gpus, o.sp, o.head_groups)
     sh = model_shape(cfg, space)
     cuda = device == "cuda"
     kernel = _kernel(cfg, device, step)
@@ -243,11 +243,11 @@ def _kernel(cfg: RunConfig, device: str, step: StepShape) -> str:
     """The kernel a GPU with flash-attn (or a CPU) runs for this precision; with a ring,
     the ring's blocks in its place: flash-attn's varlen calls where it runs, the dense
     PyTorch kernel elsewhere."""
-    from ulysses_mm.model.attention import choose_kernel
+    from ulysses_mm.model.attention import choose_kernel  # lazy: the estimate stays torch-free
 
     ds = cfg.deepspeed
     kernel = choose_kernel(cfg.parallel.attention, device, ds.precision, flash=device == "cuda")
-    if step.ring > 1:
+    if step.ring_size > 1:
         kernel = "ring_flash" if kernel == "flash_varlen" else "ring"
     return kernel
 
@@ -262,9 +262,9 @@ def _notes(kernel: str, step: StepShape, act: Activations) -> list[str]:
             "flex attention is counted like the flash kernels, plus its block mask "
             f"({flex_block_mask_bytes(step.micro_batch, step.seq_len) / (1 << 20):.1f} MiB)"
         )
-    if step.head_chunks > 1:
+    if step.head_groups > 1:
         notes.append(
-            f"attention in {step.head_chunks} head groups: backward recomputes each group's "
+            f"attention in {step.head_groups} head groups: backward recomputes each group's "
             "attention forward (one more per layer) and sends its q, k, v once more"
         )
     if kernel == "ring":
@@ -273,3 +273,15 @@ def _notes(kernel: str, step: StepShape, act: Activations) -> list[str]:
             f"in backward ({size_text(5 * act.ring_scores)}), growing with (N/R)² whatever U is"
         )
     return notes
+
+
+def host_refusal(est: Estimate) -> str:
+    """The one line that refuses a plan whose host memory exceeds the node's."""
+    assert est.host_mem is not None
+    ckpt = est.host_checkpoints if est.offload_checkpoints else 0
+    return (
+        f"host memory: {est.host / GiB:.1f} GiB per GPU (offloaded states "
+        f"{(est.host - ckpt) / GiB:.1f} + checkpoints {ckpt / GiB:.1f}) × {est.node_gpus} GPUs "
+        f"of a node = {est.host_per_node / GiB:.1f} GiB, more than --host-mem "
+        f"{est.host_mem / GiB:g} GiB; use a shorter sequence or more nodes, or raise --host-mem"
+    )

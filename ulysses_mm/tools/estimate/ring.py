@@ -21,10 +21,10 @@ def ring_working_sets(sh: ModelShape, step: StepShape, a: int, flash: bool) -> t
     elements. Each block runs as at most two varlen calls over the rows it gathers (q, k,
     v copies); flash-attn's (``flash``) keep no scores, the PyTorch kernel is dense per
     piece of one row's queries (nq = nk ≤ N/R) and works in fp32."""
-    T, U, b = step.tokens, step.ulysses, step.micro_batch
+    T, U, b = step.tokens, step.ulysses_size, step.micro_batch
     Q = sh.q_width
     E = sh.kv_expanded(U) * sh.head_dim
-    n = step.seq_len // step.ring
+    n = step.seq_len // step.ring_size
     kv = 2 * T * E * a  # torch.stack([k, v]): one K/V block
     gathered = T * (Q + 2 * E) * a  # a call's q, k, v rows
     if flash:

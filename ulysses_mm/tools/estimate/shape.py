@@ -1,7 +1,7 @@
 """What an estimate is for: the model's dimensions, the token space, and the step's sizes.
 
 :class:`StepShape` is the process layout a :class:`~ulysses_mm.parallel.mesh.Mesh` would
-have (dp × sp, sp = U × ring) reduced to sizes, with the batch one rank holds: the
+have (its :class:`~ulysses_mm.core.layout.Layout`), with the batch one rank holds: the
 estimate needs no ranks or groups, only how many tokens and heads each rank gets.
 """
 
@@ -10,8 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ulysses_mm.config import RunConfig
-from ulysses_mm.core.layout import LayoutError, check_layout, expanded_kv_heads
-from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.core.layout import Layout, LayoutError, expanded_kv_heads
+from ulysses_mm.core.storage import Location
+from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES, TokenSpace
+from ulysses_mm.shards.manifest import Manifest
 
 
 @dataclass(frozen=True)
@@ -98,37 +100,47 @@ def token_space(cfg: RunConfig, manifest: str | None = None) -> tuple[TokenSpace
     if cfg.model.modalities:
         return TokenSpace.from_vocab(cfg.model.modalities), "model.modalities"
     if manifest:
-        from ulysses_mm.core.storage import Location
-        from ulysses_mm.shards.manifest import Manifest
-
         where = Location(manifest, cfg.data.storage_options)
         return Manifest.load(where).token_space, manifest
-    from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES
-
     return TokenSpace.from_vocab(DEFAULT_MODALITIES), "the shipped tokenizer specs"
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """The sizes of one training step: ``gpus`` ranks = dp × sp (sp = U × ``ring``), each
-    holding ``micro_batch`` samples' N/sp tokens of ``seq_len`` = N. The dp, sp and ring of
-    a :class:`~ulysses_mm.parallel.mesh.Mesh`, as counts only."""
+    """The sizes of one training step: the :class:`~ulysses_mm.core.layout.Layout` of a
+    :class:`~ulysses_mm.parallel.mesh.Mesh` (its world of dp × sp ranks, sp = U × R, in C
+    head groups), each rank holding ``micro_batch`` samples' N/sp tokens of ``seq_len`` = N."""
 
-    gpus: int
-    sp: int
+    layout: Layout
     seq_len: int
     micro_batch: int
-    ring: int = 1  # R: sp = U × R, Ulysses over U ranks, ring attention across R groups
-    head_chunks: int = 1  # C: attention in C groups of heads (parallel.head_chunks)
+
+    @property
+    def gpus(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def sp(self) -> int:
+        return self.layout.sp
 
     @property
     def dp(self) -> int:
-        return self.gpus // self.sp
+        return self.layout.dp
 
     @property
-    def ulysses(self) -> int:
+    def ring_size(self) -> int:
+        """R: sp = U × R, Ulysses over U ranks, ring attention across R groups."""
+        return self.layout.ring_size
+
+    @property
+    def ulysses_size(self) -> int:
         """U = sp / R: the ranks of one all-to-all."""
-        return self.sp // self.ring
+        return self.layout.ulysses_size
+
+    @property
+    def head_groups(self) -> int:
+        """C: attention in C groups of heads (parallel.head_groups)."""
+        return self.layout.head_groups
 
     @property
     def tokens(self) -> int:
@@ -145,9 +157,24 @@ class StepShape:
         when it has more than one rank, and with a ring its Ulysses group (U > 1) and its
         ring (ulysses_mm.parallel.Mesh.build)."""
         groups = [self.gpus, self.sp, self.dp]
-        if self.ring > 1:
-            groups += [self.ulysses, self.ring]
+        if self.ring_size > 1:
+            groups += [self.ulysses_size, self.ring_size]
         return sum(n > 1 for n in groups)
+
+    def to_dict(self) -> dict[str, int]:
+        """The step's sizes as the estimate's JSON gives them (``layout``)."""
+        lay = self.layout
+        return {
+            "gpus": self.gpus,
+            "sp": lay.sp,
+            "dp": lay.dp,
+            "ring_size": lay.ring_size,
+            "ulysses_size": lay.ulysses_size,
+            "head_groups": lay.head_groups,
+            "seq_len": self.seq_len,
+            "micro_batch": self.micro_batch,
+            "tokens": self.tokens,
+        }
 
 
 def gpus_and_sp(cfg: RunConfig, gpus: int | None, sp: int | None) -> tuple[int, int]:
@@ -168,30 +195,23 @@ def step_shape(
     seq_len: int,
     gpus: int | None,
     sp: int | None,
-    head_chunks: int | None = None,
+    head_groups: int | None = None,
 ) -> StepShape:
     """The step of ``gpus`` and ``sp`` (defaults: :func:`gpus_and_sp`). The ring is
-    parallel.ring (sp = U × R), the head chunks parallel.head_chunks unless given. Shapes
-    Ulysses × ring (× head chunks) cannot run are refused with what would work."""
+    parallel.ring (sp = U × R), the head groups parallel.head_groups unless given. Shapes
+    Ulysses × ring (× head groups) cannot run are refused with what would work."""
     p = cfg.parallel
     gpus, sp = gpus_and_sp(cfg, gpus, sp)
     if gpus < 1:
         raise LayoutError(f"need at least one GPU, got {gpus}")
     m = cfg.model
-    check_layout(
+    layout = Layout.resolve(
+        gpus,
         sp,
-        world=gpus,
+        ring_size=p.ring,
+        head_groups=head_groups or p.head_groups,
         num_heads=m.num_attention_heads,
         num_kv_heads=m.num_key_value_heads,
         seq_len=seq_len,
-        ring=p.ring,
-        head_chunks=head_chunks or p.head_chunks,
     )
-    return StepShape(
-        gpus=gpus,
-        sp=sp,
-        seq_len=seq_len,
-        micro_batch=cfg.data.micro_batch_size,
-        ring=p.ring,
-        head_chunks=head_chunks or p.head_chunks,
-    )
+    return StepShape(layout, seq_len=seq_len, micro_batch=cfg.data.micro_batch_size)

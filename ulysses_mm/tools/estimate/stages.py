@@ -4,7 +4,7 @@ with the largest total (the peak stage) found, and the plan refused in one line 
 stage does not fit.
 
 The world is fixed for a run; each stage brings its own length, micro-batch, sp, ring and
-head chunks, so dp = world / the stage's sp. ``ulysses-mm estimate`` prints one line per
+head groups, so dp = world / the stage's sp. ``ulysses-mm estimate`` prints one line per
 stage and the peak stage's breakdown (:func:`run_staged_cli`); the train pre-flight calls
 :func:`check_stages_fit` before any process starts. Both are arithmetic over the configs
 (nothing is allocated), so they cost milliseconds.
@@ -12,14 +12,19 @@ stage and the peak stage's breakdown (:func:`run_staged_cli`); the train pre-fli
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import Any
 
 from ulysses_mm.config import RunConfig, Stage, run_stages, to_dict
 from ulysses_mm.core.errors import ConfigError, UserError
-from ulysses_mm.core.layout import LayoutError, valid_head_chunks, valid_sp_sizes
+from ulysses_mm.core.layout import LayoutError, valid_head_groups, valid_sp_sizes
+from ulysses_mm.core.storage import Location
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tools.estimate.result import Estimate, EstimateOptions, estimate
+from ulysses_mm.shards.manifest import Manifest
+from ulysses_mm.tools.estimate.render import render
+from ulysses_mm.tools.estimate.result import Estimate, EstimateOptions, estimate, host_refusal
+from ulysses_mm.tools.estimate.search import head_group_choices, head_groups_arg
 from ulysses_mm.tools.estimate.shape import token_space
 from ulysses_mm.tools.estimate.units import GiB
 
@@ -48,9 +53,9 @@ class StageEstimate:
             "seq_len": step.seq_len,
             "micro_batch": step.micro_batch,
             "sp": step.sp,
-            "ring": step.ring,
+            "ring": step.ring_size,
             "dp": step.dp,
-            "head_chunks": step.head_chunks,
+            "head_groups": step.head_groups,
             "rope": to_dict(self.stage.cfg.model.rope),
             "peak_phase": est.peak_phase,
             "peak": est.peak,
@@ -75,16 +80,14 @@ def estimate_stages(
     cfg: RunConfig,
     world: int,
     seq_len: int = 0,
-    head_chunks: int | str | None = None,
+    head_groups: int | str | None = None,
     opts: EstimateOptions | None = None,
 ) -> list[StageEstimate]:
     """Every stage of ``cfg`` estimated on ``world`` GPUs with its own sp (dp = world / sp);
-    a stage whose data.seq_len is 0 takes ``seq_len``. ``head_chunks``: None = each stage's
-    parallel.head_chunks, a count for every stage, or ``auto`` (per stage, the count with the
+    a stage whose data.seq_len is 0 takes ``seq_len``. ``head_groups``: None = each stage's
+    parallel.head_groups, a count for every stage, or ``auto`` (per stage, the count with the
     lowest total, the fewest among equals). ``opts``: the rest of the estimate's options
-    (its gpus, sp and head_chunks are the stage's). A layout a stage cannot run is refused naming the stage."""
-    from ulysses_mm.tools.estimate.search import head_chunk_choices
-
+    (its gpus, sp and head_groups are the stage's). A layout a stage cannot run is refused naming the stage."""
     stages = run_stages(cfg)
     out = []
     for stage in stages:
@@ -96,15 +99,15 @@ def estimate_stages(
         sp = stage.cfg.parallel.sp
         at = replace(opts or EstimateOptions(), gpus=world, sp=sp)
         try:
-            if head_chunks == "auto":
+            if head_groups == "auto":
                 tried = [
-                    estimate(stage.cfg, n, replace(at, head_chunks=c))
-                    for c in head_chunk_choices(stage.cfg, world, sp)
+                    estimate(stage.cfg, n, replace(at, head_groups=c))
+                    for c in head_group_choices(stage.cfg, world, sp)
                 ]
-                est = min(tried, key=lambda e: (e.total, e.step.head_chunks))
+                est = min(tried, key=lambda e: (e.total, e.step.head_groups))
             else:
-                assert not isinstance(head_chunks, str), head_chunks
-                est = estimate(stage.cfg, n, replace(at, head_chunks=head_chunks))
+                assert not isinstance(head_groups, str), head_groups
+                est = estimate(stage.cfg, n, replace(at, head_groups=head_groups))
         except LayoutError as e:
             raise LayoutError(f"{stage.describe()}: {e}") from None
         out.append(StageEstimate(stage, est, bool(cfg.train.stages)))
@@ -123,15 +126,15 @@ def what_helps(row: StageEstimate) -> str:
     out = []
     more_sp = [
         p
-        for p in valid_sp_sizes(m.num_attention_heads, step.seq_len, step.gpus, ring=step.ring)
+        for p in valid_sp_sizes(m.num_attention_heads, step.seq_len, step.gpus, ring=step.ring_size)
         if p > step.sp
     ]
     if more_sp:
         out.append(f"{where}parallel.sp={more_sp[0]}")
-    chunks = valid_head_chunks(m.num_attention_heads, m.num_key_value_heads, step.ulysses)
-    more_chunks = [c for c in chunks if c > step.head_chunks]
-    if more_chunks:
-        out.append(f"{where}parallel.head_chunks={more_chunks[0]}")
+    groups = valid_head_groups(m.num_attention_heads, m.num_key_value_heads, step.ulysses_size)
+    more_groups = [c for c in groups if c > step.head_groups]
+    if more_groups:
+        out.append(f"{where}parallel.head_groups={more_groups[0]}")
     if not m.activation_checkpointing:
         out.append("model.activation_checkpointing=true")
     elif not m.offload_checkpoints:
@@ -158,8 +161,8 @@ def over_budget(rows: list[StageEstimate], budget: str) -> str | None:
     also = f" (so do {', '.join(f'stage {r.stage.index}' for r in over[1:])})" if over[1:] else ""
     return (
         f"{first.stage.describe()} needs {est.total / GiB:.2f} GiB per GPU at "
-        f"{step.seq_len:,} tokens on {step.gpus} GPUs (sp {step.sp}, head chunks "
-        f"{step.head_chunks}), more than {budget}{also}; {what_helps(first)}"
+        f"{step.seq_len:,} tokens on {step.gpus} GPUs (sp {step.sp}, head groups "
+        f"{step.head_groups}), more than {budget}{also}; {what_helps(first)}"
     )
 
 
@@ -209,7 +212,7 @@ def render_stages(rows: list[StageEstimate], config: str = "") -> str:
         f"ulysses-mm estimate{': ' + config if config else ''}: {len(rows)} stages on "
         f"{est0.step.gpus} GPUs{mem}",
         f"  {'stage':<7s}{'steps':>13s}{'seq_len':>12s}{'micro-batch':>13s}"
-        f"{'sp × ring':>11s}{'dp':>4s}{'head chunks':>13s}   {'rope':<22s}{'total GiB':>9s}   fits",
+        f"{'sp × ring':>11s}{'dp':>4s}{'head groups':>13s}   {'rope':<22s}{'total GiB':>9s}   fits",
     ]
     for r in rows:
         s, step, est = r.stage, r.est.step, r.est
@@ -223,7 +226,7 @@ def render_stages(rows: list[StageEstimate], config: str = "") -> str:
         mark = "  <- peak" if r is peak else ""
         out.append(
             f"  {s.index:<7d}{steps:>13s}{step.seq_len:>12,}{step.micro_batch:>13d}"
-            f"{f'{step.sp} × {step.ring}':>11s}{step.dp:>4d}{step.head_chunks:>13d}"
+            f"{f'{step.sp} × {step.ring_size}':>11s}{step.dp:>4d}{step.head_groups:>13d}"
             f"   {rope_text(s.cfg):<22s}{est.total / GiB:>9.2f}   {fits}{mark}"
         )
     return "\n".join(out)
@@ -237,12 +240,7 @@ def run_staged_cli(args: Any, cfg: RunConfig, opts: EstimateOptions) -> int:
 
     Each stage sets its own layout, so --sp and --max (one length) are refused; --seq-len
     gives the length of the stages whose data.seq_len is 0 (else --manifest's seq_len), and
-    --head-chunks C or auto applies to every stage."""
-    import json
-
-    from ulysses_mm.tools.estimate.cli import head_chunks_arg, host_refusal
-    from ulysses_mm.tools.estimate.render import render
-
+    --head-groups C or auto applies to every stage."""
     if args.sp is not None:
         raise UserError(
             "--sp: each stage of this config sets its own parallel.sp (train.stages); "
@@ -262,15 +260,12 @@ def run_staged_cli(args: Any, cfg: RunConfig, opts: EstimateOptions) -> int:
             "this config sets its own; drop --seq-len"
         )
     if unset and not seq_len and args.manifest:
-        from ulysses_mm.core.storage import Location
-        from ulysses_mm.shards.manifest import Manifest
-
         seq_len = Manifest.load(Location(args.manifest, cfg.data.storage_options)).seq_len
     rows = estimate_stages(
         cfg,
         stage_world(cfg, args.gpus),
         seq_len,
-        head_chunks_arg(getattr(args, "head_chunks", None)),
+        head_groups_arg(getattr(args, "head_groups", None)),
         opts,
     )
     peak = peak_stage(rows)

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ulysses_mm.config import RunConfig
+from ulysses_mm.core.layout import Layout
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.tools.estimate.shape import ModelShape
 
@@ -38,10 +39,11 @@ def _zero_settings(cfg: RunConfig, W: int, sp: int) -> dict[str, Any]:
     """The zero_optimization keys read here, as the engine's ds_config sets them for a
     world of ``W`` ranks in SP groups of ``sp`` (with ``deepspeed.extra`` merged), else
     DeepSpeed's defaults."""
-    from ulysses_mm.parallel.mesh import Mesh
-    from ulysses_mm.train.engine import ds_config
+    from ulysses_mm.parallel.mesh import Mesh  # lazy: imports torch
+    from ulysses_mm.train.engine import ds_config  # lazy: imports torch
 
-    zero = ds_config(cfg, Mesh(dp=W // sp, sp=sp, rank=0)).get("zero_optimization", {})
+    mesh = Mesh(Layout(dp=W // sp, sp=sp), rank=0)
+    zero = ds_config(cfg, mesh).get("zero_optimization", {})
     out = {k: zero.get(k, v) for k, v in DS_ZERO_DEFAULTS.items()}
     if out["overlap_comm"] is None:
         out["overlap_comm"] = cfg.deepspeed.zero_stage == 3
