@@ -431,7 +431,10 @@ def test_ring_is_estimated_with_its_bytes(capsys):
     cfg = load_config(RunConfig, CONFIGS / "debug-tiny.yaml", ["parallel.sp=8", "parallel.ring=8"])
     est = estimate(cfg, 4096, EstimateOptions(gpus=8))
     assert est.step.ulysses_size == 1 and est.sent_per_layer["all_to_all_forward"] == 0
-    assert est.sent_per_layer["ring_forward"] > 0
+    m, sent = cfg.model, est.sent_per_layer
+    assert (sent["ring_forward"], sent["ring_backward"]) == ring_theory_bytes(
+        4096, 8, 1, m.num_attention_heads, m.num_key_value_heads, m.head_dim, 1, elem_bytes=4
+    )  # fp32
 
     tiny = str(CONFIGS / "debug-tiny.yaml")
     rc, out, _ = _cli(capsys, tiny, "--seq-len", "1024", "parallel.sp=4", "parallel.ring=2")
