@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from ulysses_mm.config.parse import option
+from ulysses_mm.config.parse import check_flags, option
 from ulysses_mm.core.checks import INT64_SAFE, MAX_PROCESSES
 from ulysses_mm.core.errors import ConfigError, UserError
 from ulysses_mm.core.layout import Layout
@@ -59,21 +59,10 @@ class EvaluateOptions:
     )  # fmt: skip
 
     def check(self) -> None:
-        if self.nproc is not None and self.nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
-        if self.batches < 0:
-            raise ConfigError(f"--batches must be >= 0, got {self.batches}")
-        if self.micro_batch < 0:
-            raise ConfigError(f"--micro-batch must be >= 0, got {self.micro_batch}")
-        if self.seq_len < 0:
-            raise ConfigError(f"--seq-len must be >= 0, got {self.seq_len}")
-        if self.sp < 0:
-            raise ConfigError(f"--sp must be >= 0, got {self.sp}")
+        check_flags(self)  # the ranges the fields declare, as the command line checks them
         e = self.edges
-        if e is not None and (
-            len(e) < 2 or any(b <= a for a, b in itertools.pairwise(e)) or e[0] < 0
-        ):
-            raise ConfigError(f"--edges must be increasing positions >= 0, got {e}")
+        if e is not None and (len(e) < 2 or any(b <= a for a, b in itertools.pairwise(e))):
+            raise ConfigError(f"--edges must be 2 or more increasing positions, got {e}")
 
 
 def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> Any:

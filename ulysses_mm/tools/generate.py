@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ulysses_mm.config.parse import option
+from ulysses_mm.config.parse import check_flags, option
 from ulysses_mm.core.checks import INT64_SAFE, MAX_PROCESSES, MAX_SEED, MAX_TOKENS
 from ulysses_mm.core.errors import ConfigError, DataError, UnsupportedError, UserError
 from ulysses_mm.core.layout import Layout
@@ -80,20 +80,7 @@ class GenerateOptions:
     )  # fmt: skip
 
     def check(self) -> None:
-        if self.new_tokens < 1:
-            raise ConfigError(f"--new-tokens must be at least 1, got {self.new_tokens}")
-        if self.prompt_tokens is not None and self.prompt_tokens < 0:
-            raise ConfigError(f"--prompt-tokens must be >= 0, got {self.prompt_tokens}")
-        if self.prompt_seconds is not None and not self.prompt_seconds > 0:
-            raise ConfigError(f"--prompt-seconds must be > 0, got {self.prompt_seconds}")
-        if self.temperature < 0:
-            raise ConfigError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"--top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.nproc is not None and self.nproc < 1:
-            raise ConfigError(f"--nproc must be >= 1, got {self.nproc}")
+        check_flags(self)  # the ranges the fields declare, as the command line checks them
         if self.device == "cuda":
             import torch
 
