@@ -3,15 +3,19 @@ RunConfig, pipelines/ into PipelineConfig, so hand-edited files cannot drift fro
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
 from ulysses_mm.config import ConfigError, PipelineConfig, RunConfig, load_config, read_yaml
+from ulysses_mm.core.layout import Layout
 from ulysses_mm.core.storage import expand_braces
 from ulysses_mm.shards.prepare.route import route
 from ulysses_mm.shards.prepare.run import load_pipeline_config
 from ulysses_mm.tokenize import registry
+from ulysses_mm.tools.estimate import EstimateOptions
+from ulysses_mm.tools.estimate.stages import check_stages_fit, estimate_stages, stage_world
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -24,10 +28,53 @@ def test_there_are_files_to_check():
     assert {"dna", "audio", "video", "mixed"} <= names
 
 
+# the length of the shards each shipped config trains on (its data.seq_len is 0, the
+# manifest's): the demo's for the CPU configs, the length its header names, else the
+# shipped pipelines' pack.seq_len
+SHARD_LENGTH = {"debug-tiny": 8192, "debug-mqa": 8192, "small": 8192, "debug-stages": 16384}
+
+
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_run_config_loads(path: Path):
     cfg = load_config(RunConfig, path)
     assert isinstance(cfg, RunConfig)
+
+
+def test_every_shipped_config_has_its_shard_length():
+    pack = {load_config(PipelineConfig, p).pack.seq_len for p in PIPELINES}
+    assert pack == {1 << 20}
+    assert set(SHARD_LENGTH) <= {p.stem for p in CONFIGS}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_run_config_lays_out_and_estimates(path: Path):
+    """Each stage of a shipped config (a run without stages is one) passes its layout
+    check on the world ``ulysses-mm estimate`` assumes (parallel.sp × dp, else the largest
+    sp of its stages) and gets an estimate of that layout; one with train.gpu_mem_gib fits
+    it, as the train pre-flight checks."""
+    cfg = load_config(RunConfig, path)
+    shards = SHARD_LENGTH.get(path.stem, 1 << 20)
+    world = stage_world(cfg)
+    budget = cfg.train.gpu_mem_gib or None
+    rows = estimate_stages(cfg, world, shards, opts=EstimateOptions(gpu_mem_gib=budget))
+    assert [r.stage.index for r in rows] == list(range(max(1, len(cfg.train.stages))))
+    for row in rows:
+        p, m, step = row.stage.cfg.parallel, row.stage.cfg.model, row.est.step
+        seq_len = row.stage.seq_len or shards
+        layout = Layout.from_config(
+            p,
+            world,
+            num_heads=m.num_attention_heads,
+            num_kv_heads=m.num_key_value_heads,
+            seq_len=seq_len,
+        )
+        assert layout == Layout(world // p.sp, p.sp, p.ring, p.head_groups)
+        assert (step.layout, step.seq_len) == (layout, seq_len)
+        assert step.micro_batch == row.stage.cfg.data.micro_batch_size
+        assert 0 < row.est.peak <= row.est.total < math.inf
+        assert row.est.fits is (True if budget else None)
+    if budget:
+        check_stages_fit(cfg, world, shards)
 
 
 @pytest.mark.parametrize("path", PIPELINES, ids=lambda p: p.name)
