@@ -110,6 +110,7 @@ def test_sp_size_from_accelerate_state(monkeypatch):
         ({"packing": True}, "packing=True"),
         ({"padding_free": True}, "padding_free=True"),
         ({"shuffle_dataset": True}, "shuffle_dataset=True"),
+        ({"completion_only_loss": True}, "completion_only_loss=True"),
         ({"max_length": 1024}, "max_length=1024"),
         ({"parallelism_config": SimpleNamespace(sp_size=1)}, "sequence parallelism"),
         ({}, "isolate_documents"),  # transformers' sdpa as DeepSpeed's core

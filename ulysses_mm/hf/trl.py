@@ -18,6 +18,7 @@ handle that ``datasets``' fingerprinting and copies keep by reference.
 - ``max_length`` shorter than our samples (TRL truncates every sample to it),
 - ``packing=True`` (TRL re-packs whole samples, erasing the documents),
 - ``padding_free=True`` (DeepSpeed's SP adapter cannot shard the flat batch),
+- ``completion_only_loss=True`` (our samples carry no completion mask),
 - ``shuffle_dataset=True`` (a shuffle buffer reads ahead of the saved data state),
 - no sequence parallelism (TRL's collator then sends no position ids, so documents
   attend to each other),
@@ -101,7 +102,8 @@ def trl_dataset(
     ``per_device_train_batch_size``). :func:`shard_dataset` gives the ``ShardDataset``."""
     import datasets
 
-    readers = readers or int(os.environ.get("WORLD_SIZE", "1"))
+    if readers is None:  # 0 is ShardDataset's to refuse, not a default
+        readers = int(os.environ.get("WORLD_SIZE", "1"))
     shards = ShardDataset(sources, micro_batch, readers=readers, reader=None, data=data)
     ints = datasets.Sequence(datasets.Value("int64"))
     stream = datasets.IterableDataset.from_generator(
@@ -133,6 +135,11 @@ def check_sft_config(args: Any, seq_len: int) -> None:
         raise ConfigError(
             "SFTConfig(padding_free=True) is not supported by DeepSpeed's sequence-parallel "
             "adapter and our samples need no padding: set padding_free=False"
+        )
+    if getattr(args, "completion_only_loss", None):
+        raise ConfigError(
+            "SFTConfig(completion_only_loss=True) needs a completion mask, which our samples do "
+            "not have (their labels say what is trained): set completion_only_loss=None"
         )
     if getattr(args, "shuffle_dataset", False):
         raise ConfigError(
