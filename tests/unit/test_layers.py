@@ -159,7 +159,7 @@ def test_the_command_exits_1_on_a_circle_or_an_unmarked_lazy_import(tmp_path):
     ):
         root = _package(tmp_path / expected[:6], files)
         proc = subprocess.run(
-            [sys.executable, "-m", "ulysses_mm.tools.layers", str(root)],
+            [sys.executable, "-m", "ulysses_mm.tools.layers", "--lazy", str(root)],
             capture_output=True,
             text=True,
         )
