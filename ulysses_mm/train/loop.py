@@ -35,7 +35,7 @@ from ulysses_mm.loader.node_cache import NodeCache
 from ulysses_mm.loader.order import Sources
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
 from ulysses_mm.loader.window import WindowStream
-from ulysses_mm.parallel import apply_loss_balance, apply_ulysses, launch
+from ulysses_mm.parallel import launch
 from ulysses_mm.parallel.mesh import Mesh, close_world, in_launched_world, open_world
 from ulysses_mm.tokenize.table import TokenizerTable
 from ulysses_mm.train import checkpoint
@@ -53,7 +53,7 @@ from ulysses_mm.train.plan import (
 )
 from ulysses_mm.train.samples import wandb_media, write_samples
 from ulysses_mm.train.saver import Saver
-from ulysses_mm.train.step import build_setup, train_step
+from ulysses_mm.train.step import build_setup, lay_out, train_step
 from ulysses_mm.train.stop import (
     EXIT_STOPPED,
     STOPPED_FILE,
@@ -191,8 +191,7 @@ class Trainer:
             self.place = replace(self.place, mesh=mesh)
             self.mesh = mesh
             self.setup.place = self.place
-            apply_ulysses(self.model, mesh)  # in the layout's head groups
-            apply_loss_balance(self.model, mesh)
+            lay_out(self.model, new, mesh, offload=self.setup.offload)
         if old.model.rope != new.model.rope:
             self.model.model.rotary_emb.set_rope(new.model.rope)
             self.model.config.rope = new.model.rope  # what samples and generation read

@@ -54,13 +54,16 @@ def lay_out(
     mesh: Mesh,
     stats: CommStats | None = None,
     offload: Offload | None = None,
+    head_groups: int | None = None,
 ) -> Offload | None:
-    """Lay a built model out for this run, in place, the one way every caller does: the
-    memory policy of ``cfg.model`` (``offload``: the host copies' owner, made when the
-    policy offloads and none is given; returned), Ulysses over ``mesh.sp`` (in
-    ``parallel.head_groups`` groups of heads), the loss balance over the SP group."""
+    """Lay a built model out for this run, in place, the one way every caller does (the
+    setup, a stage's entry, evaluation): the memory policy of ``cfg.model`` (``offload``:
+    the host copies' owner, made when the policy offloads and none is given; returned),
+    Ulysses over ``mesh.sp`` (in ``head_groups`` groups of heads, default
+    ``parallel.head_groups``), the loss balance over the SP group."""
     offload = apply_memory_policy(model, cfg.model, offload)
-    apply_ulysses(model, mesh, stats, head_groups=cfg.parallel.head_groups)
+    groups = cfg.parallel.head_groups if head_groups is None else head_groups
+    apply_ulysses(model, mesh, stats, head_groups=groups)
     apply_loss_balance(model, mesh)
     return offload
 
@@ -158,9 +161,8 @@ def build_inference_setup(
     kernel = resolve_kernel(cfg.parallel.attention, place.device.type, dtype)
     model = build_model(cfg.model, space, kernel, seed=cfg.train.seed)
     load(model)
-    offload = apply_memory_policy(model, cfg.model)
-    apply_ulysses(model, place.mesh, head_groups=1)  # all heads: no backward to save memory for
-    apply_loss_balance(model, place.mesh)
+    # all heads at once: there is no backward to save memory for
+    offload = lay_out(model, cfg, place.mesh, head_groups=1)
     model.to(device=place.device, dtype=dtype).eval()
     weights = loss_weights(space.modalities, cfg.model.loss_weights, place.device)
     return Setup(cfg, place, space, kernel, model, model, None, None, weights, None, offload)
