@@ -4,42 +4,22 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import functools
 
-from ulysses_mm.core.resources import resource
-from ulysses_mm.core.shipped import FOLDERS, SUFFIX, describe, names
+from ulysses_mm.core.checks import CheckError
+from ulysses_mm.core.shipped import FOLDERS, listing, shipped_name
 
-# folder -> the command that runs one of its files by name
-_RUNS = {"pipelines": "prepare", "configs": "train"}
+
+def _name(folder: str, value: str) -> str:
+    try:
+        return shipped_name(folder, value)
+    except CheckError as e:  # argparse prints an ArgumentTypeError's own words
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    folder = args.command
-    if args.name is not None:
-        print(resource(folder).joinpath(f"{args.name}{SUFFIX}").read_text(encoding="utf-8"), end="")
-        return 0
-    rows = describe(folder)
-    width = max(len(name) for name, _ in rows)
-    for name, text in rows:
-        print(f"{name:<{width}}  {text}")
-    print(
-        f"(in {resource(folder)}; `ulysses-mm {folder} NAME` prints one, "
-        f"`ulysses-mm {_RUNS[folder]} NAME` runs it)"
-    )
+    print(listing(args.command, args.name), end="")
     return 0
-
-
-def _name_of(folder: str) -> Callable[[str], str]:
-    """An argparse ``type=``: a name ``folder`` ships, else one line listing them."""
-
-    def check(value: str) -> str:
-        if value not in names(folder):
-            raise argparse.ArgumentTypeError(
-                f"no shipped {FOLDERS[folder]} {value!r} (shipped: {', '.join(names(folder))})"
-            )
-        return value
-
-    return check
 
 
 def add(sub: argparse._SubParsersAction) -> None:
@@ -57,8 +37,7 @@ def add(sub: argparse._SubParsersAction) -> None:
         p.add_argument(
             "name",
             nargs="?",
-            default=None,
-            type=_name_of(folder),
+            type=functools.partial(_name, folder),
             metavar="NAME",
             help=f"print this {what}",
         )

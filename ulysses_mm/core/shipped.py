@@ -121,3 +121,31 @@ def description(path: Path) -> str:
 def describe(folder: str) -> list[tuple[str, str]]:
     """(name, one-line description) of every file shipped in ``folder``."""
     return [(name, description(resource(folder) / f"{name}{SUFFIX}")) for name in names(folder)]
+
+
+# folder -> the command that runs one of its files by name
+RUNS = {"pipelines": "prepare", "configs": "train"}
+
+
+def listing(folder: str, name: str | None = None) -> str:
+    """What ``ulysses-mm pipelines|configs [NAME]`` prints: one file's text, or every
+    shipped name with its description and where they live."""
+    if name is not None:
+        return resource(folder).joinpath(f"{name}{SUFFIX}").read_text(encoding="utf-8")
+    rows = describe(folder)
+    width = max(len(n) for n, _ in rows)
+    lines = [f"{n:<{width}}  {text}" for n, text in rows]
+    lines.append(
+        f"(in {resource(folder)}; `ulysses-mm {folder} NAME` prints one, "
+        f"`ulysses-mm {RUNS[folder]} NAME` runs it)"
+    )
+    return "\n".join(lines) + "\n"
+
+
+def shipped_name(folder: str, value: str) -> str:
+    """``value`` when ``folder`` ships it, else one line listing what it ships."""
+    if value not in names(folder):
+        raise CheckError(
+            f"no shipped {FOLDERS[folder]} {value!r} (shipped: {', '.join(names(folder))})"
+        )
+    return value
