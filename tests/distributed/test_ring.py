@@ -29,7 +29,7 @@ from ulysses_mm.parallel import (
     unmasked_pairs,
     zigzag_order,
 )
-from ulysses_mm.parallel.ring import new_ring_stats
+from ulysses_mm.parallel.ring import new_ring_stats, ring_theory_bytes
 from ulysses_mm.parallel.slice import ring_order, sp_slice
 from ulysses_mm.train.step import forward_backward
 
@@ -81,7 +81,22 @@ def _parity(rank, world, sp, ring, cases):
             dist.all_reduce(g)
             assert_close(g, ref_grads[name], **GRAD_TOL, msg=lambda m, n=name: f"{n}: {m}")
         if ring > 1:
-            assert stats["forward_bytes"] > 0 and stats["backward_bytes"] > 0
+            # every layer's ring sends what ring_theory_bytes says (blocks no query sees
+            # skip their compute, not their hop)
+            fwd, bwd = ring_theory_bytes(
+                seq_len,
+                ring,
+                sp // ring,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                micro_batch=1,
+                elem_bytes=4,
+            )
+            layers = cfg.num_hidden_layers
+            assert stats["forward_calls"] == stats["backward_calls"] == layers
+            assert stats["forward_bytes"] == layers * fwd
+            assert stats["backward_bytes"] == layers * bwd
         out.append((report.total, dict(stats)))
     return out
 
