@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -104,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     dataset = ShardDataset(
         args.data, args.micro_batch, mesh.dp, mesh.dp_rank, DataConfig(seed=args.seed)
     )
+    # torchdata calls torch.set_vital, which this torch deprecates: not ours to fix
+    warnings.filterwarnings("ignore", "'set_vital' is deprecated", UserWarning, "torchdata")
     loader = StatefulDataLoader(dataset, batch_size=args.micro_batch)
     model = build_model(dataset.space.vocab_size, args.seed)
     model.set_attn_implementation("ulysses_mm")
