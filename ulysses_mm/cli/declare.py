@@ -54,10 +54,12 @@ class Parser(argparse.ArgumentParser):
         return self
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
-        return self.fill() and super().parse_known_args(args, namespace)
+        self.fill()
+        return super().parse_known_args(args, namespace)
 
     def format_help(self) -> str:
-        return self.fill() and super().format_help()
+        self.fill()
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         m, choice = _ARGUMENT.match(message), _CHOICE.search(message)
@@ -185,8 +187,8 @@ def _shaped(f: dataclasses.Field, tp: Any, cli: dict[str, Any]) -> dict[str, Any
     if many and args == (int,) and not cli.get("repeat"):
         r = f.metadata.get("range") or checks.Range(0, checks.INT64_SAFE, high_open=True)
         inc, least = cli.get("increasing", False), cli.get("min_items", 1)
-        fn = lambda v: checks.int_list(v, within=r, increasing=inc, min_items=least)  # noqa: E731
-        return {"type": checks.arg_type("int_list", fn, f"{r}{', increasing' if inc else ''}", r)}
+        ints = lambda v: checks.int_list(v, within=r, increasing=inc, min_items=least)  # noqa: E731
+        return {"type": checks.arg_type("int_list", ints, f"{r}{', increasing' if inc else ''}", r)}
     if many:
         kw = {"type": _checked(f, args[0])} if args[0] in (int, float) else {}
         return (
