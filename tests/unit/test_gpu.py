@@ -43,14 +43,29 @@ def test_gpu_kernels_match_sdpa_varlen(kernel):
         assert_close(a.grad, b.grad, rtol=5e-2, atol=5e-2)
 
 
-def test_model_trains_a_step_on_gpu():
-    model = build_model(ModelConfig(modalities={"dna": 10, "audio": 256}), seed=0).cuda()
-    batch = random_batch(model.space, 2, 1024, seed=0).to("cuda")
+def _step(device: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One fp32 step of a small model on ``device``: (loss, every parameter's grad), on the
+    CPU. Same seed, same batch on both devices."""
+    model = build_model(ModelConfig(modalities={"dna": 10, "audio": 256}), seed=0).to(device)
+    batch = random_batch(model.space, 2, 1024, seed=0).to(device)
     sums, counts, _ = model(
         batch.input_ids, batch.position_ids, batch.doc_ids, batch.labels, batch.label_modality
     )
-    (sums.sum() / counts.sum()).backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    loss = sums.sum() / counts.sum()
+    loss.backward()
+    return loss.detach().cpu(), {n: p.grad.cpu() for n, p in model.named_parameters()}
+
+
+def test_model_step_on_gpu_matches_the_cpu_step():
+    """The same step on the GPU and the CPU: loss and every gradient (fp32; the kernels
+    differ, so summation order does)."""
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on both sides
+    gpu_loss, gpu_grads = _step("cuda")
+    cpu_loss, cpu_grads = _step("cpu")
+    assert_close(gpu_loss, cpu_loss, rtol=1e-5, atol=1e-5)
+    assert gpu_grads.keys() == cpu_grads.keys()
+    for name, g in gpu_grads.items():
+        assert_close(g, cpu_grads[name], rtol=1e-3, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_auto_runs_fp32_gqa_on_gpu_without_flash_attn_and_matches_cpu():
