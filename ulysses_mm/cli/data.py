@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from ulysses_mm.cli.declare import Parser, command
+from ulysses_mm.config import to_dict
 from ulysses_mm.config.parse import option, overrides, positional
 from ulysses_mm.config.pipeline import ENGINES
 
@@ -48,8 +49,6 @@ class Prepare:
         cfg = load_pipeline_config(self.pipeline, [*self.overrides, *extra])
         if self.print_config:
             import yaml  # lazy: only this branch prints YAML
-
-            from ulysses_mm.config import to_dict
 
             print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
             return 0

@@ -3,11 +3,13 @@ export, generate, evaluate, report)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ulysses_mm.config import RunConfig, load_config
@@ -144,9 +146,6 @@ class Export:
     out: str = positional("output directory (config.json + model.safetensors)", "out_dir")
 
     def main(self) -> int:
-        import json
-        from pathlib import Path
-
         from ulysses_mm.train.export import export  # lazy: torch
 
         out = export(self.checkpoint, self.out)

@@ -6,7 +6,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ulysses_mm.config import RunConfig, describe, load_config
+from ulysses_mm.config import (
+    RunConfig,
+    deep_merge,
+    describe,
+    from_dict,
+    load_config,
+    parse_overrides,
+    read_yaml,
+    to_dict,
+)
 from ulysses_mm.config.parse import option, overrides
 from ulysses_mm.core.checks import MAX_PROCESSES
 
@@ -63,8 +72,6 @@ class Config:
 
     def main(self) -> int:
         import yaml  # lazy: only this command prints YAML
-
-        from ulysses_mm.config import deep_merge, from_dict, parse_overrides, read_yaml, to_dict
 
         if self.keys:
             for key, tp, valid, text in describe(RunConfig):

@@ -208,8 +208,8 @@ def _no_mask(
 
 
 def _install(name: str, backend: Backend) -> str:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers import AttentionInterface  # lazy: heavy (transformers)
+    from transformers.masking_utils import AttentionMaskInterface  # lazy: heavy (transformers)
 
     AttentionInterface.register(name, backend)
     AttentionMaskInterface.register(name, _no_mask)
@@ -217,7 +217,9 @@ def _install(name: str, backend: Backend) -> str:
 
 
 def _sdpa() -> Callable[..., Any]:
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.integrations.sdpa_attention import (
+        sdpa_attention_forward,  # lazy: heavy (transformers)
+    )
 
     return sdpa_attention_forward
 
@@ -246,7 +248,7 @@ def isolate_documents(core: str = "sdpa", kernel: str = "auto") -> str:
     the gathered sequence with the gathered ``position_ids`` (DeepSpeed's
     ``UlyssesSPAttentionHF``, which captures ``core`` when Accelerate prepares the model:
     call this first). Returns ``core``."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface  # lazy: heavy (transformers)
 
     original = cast("Callable[..., Any] | None", AttentionInterface._global_mapping.get(core))
     if isinstance(original, Backend):  # already isolated

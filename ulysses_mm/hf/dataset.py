@@ -273,7 +273,7 @@ def hf_dataset(
     own ``state_dict`` (it replays the shard up to its example)."""
     if readers < 1 or micro_batch < 1:  # as ShardDataset refuses them
         raise ConfigError(f"readers and micro_batch must be >= 1, got {readers}, {micro_batch}")
-    import datasets
+    import datasets  # lazy: heavy (datasets)
 
     ints = datasets.Sequence(datasets.Value("int64"))
     features = datasets.Features({k: ints for k in FIELDS})

@@ -76,7 +76,7 @@ def text_tokenizer_tokens(path: str | Path) -> list[str]:
     if not p.is_dir():
         what = "is a file" if p.exists() else "does not exist"
         raise NotFoundError(f"--text-tokenizer {p}: {what}; give a tokenizer directory")
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: heavy (transformers)
 
     try:
         tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
@@ -96,9 +96,14 @@ def build_tokenizer(
 ):
     """A ``PreTrainedTokenizerFast`` whose vocabulary is ``space`` (see the module
     docstring)."""
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # lazy: heavy (transformers)
 
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from tokenizers import (  # lazy: only building a tokenizer needs it
+        AddedToken,
+        Tokenizer,
+        models,
+        pre_tokenizers,
+    )
 
     names = token_names(space, tokenizers, text_tokenizer)
     core = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token=None))

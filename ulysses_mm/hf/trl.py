@@ -37,9 +37,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AttentionInterface
 
 from ulysses_mm.config import DataConfig
 from ulysses_mm.core.errors import ConfigError
+from ulysses_mm.hf.attention import Backend
 from ulysses_mm.hf.dataset import ShardDataset
 from ulysses_mm.hf.trainer import ShardStateCallback, parallelism_config, sp_size
 
@@ -100,7 +102,7 @@ def trl_dataset(
     """The whole stream as a ``datasets.IterableDataset`` for ``SFTTrainer``
     (``readers``: the processes, by default ``WORLD_SIZE``; ``micro_batch``: the
     ``per_device_train_batch_size``). :func:`shard_dataset` gives the ``ShardDataset``."""
-    import datasets
+    import datasets  # lazy: heavy (datasets)
 
     if readers is None:  # 0 is ShardDataset's to refuse, not a default
         readers = int(os.environ.get("WORLD_SIZE", "1"))
@@ -160,16 +162,11 @@ def check_sft_config(args: Any, seq_len: int) -> None:
             "documents attend to each other: use sp_size >= 2, or examples/hf_trainer.py"
         )
     core = getattr(getattr(pc, "sp_handler", None), "sp_attn_implementation", None) or "sdpa"
-    if core == "sdpa":
-        from transformers import AttentionInterface
-
-        from ulysses_mm.hf.attention import Backend
-
-        if not isinstance(AttentionInterface._global_mapping.get(core), Backend):
-            raise ConfigError(
-                "DeepSpeed's SP core is transformers' sdpa, which attends across packed "
-                'documents: call ulysses_mm.hf.isolate_documents("sdpa") before training'
-            )
+    if core == "sdpa" and not isinstance(AttentionInterface._global_mapping.get(core), Backend):
+        raise ConfigError(
+            "DeepSpeed's SP core is transformers' sdpa, which attends across packed "
+            'documents: call ulysses_mm.hf.isolate_documents("sdpa") before training'
+        )
 
 
 class SFTShardCallback(ShardStateCallback):

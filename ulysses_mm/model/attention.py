@@ -124,7 +124,9 @@ class DocumentMask:
         [b, 1, s, s] mask that ``create_block_mask`` evaluates element by element."""
         key = ("block", num_heads)
         if key not in self._cache:
-            from torch.nn.attention.flex_attention import BlockMask
+            from torch.nn.attention.flex_attention import (
+                BlockMask,  # lazy: only the flex backend needs it
+            )
 
             r = self.doc_index  # [b, s]
             s = self.seq_len
@@ -229,7 +231,9 @@ def _sdpa_varlen(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
 
 @functools.cache
 def _compiled_flex() -> Callable[..., Tensor]:
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import (
+        flex_attention,  # lazy: only the flex backend needs it
+    )
 
     # dynamic=None: the first new sequence length recompiles once with symbolic shapes, and
     # later lengths reuse that graph (dynamic=False would compile once per length and, past
@@ -238,7 +242,9 @@ def _compiled_flex() -> Callable[..., Tensor]:
 
 
 def _flex(q: Tensor, k: Tensor, v: Tensor, mask: DocumentMask) -> Tensor:
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import (
+        flex_attention,  # lazy: only the flex backend needs it
+    )
 
     if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
         raise UnsupportedError(
@@ -267,7 +273,7 @@ def _flash_varlen_func() -> Callable[..., Tensor] | None:
     if importlib.util.find_spec("flash_attn") is None:
         return None
     try:
-        from flash_attn import flash_attn_varlen_func
+        from flash_attn import flash_attn_varlen_func  # lazy: optional (flash_attn)
     except Exception as e:  # ImportError, OSError (undefined symbol), RuntimeError ...
         why = str(e).splitlines()[0][:200] if str(e) else ""
         warnings.warn(

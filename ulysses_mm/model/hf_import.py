@@ -263,7 +263,10 @@ def _line(e: BaseException) -> str:
 def _safe_open(f: Path, path: Path) -> Any:
     """``safetensors.safe_open`` (reads the header only); an unreadable file is one line
     naming it."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import (  # lazy: only reading safetensors files needs it
+        SafetensorError,
+        safe_open,
+    )
 
     try:
         return safe_open(str(f), framework="pt")

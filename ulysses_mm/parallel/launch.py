@@ -115,8 +115,13 @@ def launch_local(
 ) -> dict[int, Any]:
     """Run ``fn(*args)`` in ``nproc`` fresh processes on this machine; returns
     {rank: return value}. ``fn`` must be importable (a module-level function)."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing import (
+        DefaultLogsSpecs,  # lazy: torch.distributed.elastic, only a launch needs it
+    )
+    from torch.distributed.launcher.api import (  # lazy: torch.distributed.elastic, only a launch needs it
+        LaunchConfig,
+        elastic_launch,
+    )
 
     # As torchrun does: don't let N processes each start a thread per core.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -164,8 +169,12 @@ def run_world(
     if in_process(nproc):
         return [_guarded(fn, logs, *args)]
     assert nproc is not None  # in_process: None is one process
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.multiprocessing.api import (
+        SignalException,  # lazy: torch.distributed.elastic, only a launch needs it
+    )
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError,  # lazy: torch.distributed.elastic, only a launch needs it
+    )
 
     agent_dir = Path(logs) / "agent"
     remove_leftovers(Path(logs))

@@ -251,9 +251,11 @@ def render_png(
 ) -> None:
     """Draw the sample (matplotlib, Agg, no global pyplot state) and write ``path``
     atomically."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
+    from matplotlib.backends.backend_agg import (
+        FigureCanvasAgg,  # lazy: matplotlib; the shards layer imports none
+    )
+    from matplotlib.figure import Figure  # lazy: matplotlib; the shards layer imports none
+    from matplotlib.patches import Patch  # lazy: matplotlib; the shards layer imports none
 
     names = (
         list(space.modalities)

@@ -56,6 +56,7 @@ import numpy as np
 
 from ulysses_mm.core.errors import ConfigError, DataError
 from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.tokenize.picture import draw_data
 from ulysses_mm.tokenize.write import ArrayMedia, Media, TextMedia
 
 Entry = dict[str, Any]  # one file's fidelity figures (JSON-able)
@@ -333,7 +334,6 @@ class Tokenizer(ABC):
         in the matplotlib gridspec ``cell`` of ``fig`` (``inspect --png``). Default: by its
         shape (:func:`~ulysses_mm.tokenize.picture.draw_data`): a str as an excerpt of the
         text, frames as a strip, a float array as a waveform (at ``params.sample_rate``)."""
-        from ulysses_mm.tokenize.picture import draw_data
 
         rate = self.spec.params.get("sample_rate", self.spec.params.get("rate"))
         draw_data(fig, cell, data, name, float(rate) if isinstance(rate, (int, float)) else None)

@@ -36,6 +36,7 @@ import numpy as np
 from ulysses_mm.config.parse import option
 from ulysses_mm.core.errors import ConfigError
 from ulysses_mm.tokenize.base import DecodeError, Entry, Tokenizer
+from ulysses_mm.tokenize.registry import load_tokenizer
 
 
 def flip_ids(
@@ -184,7 +185,6 @@ class TokenizerEval:
 
 def cli_eval(args: TokenizerEval) -> int:
     """The ``tokenizer eval`` subcommand."""
-    from ulysses_mm.tokenize.registry import load_tokenizer
 
     damage = list(args.damage or [])
     for rate in damage:

@@ -19,7 +19,7 @@ from ulysses_mm.tokenize.base import DecodeError
 @contextlib.contextmanager
 def ffmpeg_log() -> Iterator[list[tuple[int, str, str]]]:
     """Collect FFmpeg's warnings and errors raised in this thread (level, name, message)."""
-    import av.logging
+    import av.logging  # lazy: heavy (av)
 
     previous = av.logging.get_level()
     av.logging.set_level(av.logging.WARNING)
@@ -31,7 +31,7 @@ def ffmpeg_log() -> Iterator[list[tuple[int, str, str]]]:
 
 
 def first_error(logs: list[tuple[int, str, str]]) -> str | None:
-    import av.logging
+    import av.logging  # lazy: heavy (av)
 
     for level, name, message in logs:
         if level <= av.logging.ERROR:
@@ -55,7 +55,7 @@ def stream_summary(container: Any) -> str:
 
 def open_media(path: str) -> Any:
     """av.open with the failures turned into DecodeError (empty, missing, not media)."""
-    import av
+    import av  # lazy: heavy (av)
 
     p = Path(path)
     check_file(path)

@@ -28,6 +28,10 @@ from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.core.errors import NotFoundError
 from ulysses_mm.core.resources import resource, shipped_root
 from ulysses_mm.core.storage import atomic_write_local
+from ulysses_mm.shards.inspect import inspect_dataset
+from ulysses_mm.shards.manifest import Manifest, read_verified_shard
+from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
+from ulysses_mm.tools.report import plot
 
 PIPELINE = resource("pipelines/mixed.yaml")
 CONFIG = resource("configs/debug-tiny.yaml")
@@ -46,11 +50,12 @@ def run_demo(
     """The demo in ``out``; ``eval_batches`` caps what the training eval and ``evaluate``
     read (default: every sample); ``samples`` > 0 turns ``logging.samples`` on with that
     many ids per modality."""
-    from ulysses_mm.shards.inspect import inspect_dataset
-    from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
-    from ulysses_mm.tools.evaluate import EvaluateOptions, evaluate_checkpoint, plot_positions
-    from ulysses_mm.tools.report import plot
-    from ulysses_mm.train.loop import run_train
+    from ulysses_mm.tools.evaluate import (  # lazy: pulls torch
+        EvaluateOptions,
+        evaluate_checkpoint,
+        plot_positions,
+    )
+    from ulysses_mm.train.loop import run_train  # lazy: pulls torch
 
     for needed in (PIPELINE, CONFIG, _DATA):
         if not needed.exists():
@@ -138,8 +143,7 @@ _GENERATE = [
 
 def _most_mixed_sample(manifest_path: str) -> int:
     """The sample of the first shard with the most modalities, then the most documents."""
-    from ulysses_mm.loader.stream import shard_samples
-    from ulysses_mm.shards.manifest import Manifest, read_verified_shard
+    from ulysses_mm.loader.stream import shard_samples  # lazy: pulls torch
 
     m = Manifest.load(manifest_path)
     samples = shard_samples(read_verified_shard(m, 0), m.shard_location(0))

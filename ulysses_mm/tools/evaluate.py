@@ -14,6 +14,7 @@ per modality; ``--json`` prints every figure.
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import math
@@ -29,8 +30,18 @@ from ulysses_mm.config.parse import check_flags, option
 from ulysses_mm.core.checks import INT64_SAFE, MAX_PROCESSES
 from ulysses_mm.core.errors import ConfigError, UserError
 from ulysses_mm.core.layout import Layout
-from ulysses_mm.train.evaluate import EvalResult
+from ulysses_mm.core.storage import atomic_write_local
+from ulysses_mm.loader.batch import samples_batch
+from ulysses_mm.loader.stream import StreamOptions
+from ulysses_mm.loader.window import WindowStream, check_enough_windows, check_window_length
+from ulysses_mm.parallel import launch
+from ulysses_mm.parallel.mesh import in_launched_world, open_world
+from ulysses_mm.shards.manifest import Manifest
+from ulysses_mm.train.evaluate import EvalResult, evaluate_batches, units_for
+from ulysses_mm.train.inference import open_trained
 from ulysses_mm.train.metrics import LN2
+from ulysses_mm.train.plan import world_size
+from ulysses_mm.train.step import build_inference_setup
 
 
 @dataclass
@@ -67,9 +78,6 @@ class EvaluateOptions:
 
 def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> Any:
     """What the parent checks before any process starts (one line each)."""
-    from ulysses_mm.loader.window import check_enough_windows, check_window_length
-    from ulysses_mm.shards.manifest import Manifest
-    from ulysses_mm.train.inference import open_trained
 
     trained = open_trained(checkpoint)
     cfg = trained.cfg
@@ -99,12 +107,6 @@ def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> 
 def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
     """One rank's evaluation; ``plan``: what the parent's :func:`_plan` gave, when it
     runs in the parent's process."""
-    from ulysses_mm.loader.batch import samples_batch
-    from ulysses_mm.loader.stream import StreamOptions
-    from ulysses_mm.loader.window import WindowStream
-    from ulysses_mm.parallel.mesh import open_world
-    from ulysses_mm.train.evaluate import evaluate_batches, units_for
-    from ulysses_mm.train.step import build_inference_setup
 
     opts = EvaluateOptions(**payload["options"])
     trained, cfg, manifest = plan or _plan(
@@ -140,16 +142,10 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
 
 
 def evaluate_checkpoint(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalResult:
-    from ulysses_mm.parallel.launch import run_world
-    from ulysses_mm.parallel.mesh import in_launched_world
-    from ulysses_mm.train.plan import world_size
-
     opts.check()
     if opts.nproc and in_launched_world():
         raise UserError("--nproc starts local processes; under torchrun leave it out")
     if not in_launched_world() and opts.nproc is None:
-        from ulysses_mm.train.inference import open_trained
-
         opts = replace(opts, nproc=opts.sp or open_trained(checkpoint).cfg.parallel.sp)
     world = world_size(opts.nproc)
     plan = _plan(checkpoint, manifest, opts, world)  # what the user can fix: here, one line
@@ -160,7 +156,7 @@ def evaluate_checkpoint(checkpoint: str, manifest: str, opts: EvaluateOptions) -
         "world": world,
     }
     if world > 1 and not in_launched_world():
-        out = run_world(_worker, opts.nproc, payload)[0]
+        out = launch.run_world(_worker, opts.nproc, payload)[0]
     else:
         out = _worker(payload, plan)  # this process (one of a launched world's ranks)
     return replace(
@@ -189,12 +185,9 @@ def summary_text(r: EvalResult, seq_len: int = 0) -> str:
 
 def plot_positions(r: EvalResult, png: str | Path, title: str = "") -> Path:
     """Loss (bits per token) against the target's position in its document, log x."""
-    import io
 
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    from ulysses_mm.core.storage import atomic_write_local
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: heavy (matplotlib)
+    from matplotlib.figure import Figure  # lazy: heavy (matplotlib)
 
     fig = Figure(figsize=(9, 5.5), layout="constrained")
     FigureCanvasAgg(fig)

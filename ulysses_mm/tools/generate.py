@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
@@ -26,15 +27,25 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from tqdm import tqdm
 
 from ulysses_mm.config.parse import check_flags, option
 from ulysses_mm.core.checks import INT64_SAFE, MAX_PROCESSES, MAX_SEED, MAX_TOKENS
 from ulysses_mm.core.errors import ConfigError, DataError, UnsupportedError, UserError
 from ulysses_mm.core.layout import Layout
 from ulysses_mm.core.tokenspace import DOC_END, DOC_START, TokenSpace
-from ulysses_mm.model.generate import Sampling
+from ulysses_mm.model.generate import Decoder, Sampling, agree_local, generate
+from ulysses_mm.model.kv_cache import CachedDecoder
+from ulysses_mm.parallel import launch
+from ulysses_mm.parallel.decode import SequenceParallelDecoder
+from ulysses_mm.parallel.mesh import in_launched_world, open_world
 from ulysses_mm.tokenize.base import Tokenizer
+from ulysses_mm.tokenize.grammar import Grammar
+from ulysses_mm.tokenize.write import write_file
 from ulysses_mm.train.inference import Trained, open_trained
+from ulysses_mm.train.plan import world_size
+from ulysses_mm.train.step import build_inference_setup
 
 
 @dataclass
@@ -81,11 +92,8 @@ class GenerateOptions:
 
     def check(self) -> None:
         check_flags(self)  # the ranges the fields declare, as the command line checks them
-        if self.device == "cuda":
-            import torch
-
-            if not torch.cuda.is_available():
-                raise UnsupportedError("--device cuda: no CUDA device is visible here")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise UnsupportedError("--device cuda: no CUDA device is visible here")
 
     @property
     def sampling(self) -> Sampling:
@@ -124,13 +132,6 @@ def prompt_ids(
 def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str, Any]:
     """One rank: the model (sequence-parallel over the launched world), the decode.
     ``trained``: what the parent opened, when it runs in the parent's process."""
-    import torch
-
-    from ulysses_mm.model.generate import Decoder, agree_local, generate
-    from ulysses_mm.model.kv_cache import CachedDecoder
-    from ulysses_mm.parallel.mesh import open_world
-    from ulysses_mm.tokenize.grammar import Grammar
-    from ulysses_mm.train.step import build_inference_setup
 
     trained = trained or open_trained(payload["checkpoint"])
     opts = GenerateOptions(**payload["options"])
@@ -149,8 +150,6 @@ def _worker(payload: dict[str, Any], trained: Trained | None = None) -> dict[str
     t0 = time.perf_counter()
     decoder: Decoder
     if place.mesh.sp > 1:
-        from ulysses_mm.parallel.decode import SequenceParallelDecoder
-
         sp = SequenceParallelDecoder(setup.model, place.mesh, len(prompt), opts.new_tokens)
         decoder, agree = sp, sp.agree
     else:
@@ -179,9 +178,6 @@ def _prefill_progress(model: Any, shown: bool) -> Iterator[None]:
     if not shown:
         yield
         return
-    import sys
-
-    from tqdm import tqdm
 
     layers = list(model.model.layers)
     bar = tqdm(total=len(layers), desc="prefill", unit="layer", leave=False, delay=1.0,
@@ -213,7 +209,6 @@ def check_cache_fits(trained: Trained, opts: GenerateOptions, prompt: int, world
     """Refuse, in one line, a prompt + ``--new-tokens`` whose KV cache is larger than the
     memory it would be allocated in (the free memory of the GPUs, or this host's available
     RAM) before anything is allocated."""
-    import torch
 
     itemsize = trained.dtype(opts.dtype).itemsize
     tokens = prompt + opts.new_tokens
@@ -237,7 +232,7 @@ def check_cache_fits(trained: Trained, opts: GenerateOptions, prompt: int, world
 def available_ram() -> int:
     """Bytes of memory this host can still give (psutil's ``available``, else free pages)."""
     try:
-        import psutil
+        import psutil  # lazy: optional; without it, the free pages
 
         return int(psutil.virtual_memory().available)
     except ImportError:
@@ -250,10 +245,6 @@ def _gib(n: int) -> str:
 
 def generate_from_checkpoint(checkpoint: str, opts: GenerateOptions) -> dict[str, Any]:
     """Generate, decode and write ``opts.out``; returns what was done (for the CLI line)."""
-    from ulysses_mm.parallel.launch import run_world
-    from ulysses_mm.parallel.mesh import in_launched_world
-    from ulysses_mm.tokenize.write import write_file
-    from ulysses_mm.train.plan import world_size
 
     opts.check()
     if opts.nproc and in_launched_world():
@@ -273,7 +264,7 @@ def generate_from_checkpoint(checkpoint: str, opts: GenerateOptions) -> dict[str
         "world": world,
     }
     if world > 1 and not in_launched_world():
-        out = run_world(_worker, opts.nproc, payload)[0]
+        out = launch.run_world(_worker, opts.nproc, payload)[0]
     else:
         out = _worker(payload, trained)  # this process (one of a launched world's ranks)
         if int(os.environ.get("RANK", "0")) != 0:

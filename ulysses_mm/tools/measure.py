@@ -32,17 +32,18 @@ from typing import Any
 import torch
 
 from ulysses_mm.config import RunConfig, from_dict
-from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES, TokenSpace
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.loader.synthetic import single_modality_batch
 from ulysses_mm.model.offload import HostCounter
 from ulysses_mm.parallel.mesh import Place, open_world
+from ulysses_mm.tools.memory import TensorMemoryTracker
+from ulysses_mm.train.flops import causal_pairs, train_flops
 from ulysses_mm.train.step import build_setup, train_step
 
 
 def run_space(cfg: RunConfig) -> TokenSpace:
     """The model's token space: ``model.modalities``, else the shipped specs' space."""
-    from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES
 
     return TokenSpace.from_vocab(cfg.model.modalities or DEFAULT_MODALITIES)
 
@@ -97,8 +98,6 @@ class StepRunner:
     On CPU every tensor storage is counted from construction to :meth:`close`."""
 
     def __init__(self, cfg: RunConfig, place: Place) -> None:
-        from ulysses_mm.tools.memory import TensorMemoryTracker
-
         self.cfg, self.place = cfg, place
         self.mesh, self.device = place.mesh, place.device
         self.space = run_space(cfg)
@@ -131,7 +130,6 @@ class StepRunner:
     def measure(self, seq_len: int, doc_len: int | None = None, steps: int = 1) -> MeasuredStep:
         """``steps`` training steps of ``seq_len`` tokens (documents of ``doc_len``,
         default min(seq_len, 4096)); their mean time and the peak memory among them."""
-        from ulysses_mm.train.flops import causal_pairs, train_flops
 
         m = self.cfg.model
         self.mesh.layout.check(m.num_attention_heads, m.num_key_value_heads, seq_len)

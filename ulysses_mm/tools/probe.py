@@ -46,6 +46,8 @@ from ulysses_mm.core.errors import ConfigError, DataError
 from ulysses_mm.core.resources import resource
 from ulysses_mm.core.storage import atomic_local_file
 from ulysses_mm.shards.manifest import Manifest
+from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
+from ulysses_mm.tools.evaluate import EvaluateOptions, evaluate_checkpoint
 from ulysses_mm.train.metrics import LN2
 
 PIPELINE = resource("pipelines/dna.yaml")
@@ -170,7 +172,6 @@ def write_probe(
 
 def _write_set(out: Path, name: str, n: int, count: int, seed: int, pack: int) -> Path:
     """One probe dataset, ``out/name/manifest.json``, from its FASTA ``out/src/name.fa``."""
-    from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
     fasta = write_fasta(out / "src" / f"{name}.fa", n, count, seed)
     cfg = load_pipeline_config(
@@ -219,7 +220,6 @@ def score(
     """(bits per base of the first half, of the second) on a probe dataset, scored on
     windows of one document each; ``length`` > 0: the documents' L it expects; ``sp`` > 0:
     that many Ulysses ranks instead of the run's layout."""
-    from ulysses_mm.tools.evaluate import EvaluateOptions, evaluate_checkpoint
 
     held = copy_length(Manifest.load(manifest))
     if length and length != held:

@@ -88,10 +88,10 @@ def loss_series(records: Sequence[dict], beta: float = SMOOTHING) -> LossSeries:
 
 
 def plot(run_dir: str | Path, png: str | Path) -> Path:
-    import matplotlib
+    import matplotlib  # lazy: heavy (matplotlib)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: heavy (matplotlib)
 
     run_dir = Path(run_dir)
     s = loss_series(read_metrics(run_dir))

@@ -24,7 +24,7 @@ from ulysses_mm.core.layout import Layout, expanded_kv_heads
 from ulysses_mm.core.tokenspace import DEFAULT_MODALITIES, TokenSpace
 from ulysses_mm.loader.synthetic import random_batch
 from ulysses_mm.model.attention import check_kernel_config, resolve_kernel
-from ulysses_mm.parallel import CommStats, Mesh, RingAttention, loss_weights, unmasked_pairs
+from ulysses_mm.parallel import CommStats, Mesh, RingAttention, launch, loss_weights, unmasked_pairs
 from ulysses_mm.parallel.head_groups import exchange_heads
 from ulysses_mm.parallel.mesh import in_launched_world, open_world
 from ulysses_mm.parallel.ring import new_ring_stats, ring_theory_bytes
@@ -219,7 +219,6 @@ def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, A
 def verify_against_one_process(cfg: RunConfig, opts: VerifyOptions) -> int:
     """dp × sp (``parallel.dp`` × ``parallel.sp``; dp 0 = 1 when verify starts its own
     processes) against one process; 0 when every difference is within tolerance."""
-    from ulysses_mm.parallel.launch import run_world
 
     p, m = cfg.parallel, cfg.model
     check_kernel_config(p.attention, "fp32")  # verify compares in fp32
@@ -232,7 +231,7 @@ def verify_against_one_process(cfg: RunConfig, opts: VerifyOptions) -> int:
         num_kv_heads=m.num_key_value_heads,
         seq_len=opts.seq_len,
     )
-    results = run_world(verify_worker, layout.world_size, to_dict(cfg), opts)
+    results = launch.run_world(verify_worker, layout.world_size, to_dict(cfg), opts)
     if launched and results[0]["rank"] != 0:
         # Only rank 0 prints (its own view: the gradients are already summed globally).
         return 0 if results[0]["ok"] else 1

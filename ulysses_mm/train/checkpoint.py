@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import zipfile
 from collections.abc import Iterator, Mapping
 from fnmatch import fnmatch
 from pathlib import Path
@@ -121,7 +122,6 @@ def _saved_zero_stage(text: str | None, where: str) -> int | None:
 def check_complete(path: Path, zero_stage: int, ranks: int | None = None) -> None:
     """Local checkpoint ``path`` (a tag directory) is complete (:func:`check_files`), and
     DeepSpeed's states are readable torch zip archives."""
-    import zipfile
 
     config = path / CONFIG_FILE
     try:

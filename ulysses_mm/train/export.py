@@ -47,7 +47,7 @@ def hf_config_for(model: ModelConfig, vocab_size: int, dtype: torch.dtype) -> An
     biases), whose parameter names are the backbone's; its ``rope_parameters`` (and, for
     the dynamic kind, ``max_position_embeddings``) make transformers compute the same
     positions (:meth:`ModelConfig.to_llama_config_kwargs`)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config  # lazy: heavy (transformers)
 
     kwargs = model.to_llama_config_kwargs()
     if model.qk_norm and model.attention_bias:

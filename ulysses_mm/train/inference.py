@@ -25,6 +25,8 @@ from ulysses_mm.core.errors import DataError, NotFoundError, first_line
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.model import MultimodalLM
 from ulysses_mm.model.attention import PRECISION_DTYPES
+from ulysses_mm.model.hf_import import load_pretrained, model_section
+from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.tokenize.base import Tokenizer
 from ulysses_mm.tokenize.registry import load_tokenizer
 from ulysses_mm.tokenize.table import TokenizerTable
@@ -36,6 +38,7 @@ from ulysses_mm.train.checkpoint import (
     TOKENIZERS_FILE,
     read_checkpoint_dir,
 )
+from ulysses_mm.train.plan import train_entries
 
 
 @dataclass
@@ -88,11 +91,9 @@ class Trained:
     def load_into(self, model: MultimodalLM) -> None:
         """Put the trained weights into ``model`` (built from :attr:`cfg` and :attr:`space`)."""
         if self.export:
-            from ulysses_mm.model.hf_import import load_pretrained
-
             load_pretrained(model, self.path)
             return
-        from safetensors.torch import load_file
+        from safetensors.torch import load_file  # lazy: only a safetensors checkpoint needs it
 
         state = load_file(str(self.path / MODEL_FILE))
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -115,7 +116,10 @@ def open_trained(path: str | Path) -> Trained:
 def check_weights(f: Path) -> None:
     """A safetensors file whose header reads and whose data it covers is all there (a
     truncated or overwritten file fails here, in one line, not when it is loaded)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import (  # lazy: only a safetensors checkpoint needs it
+        SafetensorError,
+        safe_open,
+    )
 
     try:
         with safe_open(str(f), "pt"):
@@ -160,8 +164,6 @@ def _space(f: Path) -> TokenSpace:
 
 
 def _open_export(p: Path) -> Trained:
-    from ulysses_mm.model.hf_import import model_section
-
     if not (p / SPACE_FILE).is_file():
         raise DataError(
             f"{p}: a transformers checkpoint without {SPACE_FILE}: not an ulysses-mm export "
@@ -187,8 +189,6 @@ def _open_export(p: Path) -> Trained:
 def _tokenizers_of_run(cfg: RunConfig) -> TokenizerTable:
     """The tokenizer record of a checkpoint saved without one: from its data manifests
     (an empty record when they cannot be read)."""
-    from ulysses_mm.shards.manifest import Manifest
-    from ulysses_mm.train.plan import train_entries
 
     tables = []
     d = cfg.data

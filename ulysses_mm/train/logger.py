@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ulysses_mm.config import RunConfig
+from ulysses_mm.config import RunConfig, to_dict
 from ulysses_mm.core.storage import atomic_write_local
 
 
@@ -56,9 +56,7 @@ class MetricsLogger:
         self.pending: list[tuple[int, dict[str, Any]]] = []  # steps no checkpoint covers yet
         mode = wandb_mode(cfg.logging.wandb)
         if mode != "disabled":
-            import wandb
-
-            from ulysses_mm.config import to_dict
+            import wandb  # lazy: heavy (wandb), optional
 
             id_file = run_dir / "wandb_id.txt"
             run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]

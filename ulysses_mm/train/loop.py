@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from ulysses_mm.config import RunConfig, Stage, from_dict, run_stages, stage_of, to_dict
 from ulysses_mm.core.errors import Interrupted, UserError, WorkerError
@@ -371,8 +372,6 @@ class Trainer:
         last: dict[str, Any] = {}
         progress = None
         if self.rank0:
-            from tqdm import tqdm
-
             # one bar in one process: a thread lock, not tqdm's default multiprocessing
             # lock, whose semaphore a rank ended by the launcher would leave behind
             tqdm.set_lock(threading.RLock())

@@ -64,7 +64,7 @@ def wandb_media(
 ) -> dict[str, Any]:
     """W&B objects: each sample as audio, video or text; the loss-by-position curves of
     the eval (``{modality: [[lo, hi, nats, targets], ...]}``) as one line chart."""
-    import wandb
+    import wandb  # lazy: heavy (wandb)
 
     out: dict[str, Any] = {}
     for m, (shown_as, path) in samples.items():

@@ -113,7 +113,7 @@ def write(
         with atomic_local_file(path) as f:
             torch.save(obj, f)
     elif fmt == "safetensors":
-        from safetensors.torch import save as save_safetensors  # only this format needs it
+        from safetensors.torch import save as save_safetensors  # lazy: only this format needs it
 
         atomic_write_local(path, save_safetensors(obj, metadata=metadata))
     else:
@@ -130,7 +130,7 @@ def _serve(jobs: Any, acks: Any) -> None:
     # the zip records' CRC32 is most of torch.save's CPU time; files are still whole or
     # absent (written to a temporary name, then renamed) and torch.load does not need it
     with contextlib.suppress(Exception):  # the switch is newer than some torch releases
-        from torch.utils.serialization import config
+        from torch.utils.serialization import config  # lazy: newer torch only, hence the suppress
 
         config.save.compute_crc32 = False
     while (job := jobs.get()) is not None:

@@ -35,6 +35,7 @@ from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.model import LossOutput, MultimodalLM, Offload, apply_memory_policy, build_model
 from ulysses_mm.model.attention import PRECISION_DTYPES, resolve_kernel
+from ulysses_mm.model.hf_import import load_pretrained
 from ulysses_mm.parallel import (
     CommStats,
     LossReport,
@@ -46,6 +47,7 @@ from ulysses_mm.parallel import (
 from ulysses_mm.parallel.loss import loss_weights
 from ulysses_mm.parallel.mesh import Place
 from ulysses_mm.parallel.slice import sp_slice
+from ulysses_mm.train import engine as deepspeed_engine
 
 
 def lay_out(
@@ -80,8 +82,6 @@ def build_parallel_model(
     host; ``model.init_from`` loads a pretrained checkpoint into it first."""
     model = build_model(cfg.model, space, kernel, seed=cfg.train.seed)
     if cfg.model.init_from:
-        from ulysses_mm.model.hf_import import load_pretrained
-
         load_pretrained(model, cfg.model.init_from)
     lay_out(model, cfg, mesh, stats, offload)
     return model
@@ -128,12 +128,11 @@ def build_setup(
 ) -> Setup:
     """Model → :func:`lay_out` → DeepSpeed engine on this process's ``place``
     (``stage_lr``: a staged run's re-warm-up factor of each step, on the schedule's lr)."""
-    from ulysses_mm.train.engine import build_engine
 
     kernel = resolve_kernel(cfg.parallel.attention, place.device.type, cfg.deepspeed.precision)
     offload = Offload() if cfg.model.offload_checkpoints else None
     model = build_parallel_model(cfg, space, place.mesh, kernel, stats, offload)
-    engine, optimizer, scheduler = build_engine(model, cfg, place.mesh, stage_lr)
+    engine, optimizer, scheduler = deepspeed_engine.build_engine(model, cfg, place.mesh, stage_lr)
     if place.device.type == "cuda":
         # logged and measured peaks are those of training, not of setting up
         torch.cuda.synchronize(place.device)
@@ -212,9 +211,7 @@ def forward_backward(
     summed over every rank are."""
     share, report = forward_loss(module, local, weights, mesh)
     if _is_engine(module):
-        from ulysses_mm.train.engine import loss_scale
-
-        factor = loss_scale(engine_mesh or mesh) * scale
+        factor = deepspeed_engine.loss_scale(engine_mesh or mesh) * scale
         module.backward(share * factor)  # type: ignore[operator]
     else:
         (share * scale).backward()

@@ -115,8 +115,8 @@ class Budget:
 def agree(flags: list[int], device: Any = None) -> list[int]:
     """Each flag's maximum over every rank (one all-reduce; the flags as given when there
     is no process group)."""
-    import torch  # here, not above: the CLI reads this module's codes and records torch-free
-    import torch.distributed as dist
+    import torch  # lazy: the CLI reads this module's codes and records torch-free
+    import torch.distributed as dist  # lazy: the CLI stays torch-free
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return list(flags)

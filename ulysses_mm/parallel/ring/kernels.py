@@ -204,7 +204,9 @@ class FlashBlockKernel(BlockKernel):
     def piece_forward(
         cls, q: Tensor, k: Tensor, v: Tensor, g: VarlenCall, scale: float
     ) -> tuple[Tensor, Tensor]:
-        from flash_attn.flash_attn_interface import _flash_attn_varlen_forward
+        from flash_attn.flash_attn_interface import (
+            _flash_attn_varlen_forward,  # lazy: optional (flash_attn)
+        )
 
         res = _call(
             _flash_attn_varlen_forward,
@@ -242,7 +244,9 @@ class FlashBlockKernel(BlockKernel):
         g: VarlenCall,
         scale: float,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        from flash_attn.flash_attn_interface import _flash_attn_varlen_backward
+        from flash_attn.flash_attn_interface import (
+            _flash_attn_varlen_backward,  # lazy: optional (flash_attn)
+        )
 
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -44,7 +44,9 @@ def check_ready(address: str) -> None:
     if not address:
         return
     if address == "auto":
-        from ray._private.services import canonicalize_bootstrap_address_or_die
+        from ray._private.services import (
+            canonicalize_bootstrap_address_or_die,  # lazy: heavy (ray), optional
+        )
 
         try:
             address = canonicalize_bootstrap_address_or_die("auto")
@@ -108,7 +110,7 @@ def _one_line(e: BaseException) -> str:
 
 def _import_ray() -> Any:
     try:
-        import ray
+        import ray  # lazy: heavy (ray), optional
     except ImportError:
         raise UnsupportedError(
             "engine=ray needs Ray: pip install 'ulysses-mm[ray]' (or engine=local)"

@@ -77,6 +77,7 @@ from ulysses_mm.shards.prepare.partition import (
 )
 from ulysses_mm.shards.prepare.pool import WorkerConfig
 from ulysses_mm.shards.prepare.publish import remove_stale_shards
+from ulysses_mm.shards.prepare.ray_executor import RayExecutor, check_ready
 from ulysses_mm.shards.prepare.route import PrepareError, load_specs, staging_dir
 from ulysses_mm.tokenize.base import TokenizerSpec, spec_table
 
@@ -241,8 +242,6 @@ def prepare(cfg: PipelineConfig, out: TextIO | None = None) -> PrepareResult:
 
 def _executor(cfg: PipelineConfig) -> Executor:
     if cfg.engine == "ray":
-        from ulysses_mm.shards.prepare.ray_executor import RayExecutor, check_ready
-
         check_ready(cfg.ray_address)
         return RayExecutor(cfg.ray_address, cfg.workers)
     return LocalExecutor(cfg.workers)

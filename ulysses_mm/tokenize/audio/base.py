@@ -18,9 +18,12 @@ from typing import Any
 import numpy as np
 
 from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.tokenize.audio.fidelity import audio_line, eval_audio
+from ulysses_mm.tokenize.audio.output import WavMedia
 from ulysses_mm.tokenize.audio.waveform import Waveform, load_waveform
 from ulysses_mm.tokenize.base import Entry, TokenDocument, Tokenizer
 from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
+from ulysses_mm.tokenize.picture import draw_waveform
 from ulysses_mm.tokenize.write import Media
 
 
@@ -81,7 +84,6 @@ class AudioTokenizer(Tokenizer):
         with_prompt: bool = False,
     ) -> Media:
         """The waveform as 16-bit PCM WAV."""
-        from ulysses_mm.tokenize.audio.output import WavMedia
 
         p = np.asarray(list(prompt), dtype=np.int64)
         allids = np.asarray(list(prompt) + list(new), dtype=np.int64)
@@ -93,17 +95,12 @@ class AudioTokenizer(Tokenizer):
     def fidelity(self, path: str, damage: Sequence[float] = (), seeds: int = 5) -> Entry:
         """SNR of the decoded waveform against the one read (see
         :func:`~ulysses_mm.tokenize.audio.fidelity.eval_audio`)."""
-        from ulysses_mm.tokenize.audio.fidelity import eval_audio
 
         return eval_audio(self, path, damage, seeds)
 
     @classmethod
     def fidelity_line(cls, entry: Entry) -> str:
-        from ulysses_mm.tokenize.audio.fidelity import audio_line
-
         return audio_line(entry)
 
     def picture(self, fig: Any, cell: Any, data: Any, name: str) -> None:
-        from ulysses_mm.tokenize.picture import draw_waveform
-
         draw_waveform(fig, cell, np.asarray(data), self.rate, name)

@@ -57,7 +57,7 @@ def resolve_model_dir(spec: TokenizerSpec, name: str) -> Path:
         return p
     if name.count("/") == 1 and not name.startswith((".", "/")):
         try:
-            from huggingface_hub import snapshot_download
+            from huggingface_hub import snapshot_download  # lazy: only downloading a codec needs it
 
             return Path(snapshot_download(name, local_files_only=True))
         except Exception:  # any failure means: not in the local cache
@@ -82,7 +82,7 @@ class CodecAudioTokenizer(AudioTokenizer):
             raise DataError(f"{where}: param 'num_quantizers' must be >= 1")
         self.params: dict[str, Any] = p
         self.model_dir = resolve_model_dir(spec, p["model"])
-        from transformers import AutoConfig, AutoModel
+        from transformers import AutoConfig, AutoModel  # lazy: heavy (transformers)
 
         config = AutoConfig.from_pretrained(self.model_dir, local_files_only=True)
         self.family = config.model_type
@@ -135,7 +135,7 @@ class CodecAudioTokenizer(AudioTokenizer):
     # ------------------------------------------------------------------ encode
     def encode_waveform(self, samples: np.ndarray) -> np.ndarray:
         """float32 mono at the model's rate -> local ids [frames·n_q] (frame-major)."""
-        import torch
+        import torch  # lazy: the tokenize layer stays torch-free
 
         x = torch.from_numpy(np.ascontiguousarray(samples, dtype=np.float32))[None, None]
         with torch.inference_mode():
@@ -167,7 +167,7 @@ class CodecAudioTokenizer(AudioTokenizer):
         return per - q * self.codebook_size
 
     def decode_waveform(self, ids: np.ndarray) -> np.ndarray:
-        import torch
+        import torch  # lazy: the tokenize layer stays torch-free
 
         codes = torch.from_numpy(self.codes_of(ids))[None]  # [1, n_q, frames]
         with torch.inference_mode():

@@ -163,7 +163,7 @@ class _RateStream:
     sample. Exact across chunks either way."""
 
     def __init__(self, in_rate: int, out_rate: int, sharp: bool) -> None:
-        import soxr
+        import soxr  # lazy: optional (soxr), only resampling needs it
 
         self.ratio = out_rate / in_rate
         self.samples_in = 0
@@ -222,7 +222,7 @@ class _Resampler:
                 self._finish_rate()  # a new input rate: end the old filter's stream
             self.key = key
         if self.pending is None:
-            import av
+            import av  # lazy: heavy (av)
 
             self.pending = av.AudioFifo()
         frame.pts = None  # the fifo joins samples; it need not check their timing
@@ -232,7 +232,7 @@ class _Resampler:
             self._flush_pending()
 
     def _flush_pending(self) -> None:
-        import av
+        import av  # lazy: heavy (av)
 
         if self.pending is None or not self.pending_samples or self.key is None:
             return
@@ -281,7 +281,7 @@ def load_waveform(
 ) -> Waveform:
     """Decode the first audio stream of ``path``; mono float32 in [-1, 1] at ``rate``
     (``resampler``: "sharp", "soxr" or "swr", see :class:`_Resampler`)."""
-    import av
+    import av  # lazy: heavy (av)
 
     check_file(path)
     check_container_complete(path)

@@ -12,9 +12,9 @@ from ulysses_mm.tokenize.write import Media
 
 
 def fasta_bytes(sequence: str, record_id: str, description: str = "") -> bytes:
-    from Bio.Seq import Seq
-    from Bio.SeqIO import write
-    from Bio.SeqRecord import SeqRecord
+    from Bio.Seq import Seq  # lazy: heavy (Bio)
+    from Bio.SeqIO import write  # lazy: heavy (Bio)
+    from Bio.SeqRecord import SeqRecord  # lazy: heavy (Bio)
 
     buf = io.StringIO()
     write(SeqRecord(Seq(sequence), id=record_id, description=description), buf, "fasta")

@@ -29,6 +29,7 @@ token space's dtype in one numpy pass.
 
 from __future__ import annotations
 
+import gzip
 import io
 import re
 from collections.abc import Iterator
@@ -175,7 +176,6 @@ def _text(head: bytes, rest: IO[bytes]) -> IO[str]:
 
 def decompressed(f: IO[bytes]) -> IO[bytes]:
     """``f``, gunzipped when it starts with gzip's magic bytes (the content decides)."""
-    import gzip
 
     at = f.tell()
     magic = f.read(2)

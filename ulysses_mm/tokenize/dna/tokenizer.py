@@ -63,6 +63,8 @@ from ulysses_mm.tokenize.dna.records import iter_annotated_records
 from ulysses_mm.tokenize.dna.stream import stream_blocks
 from ulysses_mm.tokenize.framing import DocumentFramer, local_ids
 from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
+from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.text.tokenizer import TextTokenizer
 from ulysses_mm.tokenize.write import Media
 
 BASES = "ACGTN"
@@ -129,9 +131,6 @@ class DnaTokenizer(Tokenizer):
             self.text, self.place = self._load_text(p["annotations"])
 
     def _load_text(self, cfg: dict[str, Any]) -> tuple[Any, str]:
-        from ulysses_mm.tokenize.registry import load_tokenizer
-        from ulysses_mm.tokenize.text.tokenizer import TextTokenizer
-
         where = self.spec.where
         place = cfg.get("place", "document")
         if not set(cfg) <= {"spec", "place"} or not isinstance(cfg.get("spec"), str):

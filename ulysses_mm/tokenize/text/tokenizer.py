@@ -72,7 +72,7 @@ def load_hf_tokenizer(path: Path, where: str) -> Any:
             f"{where}: tokenizer directory {path} not found (a transformers tokenizer saved "
             "with save_pretrained; nothing is downloaded)"
         )
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: heavy (transformers)
 
     try:
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
@@ -235,7 +235,7 @@ def token_bytes(tokenizer: Any, size: int) -> np.ndarray:
     """UTF-8 bytes each local id of a transformers tokenizer decodes to (a byte-level
     token's characters are bytes, ``<0xNN>`` is one byte, an added special is none)."""
     hf = tokenizer.hf
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # lazy: heavy (transformers)
 
     byte_chars = set(bytes_to_unicode().values())
     special = set(getattr(hf, "all_special_ids", []) or [])

@@ -54,7 +54,11 @@ from ulysses_mm.tokenize.base import (
     TokenUnit,
 )
 from ulysses_mm.tokenize.params import ParamSchema, check_choice, spec_params
+from ulysses_mm.tokenize.picture import draw_frames
+from ulysses_mm.tokenize.registry import load_tokenizer
+from ulysses_mm.tokenize.video.fidelity import eval_video, video_line
 from ulysses_mm.tokenize.video.frames import VideoProbe, decord_or_none, probe_video, sample_frames
+from ulysses_mm.tokenize.video.output import Mp4Media, trim_unfinished_frame
 from ulysses_mm.tokenize.write import Media
 
 BACKENDS = ("auto", "decord", "pyav")
@@ -100,8 +104,6 @@ class VideoTokenizer(Tokenizer):
             self.audio = self._load_audio(p["audio"])
 
     def _load_audio(self, cfg: dict[str, Any]) -> MulawTokenizer:
-        from ulysses_mm.tokenize.registry import load_tokenizer
-
         where = self.spec.where
         if set(cfg) != {"spec"} or not isinstance(cfg["spec"], str):
             raise DataError(f'{where}: param \'audio\' must be {{"spec": "<audio spec>.json"}}')
@@ -297,7 +299,6 @@ class VideoTokenizer(Tokenizer):
         document is decoded at once (an H.264 frame needs the frames before it), then the
         prompt's frames are cut off; video ids after the last ``<eof>`` (a frame cut short)
         are dropped."""
-        from ulysses_mm.tokenize.video.output import Mp4Media, trim_unfinished_frame
 
         p = np.asarray(list(prompt), dtype=np.int64)
         allids = np.asarray(list(prompt) + list(new), dtype=np.int64)
@@ -322,17 +323,12 @@ class VideoTokenizer(Tokenizer):
     def fidelity(self, path: str, damage: Sequence[float] = (), seeds: int = 5) -> Entry:
         """PSNR of the decoded frames against the sampled ones (see
         :func:`~ulysses_mm.tokenize.video.fidelity.eval_video`)."""
-        from ulysses_mm.tokenize.video.fidelity import eval_video
 
         return eval_video(self, path, damage, seeds)
 
     @classmethod
     def fidelity_line(cls, entry: Entry) -> str:
-        from ulysses_mm.tokenize.video.fidelity import video_line
-
         return video_line(entry)
 
     def picture(self, fig: Any, cell: Any, data: Any, name: str) -> None:
-        from ulysses_mm.tokenize.picture import draw_frames
-
         draw_frames(fig, cell, np.asarray(data), name)

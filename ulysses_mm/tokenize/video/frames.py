@@ -52,7 +52,7 @@ def probe_video(path: str) -> VideoProbe:
     """Open with PyAV, pick the video stream, demux its packets (no decoding) to find where
     the data really ends; FFmpeg errors on the way (partial file, premature end) and a data
     end well short of the declared duration are DecodeErrors."""
-    import av
+    import av  # lazy: heavy (av)
 
     with ffmpeg_log() as logs:
         container = open_media(path)
@@ -138,7 +138,7 @@ def decord_or_none() -> Any:
     """decord, imported on first use with FFmpeg's console chatter silenced; None if absent."""
     global _decord_ready
     try:
-        import decord
+        import decord  # lazy: heavy (decord)
     except ImportError:
         return None
     if not _decord_ready:
@@ -187,7 +187,7 @@ def _decoded_intervals(container: Any, stream: Any) -> Iterator[tuple[Any, float
 def _frames_pyav(
     path: str, probe: VideoProbe, fps: float, size: int, limit: int | None, batch: int
 ) -> Iterator[np.ndarray]:
-    import av
+    import av  # lazy: heavy (av)
 
     w, h = resized_shape(probe.width, probe.height, size)
     out: list[np.ndarray] = []

@@ -156,7 +156,7 @@ class H264VideoTokenizer(VideoTokenizer):
             )
         if spec.vocab_size != VOCAB:
             raise DataError(f"{where}: a video-h264 spec has vocab_size {VOCAB}")
-        import av
+        import av  # lazy: heavy (av)
 
         try:
             av.codec.Codec("libx264", "w")
@@ -185,7 +185,7 @@ class H264VideoTokenizer(VideoTokenizer):
 
     # ------------------------------------------------------------------ encode
     def _codec(self) -> Any:
-        import av
+        import av  # lazy: heavy (av)
 
         p = self.params
         ctx = av.CodecContext.create("libx264", "w")
@@ -227,7 +227,7 @@ class H264VideoTokenizer(VideoTokenizer):
 
     @staticmethod
     def _slices_only() -> Any:
-        import av
+        import av  # lazy: heavy (av)
 
         return av.BitStreamFilterContext(SLICES_ONLY, "h264")
 
@@ -243,7 +243,7 @@ class H264VideoTokenizer(VideoTokenizer):
     def encoder(self) -> Callable[[np.ndarray], np.ndarray]:
         """A per-clip encoder: batches of a clip's frames, in order -> ragged local ids
         (each frame's slices, then ``FRAME_END``)."""
-        import av
+        import av  # lazy: heavy (av)
 
         ctx = self._codec()
         slices = self._slices_only()
@@ -277,7 +277,7 @@ class H264VideoTokenizer(VideoTokenizer):
         """Ragged local ids -> uint8 frames [t, size, size, 3], one per ``FRAME_END``.
         Ids may start at any frame of a clip; a packet the decoder rejects (ids a model
         wrote) repeats the previous frame."""
-        import av
+        import av  # lazy: heavy (av)
 
         ids = np.asarray(ids, dtype=np.int64).ravel()
         if ids.size and (ids.min() < FRAME_END or ids.max() >= VOCAB):

@@ -23,7 +23,7 @@ def mp4_bytes(
 ) -> bytes:
     """uint8 frames [t, h, w, 3] at ``fps`` as H.264 (yuv420p; h and w even), with a mono
     waveform (float, ``rate`` Hz) as AAC when given, in an MP4."""
-    import av
+    import av  # lazy: heavy (av)
 
     frames = np.asarray(frames, dtype=np.uint8)
     buf = io.BytesIO()

@@ -28,6 +28,7 @@ from ulysses_mm.tokenize.params import ParamSchema, check_choice
 from ulysses_mm.tokenize.video.base import FRAME_PARAMS, VideoTokenizer
 from ulysses_mm.tokenize.video.codec.models import FORMATS, VideoCodec, open_codec
 from ulysses_mm.tokenize.video.frames import VideoProbe
+from ulysses_mm.tokenize.video.output import Mp4Media, trim_unfinished_frame
 
 _SCHEMA: ParamSchema = {
     **FRAME_PARAMS,
@@ -211,7 +212,6 @@ class CodecVideoTokenizer(VideoTokenizer):
     ) -> Any:
         """The whole rows' frames as H.264 in an MP4 (ids after the last ``<eof>`` are a
         row cut short: dropped), the prompt's frames cut off unless ``with_prompt``."""
-        from ulysses_mm.tokenize.video.output import Mp4Media, trim_unfinished_frame
 
         p = np.asarray(list(prompt), dtype=np.int64)
         r = space.range(self.modality)
