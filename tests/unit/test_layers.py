@@ -60,6 +60,8 @@ def test_the_command_exits_1_on_an_upward_import(tmp_path):
         text=True,
     )
     assert proc.returncode == 1 and "loader/__init__.py:1:" in proc.stdout
+    # the package itself passes every check, the lazy-import one included (no option)
+    assert unmarked_lazy_imports(PACKAGE) == [] and cycles(PACKAGE) == []
     ok = subprocess.run([sys.executable, "-m", "ulysses_mm.tools.layers"], capture_output=True)
     assert ok.returncode == 0, ok.stdout
 
@@ -159,7 +161,7 @@ def test_the_command_exits_1_on_a_circle_or_an_unmarked_lazy_import(tmp_path):
     ):
         root = _package(tmp_path / expected[:6], files)
         proc = subprocess.run(
-            [sys.executable, "-m", "ulysses_mm.tools.layers", "--lazy", str(root)],
+            [sys.executable, "-m", "ulysses_mm.tools.layers", str(root)],
             capture_output=True,
             text=True,
         )

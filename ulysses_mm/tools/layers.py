@@ -9,10 +9,10 @@ inside a function says why it waits.
   inside functions alike (those under ``if TYPE_CHECKING:`` run never and are left out),
   so delaying an import into a function does not hide a circle: the shared piece moves
   down instead;
-- with ``--lazy``: an import inside a function without a trailing ``# lazy: <why>``
-  comment (the package does not pass this one yet). Such an import
-  is only for delaying an expensive one (torch, transformers, deepspeed, av, ray, ...,
-  or a module of ours that pulls one of them into a lighter layer), and says so.
+- an import inside a function without a trailing ``# lazy: <why>`` comment (on any
+  line of the statement). Such an import is only for delaying an expensive one (torch,
+  transformers, deepspeed, av, ray, ..., or a module of ours that pulls one of them into
+  a lighter layer), and says so.
 
 ``make lint`` runs it. The torch-free layers (``core``, ``config``, ``tokenize``,
 ``shards``) are checked apart by importing them (tests/unit/test_offline_imports.py).
@@ -305,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         description=(
             "Fail on an import that points up the flow ("
             + " < ".join(LAYERS)
-            + ") and on an import circle; with --lazy, also on an import inside a function "
-            f"without a '{LAZY} <why>' comment."
+            + "), on an import circle and on an import inside a function without a "
+            f"'{LAZY} <why>' comment."
         ),
     )
     parser.add_argument(
@@ -315,19 +315,13 @@ def main(argv: list[str] | None = None) -> int:
         default=str(Path(__file__).resolve().parents[1]),
         help="the package directory (default: this package)",
     )
-    parser.add_argument(
-        "--lazy",
-        action="store_true",
-        help=f"also fail on an import inside a function without a '{LAZY} <why>' comment",
-    )
     args = parser.parse_args(argv)
     root = Path(args.root).resolve()
     checks = {
         "upward import(s)": violations(root),
         "import circle(s)": cycles(root),
+        "unmarked import(s) inside a function": unmarked_lazy_imports(root),
     }
-    if args.lazy:
-        checks["unmarked import(s) inside a function"] = unmarked_lazy_imports(root)
     for found in checks.values():
         for line in found:
             print(line)
