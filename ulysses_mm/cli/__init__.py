@@ -103,19 +103,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parse_args(build_parser(), sys.argv[1:] if argv is None else argv)
     except SystemExit as e:
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
-    # a rank of a world a launcher made leaves it when the command is done; a group the
-    # caller made is the caller's to end, and a lone process keeps its one-rank group for
-    # the commands it may still run (DeepSpeed holds on to it)
+    # a launched rank leaves its world when the command is done; a group the caller made is
+    # the caller's to end, and a lone process keeps its one-rank group (DeepSpeed holds it)
     launched = in_launched_world() and not _in_world()
-    # a lone process describes a one-rank world in its environment for DeepSpeed; put the
-    # caller's environment back after the command, so a process started later by the same
-    # caller (a test, a notebook) is not taken for a launched rank
+    # a lone process's one-rank world in its environment (for DeepSpeed) is undone after
+    # the command: a process the caller starts later is not a launched rank
     env = {k: os.environ.get(k) for k in (*LAUNCH_ENV, "LOCAL_RANK")}
     try:
         code = int(args.func(args))
     except UserError as e:  # what the user can fix: one line; anything else keeps its traceback
         print(f"ulysses-mm {args.command}: {e.prefix}{e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # the reader left (| head): stop quietly with SIGPIPE's status
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     finally:
         if not launched:
             for k, v in env.items():

@@ -11,8 +11,7 @@ repeated flag, ``repeat=True``), ``int | str`` a count or the one word ``word=``
 a JSON mapping. The first dataclass's docstring is the command's description and its
 ``main()`` carries the command out, given the others.
 
-:class:`Parser` adds a command's arguments only when the command is chosen or its help is
-shown, so a command whose options live beside torch code imports it only then.
+:class:`Parser` adds a command's arguments only once it is chosen or its help shown.
 """
 
 from __future__ import annotations
@@ -46,12 +45,11 @@ class Parser(argparse.ArgumentParser):
         self._declare = declare
         self.unknown: Callable[[str], str] | None = None
 
-    def fill(self) -> Parser:
+    def fill(self) -> None:
         """Add the declared arguments now (once)."""
         declare, self._declare = self._declare, None
         if declare is not None:
             declare(self)
-        return self
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self.fill()
