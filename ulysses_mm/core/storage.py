@@ -312,11 +312,11 @@ class Location:
         fs, path = self.filesystem()
         if not fs.exists(path):
             return []
-        kind = "directory" if dirs else "file"
+        entry_type = "directory" if dirs else "file"
         return sorted(
             str(e["name"]).rstrip("/").rsplit("/", 1)[-1]
             for e in fs.ls(path, detail=True)
-            if e.get("type") == kind
+            if e.get("type") == entry_type
         )
 
     def remove_stale_temps(self) -> int:
@@ -519,8 +519,8 @@ def remote_error(
     if isinstance(status, int):
         reason = str(getattr(e, "message", "") or "").strip().splitlines()
         text = f"HTTP {status}" + (f" {reason[0]}" if reason else "")
-        kind = MissingError if status == 404 else ReadError
-        return kind(text, status, retryable=status >= 500 or status in (408, 429))
+        error = MissingError if status == 404 else ReadError
+        return error(text, status, retryable=status >= 500 or status in (408, 429))
     if isinstance(e, FileNotFoundError):
         return MissingError("not found (HTTP 404)", 404, retryable=False)
     if isinstance(e, PermissionError):

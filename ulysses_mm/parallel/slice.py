@@ -102,8 +102,8 @@ def document_zigzag(spans: tuple[Tensor, Tensor, Tensor], ring_size: int) -> Ten
         extra = torch.clamp(torch.clamp(c + rem, max=k) - c, min=0)
         bound = k * base + extra + wrap
         slot += offset >= bound[doc]
-    group = torch.minimum(slot, s - 1 - slot)
-    return torch.argsort(group * n + pos, dim=1)
+    pair = torch.minimum(slot, s - 1 - slot)  # slots j and s-1-j: one rank's zigzag pair
+    return torch.argsort(pair * n + pos, dim=1)
 
 
 def zigzag_order(seq_len: int, ring_size: int) -> Tensor:
