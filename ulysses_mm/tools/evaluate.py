@@ -185,7 +185,6 @@ def summary_text(r: EvalResult, seq_len: int = 0) -> str:
 
 def plot_positions(r: EvalResult, png: str | Path, title: str = "") -> Path:
     """Loss (bits per token) against the target's position in its document, log x."""
-
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: heavy (matplotlib)
     from matplotlib.figure import Figure  # lazy: heavy (matplotlib)
 
