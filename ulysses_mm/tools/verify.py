@@ -157,7 +157,7 @@ def verify_worker(cfg_dict: dict[str, Any], opts: VerifyOptions) -> dict[str, An
 def format_report(cfg: RunConfig, opts: VerifyOptions, results: list[dict[str, Any]]) -> str:
     r0 = results[0]
     m = cfg.model
-    sp, dp, ring = r0["sp"], r0["dp"], r0["ring_size"]
+    sp, dp, ring = r0["sp"], r0["dp"], r0.get("ring_size", 1)
     u = sp // ring
     e = expanded_kv_heads(m.num_attention_heads, m.num_key_value_heads, u)
     hybrid = f" (ulysses {u} × ring {ring})" if ring > 1 else ""
@@ -223,14 +223,16 @@ def verify_against_one_process(cfg: RunConfig, opts: VerifyOptions) -> int:
     p, m = cfg.parallel, cfg.model
     check_kernel_config(p.attention, "fp32")  # verify compares in fp32
     launched = in_launched_world()
-    # verify starts dp × sp processes itself unless a launcher made the world
-    layout = Layout.from_config(
-        p,
-        int(os.environ["WORLD_SIZE"]) if launched else p.sp * (p.dp or 1),
-        num_heads=m.num_attention_heads,
-        num_kv_heads=m.num_key_value_heads,
-        seq_len=opts.seq_len,
+    # verify starts dp × sp processes itself unless a launcher made the world (then the
+    # layout must fill it); its own world has no size to fit, so a refusal lists every sp
+    # size the model and the length allow
+    shape = dict(
+        num_heads=m.num_attention_heads, num_kv_heads=m.num_key_value_heads, seq_len=opts.seq_len
     )
+    if launched:
+        layout = Layout.from_config(p, int(os.environ["WORLD_SIZE"]), **shape)
+    else:
+        layout = Layout(p.dp or 1, p.sp, p.ring, p.head_groups).check(**shape)
     results = launch.run_world(verify_worker, layout.world_size, to_dict(cfg), opts)
     if launched and results[0]["rank"] != 0:
         # Only rank 0 prints (its own view: the gradients are already summed globally).
