@@ -38,7 +38,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np
 
 from ulysses_mm.core.tokenspace import TokenSpace
-from ulysses_mm.tokenize.dna.tokenizer import open_text
+from ulysses_mm.tokenize.dna.records import open_text
 from ulysses_mm.tokenize.registry import load_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
