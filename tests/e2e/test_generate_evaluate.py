@@ -153,7 +153,7 @@ def test_user_errors_are_one_line(demo, tmp_path, capsys):
     )  # fmt: skip
     assert "ljspeech_LJ001-0001.wav" in err and "not FASTA" in err
     err = _refused(capsys, "generate", ckpt, "--modality", "dna", "--new-tokens", "0", "--out", out)
-    assert "--new-tokens must be at least 1, got 0" in err
+    assert "--new-tokens must be an integer within 1 .. 10**9, got 0" in err
     err = _refused(
         capsys, "generate", ckpt, "--modality", "dna", "--prompt-seconds", "1",
         "--prompt", str(DATA / "human_mt.fa"), "--new-tokens", "5", "--out", out,

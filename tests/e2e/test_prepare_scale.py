@@ -394,7 +394,7 @@ def test_a_streaming_tokenizer_reads_a_bucket_object_without_a_local_copy(
     def no_copy(*args, **kw):
         raise AssertionError("a streaming input was copied")
 
-    monkeypatch.setattr(storage, "fetch", no_copy)
+    monkeypatch.setattr(storage.Location, "fetch", no_copy)
     tok = load_tokenizer(REPO / "tokenizers" / "dna-base.json")
     space = TokenSpace.from_vocab({"dna": tok.spec.vocab_size})
     task = Task(0, "s3://one/g.fa", "dna", str(tmp_path / "entry"), str(tmp_path / "fetch"))
