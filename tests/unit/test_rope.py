@@ -479,3 +479,32 @@ def test_a_qwen3_head_dim_is_its_own_null_refused_absent_128(tmp_path):
             json.dumps(absent | dict(vocab_size=VOCAB, model_type=model_type))
         )
         assert hf_model_fields(d)["head_dim"] == want
+
+
+@pytest.mark.parametrize("factor, want", [(16.0, 16 * ORIGINAL), (2.5, 2.5 * ORIGINAL)])
+def test_a_yarn_export_loads_in_transformers_without_the_factor_warning(factor, want, tmp_path):
+    """transformers warns on every load when YaRN's factor differs from
+    max_position_embeddings / original: the export writes the scaled length."""
+    import logging
+
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    from ulysses_mm.train.export import hf_config_for
+
+    rope = dict(kind="yarn", factor=factor, original_max_position_embeddings=ORIGINAL)
+    cfg = from_dict(ModelConfig, {**SHAPE, "modalities": {"text": VOCAB}, "rope": rope})
+    cfg.max_position_embeddings = 4 * ORIGINAL  # the run's: a ratio of 4, not the factor
+    hf_config_for(cfg, VOCAB + 8, torch.float32).save_pretrained(tmp_path)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = hf_logging.get_logger("transformers.modeling_rope_utils")
+    logger.addHandler(handler)
+    try:
+        back = AutoConfig.from_pretrained(tmp_path)
+    finally:
+        logger.removeHandler(handler)
+    assert back.max_position_embeddings == want
+    assert back.rope_parameters["factor"] == factor
+    assert [r.getMessage() for r in records if "factor" in r.getMessage()] == []

@@ -50,6 +50,7 @@ def hf_config_for(model: ModelConfig, vocab_size: int, dtype: torch.dtype) -> An
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config  # lazy: heavy (transformers)
 
     kwargs = model.to_llama_config_kwargs()
+    kwargs["max_position_embeddings"] = max_positions_for(model)
     if model.qk_norm and model.attention_bias:
         raise ConfigError(
             "model.qk_norm with model.attention_bias has no transformers architecture "
@@ -75,6 +76,20 @@ def hf_config_for(model: ModelConfig, vocab_size: int, dtype: torch.dtype) -> An
         dtype=str(dtype).removeprefix("torch."),
         **kwargs,
     )
+
+
+def max_positions_for(model: ModelConfig) -> int:
+    """The exported ``max_position_embeddings``: for YaRN the length its ``factor`` scales
+    the original context to (original × factor), which transformers checks on every load
+    and warns about when the ratio differs from the factor; for the other kinds the
+    backbone's (:meth:`ModelConfig.to_llama_config_kwargs`). A factor that does not give a
+    whole length keeps the backbone's (transformers then warns, as it would for anyone's)."""
+    rope = model.rope
+    default = int(model.to_llama_config_kwargs()["max_position_embeddings"])
+    if rope.kind != "yarn" or not rope.original_max_position_embeddings:
+        return default
+    scaled = rope.original_max_position_embeddings * rope.factor
+    return int(scaled) if float(scaled).is_integer() else default
 
 
 # what an export directory holds: the model, its config, the token space and (from a run
