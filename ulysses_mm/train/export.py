@@ -86,7 +86,7 @@ def max_positions_for(model: ModelConfig) -> int:
     whole length keeps the backbone's (transformers then warns, as it would for anyone's)."""
     rope = model.rope
     default = int(model.to_llama_config_kwargs()["max_position_embeddings"])
-    if rope.kind != "yarn" or not rope.original_max_position_embeddings:
+    if rope.kind != "yarn" or not rope.original_max_position_embeddings or rope.factor is None:
         return default
     scaled = rope.original_max_position_embeddings * rope.factor
     return int(scaled) if float(scaled).is_integer() else default
