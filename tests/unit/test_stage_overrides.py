@@ -11,8 +11,8 @@ from ulysses_mm.config import ConfigError, RunConfig, from_dict, load_config, ru
 from ulysses_mm.config.schema import STAGE_KEYS
 
 ALLOWED = (
-    "a stage sets steps, warmup_steps and data.seq_len, data.micro_batch_size, model.rope.*, "
-    "parallel.sp, parallel.ring, parallel.head_groups"
+    "a stage sets steps, warmup_steps and data.seq_len, data.micro_batch_size, "
+    "data.window_positions, model.rope.*, parallel.sp, parallel.ring, parallel.head_groups"
 )
 
 

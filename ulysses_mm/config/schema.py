@@ -195,6 +195,13 @@ class ModelConfig:
     initializer_range: float = _help(
         "Std of the normal init of linear and embedding weights.", 0.02, ge=0
     )
+    embedding_init_std: float = _help(
+        "Std of the normal init of the token embedding (0 = initializer_range, as "
+        "transformers; torchtitan's Llama uses 1.0, which small models learn in-context "
+        "retrieval with far sooner).",
+        0.0,
+        ge=0,
+    )
     modalities: dict[str, int] = _help(
         "Vocabulary size per modality, in token-space order. Empty: take it from the data "
         "manifest at training time.",
@@ -393,6 +400,13 @@ class DataConfig:
     eval: str = _help("Manifest URL or path of held-out shards ('' = no evaluation).", "")
     seq_len: int = _help("Tokens per sample N; 0 = the manifest's seq_len.", 0, ge=0)
     micro_batch_size: int = _help("Samples per DP rank per micro-step.", 1, ge=1)
+    window_positions: Literal["restart", "continue"] = _help(
+        "When seq_len is shorter than the manifest's samples, which are then cut into "
+        "windows: where a window cuts a document, its positions restart at 0 (a stage at "
+        "seq_len trains positions below seq_len only, the length it is said to train at) "
+        "or continue the document's (positions reach the document's length).",
+        "restart",
+    )
     seed: int = _help(
         "Seed of the sample order (a function of seed, epoch, manifest).", 0, ge=0, le=SEED_MAX
     )
@@ -532,6 +546,7 @@ class DeepSpeedConfig:
 STAGE_KEYS = (
     "data.seq_len",
     "data.micro_batch_size",
+    "data.window_positions",
     "model.rope",  # another kind starts from its own defaults, θ kept
     "parallel.sp",
     "parallel.ring",

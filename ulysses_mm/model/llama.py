@@ -176,9 +176,12 @@ class MultimodalLM(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         std = self.config.initializer_range
+        embedding_std = self.config.embedding_init_std or std
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std)
+                module.weight.normal_(
+                    0.0, embedding_std if isinstance(module, nn.Embedding) else std
+                )
                 if isinstance(module, nn.Linear) and module.bias is not None:
                     module.bias.zero_()
             elif isinstance(module, RMSNorm):

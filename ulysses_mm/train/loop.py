@@ -213,7 +213,10 @@ class Trainer:
         else:
             full = self.eval_manifest if eval and self.eval_manifest else self.manifest
             length = self.stage.cfg.data.seq_len or full.seq_len
-            stream = WindowStream(sources, m.dp_rank, m.dp, mb, length, options, self.cache)
+            positions = self.stage.cfg.data.window_positions
+            stream = WindowStream(
+                sources, m.dp_rank, m.dp, mb, length, options, self.cache, positions
+            )
         stream.set_interrupt(lambda: self.stop.requested)
         return stream
 
