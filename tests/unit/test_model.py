@@ -213,3 +213,14 @@ def test_the_memory_policy_is_applied_from_outside_and_can_be_replaced():
     assert "after_attention" not in vars(layer) and "forward" in vars(layer.mlp)
     plain_model(model)
     assert not any(k in vars(m) for m in model.modules() for k in ("qkv", "run_layers", "forward"))
+
+
+def test_the_embedding_has_its_own_init_std_when_given():
+    shape = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=1, modalities={"dna": 512})
+    plain = build_model(ModelConfig(**shape, initializer_range=0.02), seed=0)
+    wide = build_model(ModelConfig(**shape, initializer_range=0.02, embedding_init_std=1.0), seed=0)
+    for model, want in ((plain, 0.02), (wide, 1.0)):
+        std = float(model.model.embed_tokens.weight.std())
+        assert abs(std - want) < 0.05 * want, (std, want)
+        q = float(model.model.layers[0].self_attn.q_proj.weight.std())
+        assert abs(q - 0.02) < 0.002  # every other weight keeps initializer_range
