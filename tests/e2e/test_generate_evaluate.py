@@ -26,6 +26,7 @@ from ulysses_mm.cli import main
 from ulysses_mm.core.format import IGNORE
 from ulysses_mm.loader.batch import samples_batch
 from ulysses_mm.loader.stream import ShardStream, StreamOptions
+from ulysses_mm.loader.window import cut_windows
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.tools import generate
 from ulysses_mm.tools.demo import run_demo
@@ -205,8 +206,9 @@ def _bin_targets(result: dict) -> Counter:
 def test_evaluate_on_windows_of_any_length_under_any_layout(demo, capsys):
     """At the samples' length (1,024) ``--seq-len`` gives the default figures; at 512 the
     same two samples are four windows (the run's SP=2): every target of the whole samples
-    but the one at each window's end, each in the bin of its position in its document,
-    which a window keeps (so the bins reach past 512 where the documents do)."""
+    but the one at each window's end, each in the bin of its position in its window's
+    piece of its document (``data.window_positions: restart``: no position reaches 512,
+    where the whole samples' documents go past it)."""
     ckpt, manifest = demo["ckpt"], demo["manifest"]
 
     def evaluate(*args: str) -> dict:
@@ -220,15 +222,25 @@ def test_evaluate_on_windows_of_any_length_under_any_layout(demo, capsys):
     assert (half["samples"], half["batches"], whole["samples"]) == (4, 4, 2)
     m = Manifest.load(manifest)
     samples = ShardStream(m, 0, 1, 1, StreamOptions().in_order())
-    edges, cut = log_edges(), Counter()
+    edges, cut, want = log_edges(), Counter(), Counter()
+
+    def bin_of(b, i: int) -> tuple[str, int, int]:
+        j = bisect_right(edges, int(b.position_ids[0, i]) + 1) - 1
+        return m.token_space.modalities[int(b.label_modality[0, i])], edges[j], edges[j + 1]
+
     for _ in range(2):
-        b = samples_batch(samples.next_batch(), m.token_space)
+        (sample,) = samples.next_batch()
+        b = samples_batch([sample], m.token_space)
         if b.labels[0, 511] != IGNORE:  # the target the window's end takes away
-            j = bisect_right(edges, int(b.position_ids[0, 511]) + 1) - 1
-            mod = m.token_space.modalities[int(b.label_modality[0, 511])]
-            cut[(mod, edges[j], edges[j + 1])] += 1
-    assert cut and _bin_targets(half) == _bin_targets(whole) - cut
-    assert max(hi for _, _, hi in _bin_targets(half)) > 512  # documents longer than a window
+            cut[bin_of(b, 511)] += 1
+        for window in cut_windows(sample, 512, "restart"):
+            w = samples_batch([window], m.token_space)
+            want.update(bin_of(w, i) for i in range(512) if w.labels[0, i] != IGNORE)
+    assert cut and _bin_targets(half) == want
+    assert sum(want.values()) == sum(_bin_targets(whole).values()) - sum(cut.values())
+    # documents longer than a window; in windows every target's position is below 511
+    assert max(lo for _, lo, _ in _bin_targets(whole)) > 512
+    assert max(hi for _, _, hi in _bin_targets(half)) == 512
     for m_, e in half["modalities"].items():
         assert e["targets"] == whole["modalities"][m_]["targets"] - sum(
             n for (mod, *_), n in cut.items() if mod == m_

@@ -195,10 +195,10 @@ def test_loss_by_bin_adds_up_to_the_training_loss_terms():
     edges = torch.tensor(log_edges())
     bins = position_bins(batch, edges)
     with torch.no_grad():
-        sums, counts, _ = model(
+        sums, counts, *_ = model(
             batch.input_ids, batch.position_ids, batch.doc_ids, batch.labels, batch.label_modality
         )
-        sums_b, counts_b, by_bin = model(
+        sums_b, counts_b, by_bin, hits = model(
             batch.input_ids,
             batch.position_ids,
             batch.doc_ids,
@@ -210,6 +210,18 @@ def test_loss_by_bin_adds_up_to_the_training_loss_terms():
     assert_close(sums_b, sums)
     assert_close(counts_b, counts)
     assert_close(by_bin.sum(1), sums, rtol=1e-5, atol=1e-5)  # every target is in a bin
+    # hits: per bin, the targets the argmax of their modality's head gets right
+    with torch.no_grad():
+        hidden = model.hidden_states(batch.input_ids, batch.position_ids, batch.doc_ids)
+    want = torch.zeros_like(hits)
+    weight = model.heads.lm_head_weight()
+    for m, r in enumerate(SPACE.ranges):  # a modality's head: the specials and its range
+        ids = torch.cat([torch.arange(SPACE.num_specials), torch.arange(r.start, r.stop)])
+        guess = ids[(hidden @ weight[ids].T).argmax(-1)]
+        mask = (batch.label_modality == m) & (bins >= 0)
+        right = mask & (guess == batch.labels)
+        want[m] += torch.bincount(bins[right], minlength=len(edges) - 1).to(want.dtype)
+    assert hits.sum() > 0 and torch.equal(hits, want)
     pos = batch.position_ids[bins >= 0] + 1
     lo, hi = edges[bins[bins >= 0]], edges[bins[bins >= 0] + 1]
     assert ((lo <= pos) & (pos < hi)).all()

@@ -48,7 +48,7 @@ def _step(device: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     CPU. Same seed, same batch on both devices."""
     model = build_model(ModelConfig(modalities={"dna": 10, "audio": 256}), seed=0).to(device)
     batch = random_batch(model.space, 2, 1024, seed=0).to(device)
-    sums, counts, _ = model(
+    sums, counts, *_ = model(
         batch.input_ids, batch.position_ids, batch.doc_ids, batch.labels, batch.label_modality
     )
     loss = sums.sum() / counts.sum()

@@ -150,7 +150,7 @@ def test_absent_modality_does_not_dilute_the_loss():
     batch = random_batch(TokenSpace.from_vocab({"dna": 16}), 1, 64, seed=1)
     cfg = ModelConfig(modalities={"dna": 16, "audio": 32})
     model = build_model(cfg, seed=0)
-    sums, counts, _ = model.loss_terms(_hidden(model, batch), batch.labels, batch.label_modality)
+    sums, counts, *_ = model.loss_terms(_hidden(model, batch), batch.labels, batch.label_modality)
     loss, report = global_loss(
         sums,
         counts,

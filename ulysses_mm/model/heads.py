@@ -38,6 +38,8 @@ class LossOutput(NamedTuple):
     ce_sum: Tensor  # [M] summed cross-entropy of the targets
     targets: Tensor  # [M] float32 count of targets
     ce_by_bin: Tensor | None = None  # [M, num_bins] ce_sum split by position bin (evaluation)
+    # [M, num_bins] the binned targets the model's first guess (argmax) gets right
+    hits_by_bin: Tensor | None = None
 
 
 class ModalityHeads(nn.Module):
@@ -67,29 +69,34 @@ class ModalityHeads(nn.Module):
 
     def _head_ce(
         self, h: Tensor, labels: Tensor, mods: Tensor, reduction: str
-    ) -> Iterator[tuple[Tensor, Tensor]]:
-        # h [t, D], labels [t], mods [t] -> per modality (its tokens [t] bool, their CE)
+    ) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        # h [t, D], labels [t], mods [t] -> per modality (its tokens [t] bool, their CE,
+        # whether the head's argmax is the target [k]: computed only when unreduced)
         for i, r in enumerate(self.space.ranges):
             sel = mods == i
             logits = self.logits(h[sel], r.name).float()  # [k, ns + V_m]
             target = self.head_index(labels[sel], r.name)
-            yield sel, F.cross_entropy(logits, target, reduction=reduction)
+            ce = F.cross_entropy(logits, target, reduction=reduction)
+            hit = logits.argmax(-1) == target if reduction == "none" else target.new_zeros(0)
+            yield sel, ce, hit
 
     def _tile_loss(self, h: Tensor, labels: Tensor, mods: Tensor) -> Tensor:
         # -> [M] summed cross-entropy per modality
-        return torch.stack([ce for _, ce in self._head_ce(h, labels, mods, "sum")])
+        return torch.stack([ce for _, ce, _ in self._head_ce(h, labels, mods, "sum")])
 
     def _tile_loss_by_bin(
         self, h: Tensor, labels: Tensor, mods: Tensor, bins: Tensor, num_bins: int
-    ) -> tuple[Tensor, Tensor]:
-        # as _tile_loss, and with bins [t] (-1: none) each modality's sum per bin [M, B]
-        sums, binned = [], []
-        for sel, ce in self._head_ce(h, labels, mods, "none"):  # ce [k]
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        # as _tile_loss, and with bins [t] (-1: none) each modality's CE sum and count of
+        # right first guesses per bin [M, B]
+        sums, binned, hits = [], [], []
+        for sel, ce, hit in self._head_ce(h, labels, mods, "none"):  # ce, hit [k]
             sums.append(ce.sum())
             b = bins[sel]
             keep = b >= 0
             binned.append(ce.new_zeros(num_bins).index_add_(0, b[keep], ce[keep]))
-        return torch.stack(sums), torch.stack(binned)
+            hits.append(ce.new_zeros(num_bins).index_add_(0, b[keep], hit[keep].to(ce.dtype)))
+        return torch.stack(sums), torch.stack(binned), torch.stack(hits)
 
     def loss_terms(
         self,
@@ -105,7 +112,8 @@ class ModalityHeads(nn.Module):
 
         With ``bins`` [b, n] (a bin index in ``[0, num_bins)`` per token, -1 for none: the
         target's position bin, for evaluation), also each modality's CE summed per bin
-        [M, num_bins] (the same per-token cross-entropy the first sums add up)."""
+        [M, num_bins] (the same per-token cross-entropy the first sums add up) and how many
+        of those targets the head's argmax predicts [M, num_bins]."""
         mods = torch.where(labels == IGNORE, torch.full_like(label_modality, -1), label_modality)
         h = hidden.reshape(-1, hidden.shape[-1])  # [b, n, D] -> [b*n, D]
         flat_labels, flat_mods = labels.reshape(-1), mods.reshape(-1)
@@ -131,10 +139,11 @@ class ModalityHeads(nn.Module):
                     total = total + self._tile_loss(*args)
             return LossOutput(total, counts)
         by_bin = hidden.new_zeros(m, num_bins, dtype=torch.float32)
+        hits = hidden.new_zeros(m, num_bins, dtype=torch.float32)
         for args, tile_bins in zip(parts, bins.reshape(-1).split(t), strict=True):
-            sums, per_bin = self._tile_loss_by_bin(*args, tile_bins, num_bins)
-            total, by_bin = total + sums, by_bin + per_bin
-        return LossOutput(total, counts, by_bin)
+            sums, per_bin, right = self._tile_loss_by_bin(*args, tile_bins, num_bins)
+            total, by_bin, hits = total + sums, by_bin + per_bin, hits + right
+        return LossOutput(total, counts, by_bin, hits)
 
     def _in_vocab(self, labels: Tensor, mods: Tensor) -> Tensor:
         starts = torch.tensor([r.start for r in self.space.ranges], device=labels.device)

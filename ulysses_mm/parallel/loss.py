@@ -30,6 +30,7 @@ class LossReport:
     counts: dict[str, int]
     # evaluation only: THIS rank's CE sums per (modality, position bin) [M, bins], not reduced
     by_bin: Tensor | None = None
+    hits_by_bin: Tensor | None = None  # and how many of those targets the argmax gets right
 
 
 def loss_weights(modalities: Sequence[str], weights: Mapping[str, float], device=None) -> Tensor:

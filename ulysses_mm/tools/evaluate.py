@@ -24,19 +24,30 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from torch import Tensor
 from tqdm import tqdm
 
-from ulysses_mm.config.parse import check_flags, option
+from ulysses_mm.config import RopeConfig, RunConfig
+from ulysses_mm.config.parse import (
+    check_flags,
+    deep_merge,
+    from_dict,
+    option,
+    parse_overrides,
+    to_dict,
+)
 from ulysses_mm.core.checks import INT64_SAFE, MAX_PROCESSES
 from ulysses_mm.core.errors import ConfigError, UserError
+from ulysses_mm.core.format import PackedSample
 from ulysses_mm.core.layout import Layout
 from ulysses_mm.core.storage import atomic_write_local
-from ulysses_mm.loader.batch import samples_batch
-from ulysses_mm.loader.stream import StreamOptions
-from ulysses_mm.loader.window import WindowStream, check_enough_windows, check_window_length
+from ulysses_mm.loader.batch import Batch, samples_batch
+from ulysses_mm.loader.stream import ShardStream, StreamOptions
+from ulysses_mm.loader.window import InOrderWindows, check_enough_windows, check_window_length
 from ulysses_mm.parallel import launch
 from ulysses_mm.parallel.mesh import in_launched_world, open_world
 from ulysses_mm.shards.manifest import Manifest
+from ulysses_mm.tools.recall import AnswerBins, bucket_edges, has_answers, read_answers
 from ulysses_mm.train.evaluate import EvalResult, evaluate_batches, units_for
 from ulysses_mm.train.inference import open_trained
 from ulysses_mm.train.metrics import LN2
@@ -68,6 +79,11 @@ class EvaluateOptions:
         "N Ulysses ranks instead of the run's layout (0: the run's parallel.sp; --nproc "
         "defaults to it)", 0, ge=0, le=MAX_PROCESSES, metavar="N",
     )  # fmt: skip
+    rope: str = option(
+        "score with this RoPE instead of the checkpoint's, as model.rope keys (another kind "
+        "starts from its defaults, θ kept), e.g. kind=yarn,factor=4,"
+        "original_max_position_embeddings=128", "", metavar="KEY=VALUE,...",
+    )  # fmt: skip
 
     def check(self) -> None:
         check_flags(self)  # the ranges the fields declare, as the command line checks them
@@ -80,7 +96,7 @@ def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> 
     """What the parent checks before any process starts (one line each)."""
 
     trained = open_trained(checkpoint)
-    cfg = trained.cfg
+    cfg = with_rope(trained.cfg, opts.rope)
     if opts.micro_batch:
         cfg = replace(cfg, data=replace(cfg.data, micro_batch_size=opts.micro_batch))
     d = cfg.data
@@ -104,6 +120,26 @@ def _plan(checkpoint: str, manifest: str, opts: EvaluateOptions, world: int) -> 
     return trained, cfg, m
 
 
+def with_rope(cfg: RunConfig, rope: str) -> RunConfig:
+    """``cfg`` with ``rope`` (``KEY=VALUE,...`` of ``model.rope``) over its RoPE, as a stage
+    sets one: another kind starts from its own defaults, θ kept (one line if it is not a
+    RoPE the model can run)."""
+    if not rope:
+        return cfg
+    pairs = [p.strip() for p in rope.split(",") if p.strip()]
+    if any("=" not in p for p in pairs):
+        raise ConfigError(f"--rope: give KEY=VALUE pairs separated by commas, got {rope!r}")
+    given = parse_overrides(f"model.rope.{p}" for p in pairs)["model"]["rope"]
+    base = to_dict(cfg.model.rope)
+    if "kind" in given and given["kind"] != base["kind"]:
+        base = {"theta": base["theta"]}
+    try:
+        new = from_dict(RopeConfig, deep_merge(base, given), "model.rope")
+    except ConfigError as e:
+        raise ConfigError(f"--rope: {e}") from None
+    return replace(cfg, model=replace(cfg.model, rope=new))
+
+
 def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
     """One rank's evaluation; ``plan``: what the parent's :func:`_plan` gave, when it
     runs in the parent's process."""
@@ -117,12 +153,38 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
     mesh = place.mesh
     options = StreamOptions.from_config(cfg.data).in_order()
     d = cfg.data
-    stream = WindowStream(manifest, mesh.dp_rank, mesh.dp, d.micro_batch_size, d.seq_len, options)
+    edges = opts.edges
+    answers = None
+    if has_answers(manifest):  # a recall probe: bins by answer distance
+        edges = edges or bucket_edges(d.seq_len)
+        answers = AnswerBins(read_answers(manifest), manifest.seq_len, d.seq_len, edges)
+    stream: ShardStream | InOrderWindows
+    if d.seq_len == manifest.seq_len:  # whole samples: the batches the training eval reads
+        stream = ShardStream(manifest, mesh.dp_rank, mesh.dp, d.micro_batch_size, options)
+    else:
+        stream = InOrderWindows(
+            manifest,
+            mesh.dp_rank,
+            mesh.dp,
+            d.micro_batch_size,
+            d.seq_len,
+            options,
+            d.window_positions,
+        )
     bar = None
     try:
-        per_epoch = stream.order.batches_per_epoch
+        per_epoch = (
+            stream.batches_per_epoch
+            if isinstance(stream, InOrderWindows)
+            else stream.order.batches_per_epoch
+        )
         count = min(opts.batches, per_epoch) if opts.batches else per_epoch
-        batches = (samples_batch(stream.next_batch(), trained.space) for _ in range(count))
+
+        def batch(samples: list[PackedSample]) -> Batch | tuple[Batch, Tensor]:
+            b = samples_batch(samples, trained.space)
+            return b if answers is None else (b, answers.of(samples))
+
+        batches = (batch(stream.next_batch()) for _ in range(count))
         if mesh.rank == 0:  # one bar: a long evaluation shows where it is
             tqdm.set_lock(threading.RLock())  # not a multiprocessing lock (see train/loop.py)
             # on a terminal only (disable=None), and cleared however the loop ends, so an
@@ -132,13 +194,13 @@ def _worker(payload: dict[str, Any], plan: Any = None) -> EvalResult:
             )
             batches = bar
         result = evaluate_batches(
-            setup, batches, units_for(trained.space, trained.tokenizers), opts.edges
+            setup, batches, units_for(trained.space, trained.tokenizers), edges
         )
     finally:
         if bar is not None:
             bar.close()
         stream.close()
-    return result
+    return result if answers is None else replace(result, binned_by="distance")
 
 
 def evaluate_checkpoint(checkpoint: str, manifest: str, opts: EvaluateOptions) -> EvalResult:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -101,6 +101,10 @@ class EvalResult:
     bins: dict[str, list[tuple[int, int, float, int]]]  # (lo, hi, nats per token, targets)
     batches: int = 0
     samples: int = 0
+    # per modality, beside ``bins``: how many of each bin's targets the model's first guess
+    # (argmax) gets right
+    hits: dict[str, list[int]] = field(default_factory=dict)
+    binned_by: str = "position"  # what the bins are of: "distance" for the recall probe
 
     def bits_per_unit(self) -> dict[str, tuple[str, float]]:
         out = {}
@@ -136,9 +140,11 @@ class EvalResult:
                 name, v = bpu[m]
                 entry[f"bits_per_{name}"] = v
                 entry[f"{name}s"] = self.units[m][1]
-            entry["by_position"] = [
+            right = self.hits.get(m)
+            entry[f"by_{self.binned_by}"] = [
                 {"lo": lo, "hi": hi, "nats_per_token": v, "targets": n}
-                for lo, hi, v, n in self.bins.get(m, [])
+                | ({"right": right[j], "accuracy": right[j] / n} if right else {})
+                for j, (lo, hi, v, n) in enumerate(self.bins.get(m, []))
             ]
             per[m] = entry
         return {
@@ -152,13 +158,16 @@ class EvalResult:
 @torch.no_grad()
 def evaluate_batches(
     setup: Setup,
-    batches: Iterable[Batch],
+    batches: Iterable[Batch | tuple[Batch, Tensor]],
     units: Mapping[str, Unit] | None = None,
     edges: Sequence[int] | None = None,
 ) -> EvalResult:
     """Evaluate whole samples (each sliced for this rank here) through ``setup.engine``.
 
-    ``edges``: position bins (default :func:`log_edges`); ``units``: :func:`units_for`."""
+    ``edges``: position bins (default :func:`log_edges`); ``units``: :func:`units_for`.
+    A batch given as (batch, bins) brings its own [b, N] bin of each target (-1: none)
+    instead of its position's (the recall probe's distance buckets; ``edges`` then name
+    the buckets), sliced for this rank as the labels are."""
     space, device = setup.space, setup.device
     mods = list(space.modalities)
     edge_list = list(edges) if edges is not None else log_edges()
@@ -170,18 +179,25 @@ def evaluate_batches(
     # units per modality
     by_bin = torch.zeros(len(mods), nb, dtype=torch.float64, device=device)
     bin_counts = torch.zeros(len(mods), nb, dtype=torch.float64, device=device)
+    hits = torch.zeros(len(mods), nb, dtype=torch.float64, device=device)
     unit_counts = torch.zeros(len(mods), dtype=torch.float64, device=device)
     sums = ModalitySums(mods)  # the global per-modality figures, as training sums them
     count = samples = 0
-    for batch in batches:
+    for item in batches:
+        batch, given = item if isinstance(item, tuple) else (item, None)
         count += 1
         samples += batch.input_ids.shape[0]
         local = setup.slice_of(batch)
-        bins = position_bins(local, edge_t)
+        if given is None:
+            bins = position_bins(local, edge_t)
+        else:  # the given bins, sliced as the labels are
+            bins = setup.slice_of(replace(batch, labels=given)).labels
+            bins = torch.where(local.labels == IGNORE, torch.full_like(bins, -1), bins)
         _, report = forward_loss(setup.engine, local, setup.weights, setup.mesh, bins, nb)
         sums.add(report)
-        assert report.by_bin is not None
+        assert report.by_bin is not None and report.hits_by_bin is not None
         by_bin += report.by_bin.double()
+        hits += report.hits_by_bin.double()
         target_mod = torch.where(local.labels == IGNORE, -1, local.label_modality)
         for i, m in enumerate(mods):
             sel = target_mod == i
@@ -191,7 +207,7 @@ def evaluate_batches(
                 unit_counts[i] += tables[m][
                     setup.model.heads.head_index(local.labels[sel], m)
                 ].sum()
-    reduced = torch.cat([by_bin.flatten(), bin_counts.flatten(), unit_counts])
+    reduced = torch.cat([by_bin.flatten(), bin_counts.flatten(), unit_counts, hits.flatten()])
     seen = torch.tensor([float(samples)], dtype=torch.float64, device=device)
     if setup.mesh.distributed:
         dist.all_reduce(reduced, group=setup.mesh.world_group)
@@ -200,9 +216,14 @@ def evaluate_batches(
     m_, b_ = len(mods), nb
     by_bin = reduced[: m_ * b_].view(m_, b_).cpu()
     bin_counts = reduced[m_ * b_ : 2 * m_ * b_].view(m_, b_).cpu()
-    unit_counts = reduced[2 * m_ * b_ :].cpu()
+    unit_counts = reduced[2 * m_ * b_ : 2 * m_ * b_ + m_].cpu()
+    hits = reduced[2 * m_ * b_ + m_ :].view(m_, b_).cpu()
     bins_out: dict[str, list[tuple[int, int, float, int]]] = {}
+    hits_out: dict[str, list[int]] = {}
     for i, m in enumerate(mods):
+        kept = [j for j in range(b_) if bin_counts[i, j] > 0]
+        if kept:
+            hits_out[m] = [int(hits[i, j]) for j in kept]
         rows = [
             (
                 edge_list[j],
@@ -225,4 +246,5 @@ def evaluate_batches(
         bins=bins_out,
         batches=count,
         samples=int(seen.item()),
+        hits=hits_out,
     )

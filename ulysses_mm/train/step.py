@@ -190,6 +190,8 @@ def forward_loss(
     share, report = global_loss(out.ce_sum, out.targets, weights, mesh, model.space.modalities)
     if out.ce_by_bin is not None:
         report.by_bin = out.ce_by_bin.detach()
+    if out.hits_by_bin is not None:
+        report.hits_by_bin = out.hits_by_bin.detach()
     return share, report
 
 
