@@ -211,7 +211,9 @@ def main() -> None:
         "--samples", type=int, default=16000, help="training samples of 8·L0 tokens (16000)"
     )
     ap.add_argument("--eval-documents", type=int, default=96, help="held-out documents (96)")
-    ap.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated of {WAYS}")
+    ap.add_argument(
+        "--ways", default=None, help=f"comma-separated of {WAYS} (all; --quick: plain,yarn)"
+    )
     ap.add_argument("--seed", type=int, default=0, help="model init and probe data (0)")
     ap.add_argument("--out", default=None, help="work directory (default: a temporary one)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write every curve here")
@@ -231,8 +233,9 @@ def main() -> None:
         return
     if args.quick:
         args.length, args.steps, args.samples, args.eval_documents = 32, 4, 8, 8
-        args.runs, args.ways = "4:0.5", "plain,yarn"
-    ways = [w for w in args.ways.split(",") if w]
+        args.runs = "4:0.5"
+        args.ways = args.ways or "plain,yarn"
+    ways = [w for w in (args.ways or ",".join(WAYS)).split(",") if w]
     if unknown := [w for w in ways if w not in WAYS]:
         ap.error(f"--ways: unknown {unknown} (of {WAYS})")
     if args.out:

@@ -22,7 +22,7 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_a2a_bytes.py": [],
     "bench_async_save.py": [],
     "bench_audio.py": [],
-    "bench_context_extension.py": ["--ways", "plain", "--jobs", "1"],
+    "bench_context_extension.py": ["--ways", "plain"],
     "bench_dna.py": [],
     "bench_estimate.py": [],
     "bench_generate.py": ["--device", "cpu"],
