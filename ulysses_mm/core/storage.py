@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import glob as _glob
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -44,6 +45,24 @@ from ulysses_mm.core.errors import StorageError, first_line
 
 _TEMP_RE = re.compile(r"^\..+\.[0-9a-z_]+\.tmp$")
 _CHUNK = 8 << 20
+
+
+class _OrphanedClientWrite(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for an aiohttp request body
+    still being written when its server went away: the request itself already failed and
+    is reported once, in one line, by the caller (:func:`remote_error`); the orphaned
+    writer task's traceback would follow it on the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (
+            str(record.msg).startswith("Task exception was never retrieved")
+            and exc is not None
+            and type(exc).__module__.startswith("aiohttp")
+        )
+
+
+logging.getLogger("asyncio").addFilter(_OrphanedClientWrite())
 
 
 # ------------------------------------------------------------------------ names
