@@ -11,7 +11,11 @@ from typing import Any
 
 from ulysses_mm.config import RunConfig, load_config
 from ulysses_mm.core.errors import UserError
+from ulysses_mm.tools.estimate.devices import EFFICIENCY, gpu_kind
+from ulysses_mm.tools.estimate.documents import doc_lengths
+from ulysses_mm.tools.estimate.fastest import rank_layouts
 from ulysses_mm.tools.estimate.render import render
+from ulysses_mm.tools.estimate.render_time import headline, render_time
 from ulysses_mm.tools.estimate.result import (
     GPUS_PER_NODE,
     HOST_GIB_PER_NODE,
@@ -29,7 +33,10 @@ from ulysses_mm.tools.estimate.search import (
 )
 from ulysses_mm.tools.estimate.shape import token_space
 from ulysses_mm.tools.estimate.stages import run_staged_cli
+from ulysses_mm.tools.estimate.step_time import TimeSetup, flop_rates, step_time
 from ulysses_mm.tools.estimate.units import GiB
+
+BEST_SHOWN = 5  # layouts --best lists
 
 
 def run_cli(args: Any) -> int:
@@ -51,8 +58,25 @@ def run_cli(args: Any) -> int:
         gpus_per_node=getattr(args, "gpus_per_node", GPUS_PER_NODE),
     )
     groups = head_groups_arg(getattr(args, "head_groups", None))
+    timing = None
+    if getattr(args, "time", False) or getattr(args, "best", False):
+        timing = TimeSetup(
+            rates=flop_rates(cfg, space),
+            docs=doc_lengths(args.doc_lengths, args.manifest, cfg.data.storage_options),
+            device=gpu_kind(args.gpu_kind),
+            efficiency=EFFICIENCY,
+            budget=args.tokens,
+        )
     if cfg.train.stages:  # a length and layout per stage: the per-stage table
-        return run_staged_cli(args, cfg, opts)
+        if getattr(args, "best", False):
+            raise UserError(
+                "--best tries the layouts of one length, and each stage of this config sets "
+                "its own; use --time for the stages, or --best with train.stages=[]"
+            )
+        return run_staged_cli(args, cfg, opts, timing)
+    if getattr(args, "best", False):
+        assert timing is not None
+        return _run_best(args, cfg, opts, timing)
     if isinstance(groups, int):
         opts = replace(opts, head_groups=groups)
     longest, per_groups = None, None
@@ -82,8 +106,13 @@ def run_cli(args: Any) -> int:
             est = estimate(cfg, seq_len, opts)
         if est.host_fits is False:
             raise UserError(host_refusal(est))
+    st = step_time(cfg, est, *timing.args()) if timing is not None else None
     if args.json:
         out = est.to_dict()
+        if st is not None:
+            out["time"] = st.to_dict()
+            out["time"]["budget_tokens"] = timing.budget if timing else None
+            out["time"]["budget_s"] = st.time_for(timing.budget) if timing else None
         if args.max:
             out["max_seq_len"] = longest
         if per_groups is not None:
@@ -116,4 +145,60 @@ def run_cli(args: Any) -> int:
                 f"(sp {step.sp}, dp {step.dp}; a multiple of sp × {MAX_GRANULARITY})\n"
             )
     print(render(est, args.phases))
+    if st is not None and timing is not None:
+        print()
+        print(render_time(st, est.step.gpus, timing.budget))
+    return 0
+
+
+def _run_best(args: Any, cfg: RunConfig, opts: EstimateOptions, timing: TimeSetup) -> int:
+    """``estimate --best``: every layout of the world at the length, the fastest that fit
+    first (the top :data:`BEST_SHOWN`), then the breakdown and time of the fastest."""
+    if args.max or args.sp is not None or getattr(args, "head_groups", None) is not None:
+        raise UserError(
+            "--best tries every sp, ring and head-group count: drop --max, --sp and --head-groups"
+        )
+    seq_len = args.seq_len or cfg.data.seq_len
+    if not seq_len:
+        raise UserError("--best needs a length: give --seq-len N (data.seq_len is 0 here)")
+    mem = args.gpu_mem if args.gpu_mem is not None else timing.device.memory_gib
+    gpus = args.gpus or cfg.parallel.sp * (cfg.parallel.dp or 1)
+    ranked = rank_layouts(
+        cfg, seq_len, replace(opts, gpus=gpus, gpu_mem_gib=mem), *timing.ranking_args()
+    )
+    fitting = [c for c in ranked if c.fits]
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "gpu_mem_gib": mem,
+                    "layouts": [
+                        {
+                            **c.est.step.to_dict(),
+                            "total": c.est.total,
+                            "fits": c.fits,
+                            "time": c.time.to_dict(),
+                        }
+                        for c in ranked
+                    ],
+                },
+                indent=1,
+            )
+        )
+        return 0 if fitting else 2
+    print(
+        f"fastest layouts of {gpus} × {timing.device.name} at {seq_len:,} tokens a sample "
+        f"({len(fitting)} of {len(ranked)} layouts fit {mem:g} GiB):"
+    )
+    for i, c in enumerate(fitting[:BEST_SHOWN]):
+        print(
+            f"  {i + 1}. {c.describe():<48} {c.est.total / GiB:6.1f} GiB  {headline(c.time, timing.budget)}"
+        )
+    if not fitting:
+        raise UserError(f"no layout of {gpus} GPUs fits {mem:g} GiB at {seq_len:,} tokens")
+    best = fitting[0]
+    print()
+    print(render(best.est, args.phases))
+    print()
+    print(render_time(best.time, best.est.step.gpus, timing.budget))
     return 0

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from ulysses_mm.config.parse import option, overrides, positional
 from ulysses_mm.core.checks import MAX_PROCESSES
 from ulysses_mm.tools.estimate.cli import run_cli
+from ulysses_mm.tools.estimate.devices import GPU_KINDS
+from ulysses_mm.tools.estimate.documents import SPEC_HELP
 
 # sizes here are arithmetic, not processes: bounds where a figure stops meaning a machine
 # (2^20 GPUs, 2^20 GiB per GPU, 2^30 GiB per node, 2^40 tokens)
@@ -26,7 +28,9 @@ class EstimateArgs:
     sequence that fits --gpu-mem. A config with train.stages is estimated stage by stage on
     one world (each stage's length, micro-batch, sp, ring and head groups; dp = gpus / its
     sp): one line per stage, then the breakdown of the peak stage; with --gpu-mem, a stage
-    that does not fit is refused (exit 2)."""
+    that does not fit is refused (exit 2). With --time, the step time on --gpu-kind GPUs
+    (and with train.stages each stage's and the whole run's); with --best, the fastest
+    layouts that fit."""
 
     config: str = positional(
         "run config YAML, or a shipped config's name (ulysses-mm configs)", "run_config"
@@ -86,6 +90,29 @@ class EstimateArgs:
     )  # fmt: skip
     gpus_per_node: int = option("GPUs of one node, sharing --host-mem", 8, ge=1, le=MAX_PROCESSES)
     phases: bool = option("also list every phase's figure", False)
+    time: bool = option(
+        "also predict the step time on --gpus GPUs of --gpu-kind: FLOPs counted from the "
+        "documents' attention pairs and the memory policy's recomputation, the all-to-all, "
+        "ring, DP/ZeRO and offload traffic over NVLink, network and PCIe, one set of "
+        "efficiency factors (docs/throughput.md); prints step time, tokens/s, MFU and the time "
+        "to --tokens", False,
+    )  # fmt: skip
+    best: bool = option(
+        "try every layout the world allows (sp, ring, head groups) at the length and print "
+        "the fastest few that fit --gpu-mem (default: --gpu-kind's memory)", False,
+    )  # fmt: skip
+    gpu_kind: str = option(
+        "the GPU the time is predicted for (datasheet figures: docs/throughput.md)", "h100",
+        choices=tuple(GPU_KINDS),
+    )  # fmt: skip
+    tokens: float = option(
+        "the token budget --time gives the time to (1e9 = one billion)", 1e9, gt=0,
+        le=1e18, metavar="N",
+    )  # fmt: skip
+    doc_lengths: str | None = option(
+        f"the documents of a sample, for the attention pairs: {SPEC_HELP} (default: manifest "
+        "when --manifest is given, else full)", None, metavar="SPEC",
+    )  # fmt: skip
     json: bool = option("print the estimate as JSON", False)
 
     def main(self) -> int:

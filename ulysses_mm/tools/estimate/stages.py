@@ -23,9 +23,11 @@ from ulysses_mm.core.storage import Location
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.tools.estimate.render import render
+from ulysses_mm.tools.estimate.render_time import duration, headline, render_time
 from ulysses_mm.tools.estimate.result import Estimate, EstimateOptions, estimate, host_refusal
 from ulysses_mm.tools.estimate.search import head_group_choices, head_groups_arg
 from ulysses_mm.tools.estimate.shape import token_space
+from ulysses_mm.tools.estimate.step_time import StepTime, TimeSetup, step_time
 from ulysses_mm.tools.estimate.units import GiB
 
 
@@ -232,11 +234,30 @@ def render_stages(rows: list[StageEstimate], config: str = "") -> str:
     return "\n".join(out)
 
 
-def run_staged_cli(args: Any, cfg: RunConfig, opts: EstimateOptions) -> int:
+def render_stage_times(rows: list[StageEstimate], times: list[StepTime], timing: TimeSetup) -> str:
+    """One time line per stage and the whole run's time (--time)."""
+    world = rows[0].est.step.gpus
+    lines = [f"time on {world} × {timing.device.name} ({times[0].docs}):"]
+    total = 0.0
+    for row, st in zip(rows, times, strict=True):
+        run = row.stage.steps * st.step_s
+        total += run
+        lines.append(
+            f"  stage {row.stage.index:<3} {headline(st)} · {row.stage.steps} steps in "
+            f"{duration(run)}"
+        )
+    lines.append(f"  the whole run: {duration(total)}")
+    return "\n".join(lines)
+
+
+def run_staged_cli(
+    args: Any, cfg: RunConfig, opts: EstimateOptions, timing: TimeSetup | None = None
+) -> int:
     """``ulysses-mm estimate`` on a config with train.stages: the per-stage table, then the
     peak stage's breakdown (or the JSON of it with ``stages`` and ``peak_stage``); with
     --gpu-mem, a plan whose peak stage does not fit is refused after them. ``opts`` are the
-    command's options for :func:`estimate`.
+    command's options for :func:`estimate`; with ``timing`` (--time), each stage's step time
+    and the whole run's time (each stage's steps × its step time) follow the table.
 
     Each stage sets its own layout, so --sp and --max (one length) are refused; --seq-len
     gives the length of the stages whose data.seq_len is 0 (else --manifest's seq_len), and
@@ -271,15 +292,27 @@ def run_staged_cli(args: Any, cfg: RunConfig, opts: EstimateOptions) -> int:
     peak = peak_stage(rows)
     host_over = next((r for r in rows if r.est.host_fits is False), None)
     line = over_budget(rows, f"--gpu-mem {args.gpu_mem:g} GiB") if args.gpu_mem else None
+    times = (
+        [step_time(r.stage.cfg, r.est, *timing.args()) for r in rows] if timing is not None else []
+    )
     if args.json:
         out = peak.est.to_dict()
         out["stages"] = [r.to_dict() for r in rows]
+        for row, st in zip(out["stages"], times, strict=False):
+            row["time"] = st.to_dict()
+        if times:
+            out["run_time_s"] = sum(r.stage.steps * st.step_s for r, st in zip(rows, times))
         out["peak_stage"] = peak.stage.index
         print(json.dumps(out, indent=1))
     else:
         print(render_stages(rows, str(args.config)) + "\n")
+        if timing is not None:
+            print(render_stage_times(rows, times, timing) + "\n")
         print(f"{peak.stage.describe()}, the peak stage:")
         print(render(peak.est, args.phases))
+        if timing is not None:
+            print()
+            print(render_time(times[rows.index(peak)], peak.est.step.gpus, timing.budget))
     if host_over is not None:
         raise UserError(f"{host_over.stage.describe()}: {host_refusal(host_over.est)}")
     if line:
