@@ -58,6 +58,18 @@ class PackedSample:
         return int(self.segments[:, SEG_LENGTH].sum()) if len(self.segments) else 0
 
 
+def sample_pairs(segments: np.ndarray) -> int:
+    """The (query, key) pairs causal attention inside documents computes for one packed
+    sample: Σ over its documents of l·(l+1)/2, a document's pieces (one per modality
+    span) counted together; tail padding none."""
+    if len(segments) == 0:
+        return 0
+    docs, inverse = np.unique(segments[:, SEG_DOC], return_inverse=True)
+    lengths = np.bincount(inverse, weights=segments[:, SEG_LENGTH], minlength=len(docs))
+    lengths = np.rint(lengths).astype(np.int64)
+    return int((lengths * (lengths + 1) // 2).sum())
+
+
 def load_npy(data: bytes, where: str) -> np.ndarray:
     """A ``.npy`` member's array, never unpickled; ``where`` names it in the error."""
     try:

@@ -37,6 +37,9 @@ Layout (JSON object, ``format_version`` 1)::
                              key ``k``, document id ``d`` is ``first_doc_id + d``; its
                              ``runs`` entries of ``modality_runs`` are its token stream.
                              The inputs' ``first_doc_id`` are dataset-wide.
+    sample_pairs             [pairs] per sample: Σ l·(l+1)/2 over its documents, the causal
+                             attention it costs (balanced steps weigh samples by it;
+                             optional: manifests written before it lack it)
 
 Nothing in it depends on time, host or output location, so equal data give equal bytes.
 """
@@ -176,6 +179,9 @@ class Manifest:
     modality_runs: list[tuple[str, int]] | None = None
     # several partitions, each packed on its own; None: one
     partitions: list[PartitionEntry] | None = None
+    # each sample's causal pairs inside its documents (core.format.sample_pairs), what
+    # balanced steps weigh samples by; None = not recorded (an older prepare)
+    sample_pairs: list[int] | None = None
     format_version: int = FORMAT_VERSION
     # where it was loaded from / saved to, with its storage options and the timeouts it
     # was read with (not serialised)
@@ -314,6 +320,7 @@ class Manifest:
                 if self.partitions is not None
                 else {}
             ),
+            **({"sample_pairs": self.sample_pairs} if self.sample_pairs is not None else {}),
         }
 
     def to_json(self) -> bytes:
@@ -416,6 +423,11 @@ class Manifest:
             modality_runs = None if runs is None else [(str(m), _int(t)) for m, t in runs]
         except (TypeError, ValueError) as e:
             raise fail(f"modality_runs must be [modality, tokens] pairs: {e!r}") from e
+        pairs = data.get("sample_pairs")
+        try:
+            sample_pairs = None if pairs is None else [_int(p) for p in pairs]
+        except (TypeError, ValueError) as e:
+            raise fail(f"sample_pairs must be a list of integers: {e!r}") from e
         parts = data.get("partitions")
         try:
             partitions = None if parts is None else [PartitionEntry.from_dict(p) for p in parts]
@@ -434,6 +446,7 @@ class Manifest:
             config=data["config"],
             modality_runs=modality_runs,
             partitions=partitions,
+            sample_pairs=sample_pairs,
         )
         if data["dtype"] != m.dtype:
             raise fail(f"dtype {data['dtype']!r} does not match the token space ({m.dtype})")
@@ -483,6 +496,19 @@ class Manifest:
                 per[m] = per.get(m, 0) + t
             if per != {m: t for m, t in self.tokens.items() if t}:
                 raise fail(f"modality_runs sum to {per}, tokens says {self.tokens}")
+        if self.sample_pairs is not None:
+            most = self.seq_len * (self.seq_len + 1) // 2
+            if len(self.sample_pairs) != self.num_samples:
+                raise fail(
+                    f"sample_pairs holds {len(self.sample_pairs)} figures for "
+                    f"{self.num_samples} samples"
+                )
+            bad = [i for i, p in enumerate(self.sample_pairs) if not 0 <= p <= most]
+            if bad:
+                raise fail(
+                    f"sample_pairs[{bad[0]}] = {self.sample_pairs[bad[0]]} is outside "
+                    f"[0, {most}] (seq_len {self.seq_len})"
+                )
         docs = sum(e.documents for e in self.inputs if e.status == "ok")
         if docs != self.num_documents:
             raise fail(f"inputs hold {docs} documents, num_documents says {self.num_documents}")

@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY, PackedSample
+from ulysses_mm.core.format import SEG_LENGTH, SEG_MODALITY, PackedSample, sample_pairs
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.shards.manifest import InputEntry
 from ulysses_mm.shards.pack import Packer
@@ -57,6 +57,7 @@ class Assembler:
         self.counts = np.zeros(len(space.modalities), dtype=np.int64)  # per modality
         # the token stream as spans of one modality: [modality index, tokens]
         self.spans: list[list[int]] = []
+        self.pairs: list[int] = []  # each sample's causal pairs (core.format.sample_pairs)
 
     def add(self, result: Result) -> None:
         """The next input in input order."""
@@ -101,6 +102,7 @@ class Assembler:
                     self.spans[-1][1] += n
                 else:
                     self.spans.append([m, n])
+            self.pairs.append(sample_pairs(seg))
             self.writer.write(sample)
 
 
@@ -149,6 +151,7 @@ def write_partition(
         samples=assembler.packer.next_sample,
         counts=[int(c) for c in assembler.counts],
         spans=[(m, t) for m, t in assembler.spans],
+        pairs=assembler.pairs,
         reused_inputs=reused,
         crashed=crashed,
     )

@@ -130,6 +130,7 @@ class PartitionResult:
     samples: int
     counts: list[int]  # real tokens per modality (token-space order)
     spans: list[tuple[int, int]]  # the partition's token stream as (modality index, tokens)
+    pairs: list[int] | None  # each sample's causal pairs; None: a fragment written before them
     # how this run got it (not in the fragment)
     reused_inputs: int = 0  # inputs taken from the staging directory
     crashed: list[str] = field(default_factory=list)  # inputs whose worker process died
@@ -150,6 +151,7 @@ class PartitionResult:
             "samples": self.samples,
             "counts": self.counts,
             "runs": [list(r) for r in self.spans],
+            **({"pairs": self.pairs} if self.pairs is not None else {}),
         }
         return (json.dumps(data, indent=1) + "\n").encode()
 
@@ -167,6 +169,7 @@ class PartitionResult:
             samples=int(d["samples"]),
             counts=[int(c) for c in d["counts"]],
             spans=[(int(m), int(t)) for m, t in d["runs"]],
+            pairs=[int(p) for p in d["pairs"]] if "pairs" in d else None,
         )
 
 

@@ -261,6 +261,7 @@ def _manifest(
     shards: list[ShardEntry] = []
     parts: list[PartitionEntry] = []
     spans: list[tuple[str, int]] = []
+    pairs: list[int] | None = []
     counts = [0] * len(space.modalities)
     first_sample = first_doc = 0
     for task, r in zip(tasks, results):
@@ -292,6 +293,7 @@ def _manifest(
             )
         )
         spans += part_spans
+        pairs = pairs + r.pairs if pairs is not None and r.pairs is not None else None
         counts = [a + b for a, b in zip(counts, r.counts)]
         first_sample += r.samples
         first_doc += r.documents
@@ -308,6 +310,7 @@ def _manifest(
         config=_recorded_config(cfg, multi),
         modality_runs=spans,
         partitions=parts if multi else None,
+        sample_pairs=pairs,
     )
 
 
