@@ -6,6 +6,12 @@ counts are all-reduced (they carry no gradient); each rank's share of the loss i
 exactly the single-process loss, and so do their gradients: summing gradients over every
 rank (what the engine's reduction does, up to its averaging factor) gives the gradient of
 one process on the same global batch.
+
+With ``step_counts`` (the targets of each modality in a whole optimizer step: every
+micro-batch of gradient accumulation, every DP group) a share divides by those instead, so
+the shares of all micro-steps add up to the token-weighted loss of the whole step — which
+does not depend on which micro-step or rank holds a sample (balanced steps move them), and
+accumulating k micro-batches gives the gradient of one batch k times larger.
 """
 
 from __future__ import annotations
@@ -43,9 +49,16 @@ def loss_weights(modalities: Sequence[str], weights: Mapping[str, float], device
 
 
 def global_loss(
-    sums: Tensor, counts: Tensor, weights: Tensor, mesh: Mesh, modalities: Sequence[str]
+    sums: Tensor,
+    counts: Tensor,
+    weights: Tensor,
+    mesh: Mesh,
+    modalities: Sequence[str],
+    step_counts: Tensor | None = None,
 ) -> tuple[Tensor, LossReport]:
-    """(this rank's share of the loss, for backward; the global report)."""
+    """(this rank's share of the loss, for backward; the global report). With
+    ``step_counts`` [M], the share is of the whole step's loss (module docstring); the
+    report is this micro-batch's either way."""
     counts_g = counts.detach().clone()
     sums_g = sums.detach().clone()
     if mesh.distributed:
@@ -57,7 +70,12 @@ def global_loss(
     if float(wsum) == 0.0:
         share = sums.sum() * 0.0  # no target anywhere: a zero loss that still has a graph
         return share, LossReport(0.0, {}, {m: 0 for m in modalities})
-    share = (w * sums / counts_g.clamp(min=1)).sum() / wsum
+    if step_counts is None:
+        share = (w * sums / counts_g.clamp(min=1)).sum() / wsum
+    else:
+        c = step_counts.to(sums.dtype)
+        ws = weights.to(sums.dtype) * (c > 0)
+        share = (ws * sums / c.clamp(min=1)).sum() / ws.sum().clamp(min=1e-30)
     means = sums_g / counts_g.clamp(min=1)
     total = float((w * means).sum() / wsum)
     per = {m: float(means[i]) for i, m in enumerate(modalities) if counts_g[i] > 0}

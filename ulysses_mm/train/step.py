@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ulysses_mm.config import RunConfig
+from ulysses_mm.core.format import IGNORE
 from ulysses_mm.core.tokenspace import TokenSpace
 from ulysses_mm.loader.batch import Batch
 from ulysses_mm.model import LossOutput, MultimodalLM, Offload, apply_memory_policy, build_model
@@ -179,15 +181,19 @@ def forward_loss(
     mesh: Mesh,
     bins: Tensor | None = None,
     num_bins: int = 0,
+    step_counts: Tensor | None = None,
 ) -> tuple[Tensor, LossReport]:
     """Forward this rank's slice through ``module`` (a model or its DeepSpeed engine):
     (this rank's share of the global loss, the global report). With ``bins`` [b, n] (each
     target's bin, -1 for none; evaluation), the report also holds this rank's CE sums per
-    modality and bin (``by_bin``)."""
+    modality and bin (``by_bin``). With ``step_counts`` the share is of the whole step's
+    loss (:func:`~ulysses_mm.parallel.global_loss`)."""
     args = (local.input_ids, local.position_ids, local.doc_ids, local.labels, local.label_modality)
     out: LossOutput = module(*args) if bins is None else module(*args, bins, num_bins)
     model = cast(MultimodalLM, module.module if _is_engine(module) else module)
-    share, report = global_loss(out.ce_sum, out.targets, weights, mesh, model.space.modalities)
+    share, report = global_loss(
+        out.ce_sum, out.targets, weights, mesh, model.space.modalities, step_counts
+    )
     if out.ce_by_bin is not None:
         report.by_bin = out.ce_by_bin.detach()
     if out.hits_by_bin is not None:
@@ -202,6 +208,7 @@ def forward_backward(
     mesh: Mesh,
     scale: float = 1.0,
     engine_mesh: Mesh | None = None,
+    step_counts: Tensor | None = None,
 ) -> tuple[Tensor, LossReport]:
     """Forward, global loss, backward of this rank's share (times ``scale``); returns
     (the share, detached; the global report).
@@ -210,11 +217,14 @@ def forward_backward(
     (:func:`~ulysses_mm.train.engine.loss_scale` of ``engine_mesh``, the layout the
     engine was built on; default ``mesh``), so its dp-average of the gradients is the
     single-process gradient of the global batch; through a plain model the gradients
-    summed over every rank are."""
-    share, report = forward_loss(module, local, weights, mesh)
+    summed over every rank are. With ``step_counts`` (:func:`step_counts`) the share is
+    already of the whole step's loss, so the engine does not divide it by the
+    accumulation steps again."""
+    share, report = forward_loss(module, local, weights, mesh, step_counts=step_counts)
     if _is_engine(module):
         factor = deepspeed_engine.loss_scale(engine_mesh or mesh) * scale
-        module.backward(share * factor)  # type: ignore[operator]
+        whole_step = step_counts is not None
+        module.backward(share * factor, scale_wrt_gas=not whole_step)  # type: ignore[operator]
     else:
         (share * scale).backward()
     return share.detach(), report
@@ -228,19 +238,41 @@ class StepResult:
     grad_norm: float = math.nan
 
 
+def step_counts(batches: Sequence[Batch], mesh: Mesh, modalities: int, device: Any) -> Tensor:
+    """[M] float64: the targets of each modality in a whole step, ``batches`` (this DP
+    group's micro-batches, whole samples) summed over every DP group (one all-reduce)."""
+    counts = torch.zeros(modalities, dtype=torch.float64)
+    for b in batches:
+        which = b.label_modality[b.labels != IGNORE]
+        counts += torch.bincount(which[which >= 0], minlength=modalities).double()
+    counts = counts.to(device)
+    if mesh.dp > 1:
+        dist.all_reduce(counts, group=mesh.dp_group)
+    return counts
+
+
 def train_step(setup: Setup, batches: Iterable[Batch], grad_norm: bool = True) -> StepResult:
     """One optimizer step over ``batches`` (the micro-batches of gradient accumulation,
     whole samples: each is sliced for this rank here): forward, backward and the
-    engine's step for each (DeepSpeed steps the optimizer at the accumulation boundary)."""
+    engine's step for each (DeepSpeed steps the optimizer at the accumulation boundary).
+    The step's loss is token-weighted over all of them (:func:`step_counts`), so it does
+    not depend on how the step's samples are spread over micro-steps and DP ranks."""
     out = StepResult()
     pending = math.nan
+    batches = list(batches)
+    counts = step_counts(batches, setup.mesh, len(setup.space.modalities), setup.weights.device)
     it = iter(batches)
     nxt = next(it, None)
     while nxt is not None:
         batch, nxt = nxt, next(it, None)
         local = setup.slice_of(batch)
         _, report = forward_backward(
-            setup.engine, local, setup.weights, setup.mesh, engine_mesh=setup.engine_mesh
+            setup.engine,
+            local,
+            setup.weights,
+            setup.mesh,
+            engine_mesh=setup.engine_mesh,
+            step_counts=counts,
         )
         out.reports.append(report)
         if grad_norm and nxt is None and setup.engine.zero_optimization_stage() == 0:
