@@ -23,14 +23,20 @@ from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.shards.prepare.run import load_pipeline_config, prepare
 
 MOTIF = "ACGTTGCAAGTC"
+# records of unequal length: a few as long as a sample of 256 tokens among many short ones,
+# so packed samples differ in attention work (balanced steps)
+MIXED_LENGTHS = [700, 40, 60, 30, 50, 900, 45, 35, 55, 65, 25, 800, 40, 30, 60, 50] * 3
 
 
-def learnable_fasta(path: Path, records: int, length: int, seed: int) -> Path:
+def learnable_fasta(
+    path: Path, records: int, length: int, seed: int, lengths: list[int] | None = None
+) -> Path:
+    """``records`` records of [length/2, length) bases, or of ``lengths`` when given."""
     rng = np.random.default_rng(seed)
     with path.open("w") as f:
         for i in range(records):
             phase = int(rng.integers(len(MOTIF)))
-            n = int(rng.integers(length // 2, length))
+            n = int(rng.integers(length // 2, length)) if lengths is None else lengths[i]
             seq = (MOTIF * (n // len(MOTIF) + 2))[phase : phase + n]
             f.write(f">rec{i}\n")
             for j in range(0, n, 70):
@@ -39,12 +45,19 @@ def learnable_fasta(path: Path, records: int, length: int, seed: int) -> Path:
 
 
 def prepare_dna(
-    root: Path, name: str, records: int, seq_len: int, seed: int = 0, length: int = 900
+    root: Path,
+    name: str,
+    records: int,
+    seq_len: int,
+    seed: int = 0,
+    length: int = 900,
+    lengths: list[int] | None = None,
 ) -> Path:
-    """Prepare a learnable DNA dataset under ``root/name``; returns its manifest path."""
+    """Prepare a learnable DNA dataset under ``root/name`` (records as
+    :func:`learnable_fasta` writes them); returns its manifest path."""
     src = root / f"{name}-src"
     src.mkdir(parents=True, exist_ok=True)
-    learnable_fasta(src / f"{name}.fa", records, length, seed)
+    learnable_fasta(src / f"{name}.fa", records, length, seed, lengths)
     out = root / name
     cfg = load_pipeline_config(
         REPO / "pipelines" / "dna.yaml",

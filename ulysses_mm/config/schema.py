@@ -407,6 +407,14 @@ class DataConfig:
         "or continue the document's (positions reach the document's length).",
         "restart",
     )
+    balance: bool = _help(
+        "Balanced steps: with dp > 1, spread each optimizer step's samples over DP ranks "
+        "and micro-steps by their attention work (Σ l·(l+1)/2 over their documents, from "
+        "the manifest's sample_pairs), so no rank waits long for another; the same samples "
+        "in each step and the same loss. Off: rank r reads positions [r·mb, (r+1)·mb) of "
+        "each micro-step. Not with windows (data.seq_len shorter than the samples).",
+        True,
+    )
     seed: int = _help(
         "Seed of the sample order (a function of seed, epoch, manifest).", 0, ge=0, le=SEED_MAX
     )

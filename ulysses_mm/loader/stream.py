@@ -1,6 +1,7 @@
 """The training loader: shards by URL through fsspec, read as a webdataset pipeline in
 the order :mod:`~ulysses_mm.loader.order` gives, one DP rank's micro-batches at a time,
-resumable at any sample (:mod:`~ulysses_mm.loader.state`).
+resumable at any sample (:mod:`~ulysses_mm.loader.state`); a step's samples spread over
+the DP ranks by their attention work when asked (:mod:`~ulysses_mm.loader.balance`).
 
 Reading. A shard is fetched whole (:mod:`ulysses_mm.loader.fetch`: timeouts, bounded
 retries, sha256 checked, a data error never retried), through the node's shared cache
@@ -23,7 +24,7 @@ import numpy as np
 import webdataset as wds
 
 from ulysses_mm.config import DataConfig
-from ulysses_mm.core.errors import first_line
+from ulysses_mm.core.errors import DataError, first_line
 from ulysses_mm.core.format import (
     SEGMENTS_KEY,
     TOKENS_KEY,
@@ -32,6 +33,7 @@ from ulysses_mm.core.format import (
     load_npy,
 )
 from ulysses_mm.loader import state
+from ulysses_mm.loader.balance import StepWork, Work, assign, in_order, sample_work
 from ulysses_mm.loader.fetch import Prefetcher, fetch_shard
 from ulysses_mm.loader.mix_tally import MixTally
 from ulysses_mm.loader.node_cache import NodeCache
@@ -130,6 +132,7 @@ class ShardStream:
         micro_batch: int,
         options: StreamOptions = StreamOptions(),
         cache: NodeCache | None = None,
+        work: Work | None = None,
     ) -> None:
         if not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank {dp_rank} is outside dp={dp}")
@@ -137,7 +140,19 @@ class ShardStream:
         self.order = GlobalOrder(sources, dp * micro_batch, o.seed, o.shuffle, o.shuffle_buffer)
         if not self.order.mixed:
             check_enough_samples(self.order.manifests[0], dp, micro_batch)
+        self.dp_rank, self.dp, self.micro_batch = dp_rank, dp, micro_batch
         self.positions = rank_positions(dp_rank, micro_batch)
+        self.work = work
+        self._pairs = [np.asarray(m.sample_pairs or [], np.float64) for m in self.order.manifests]
+        if work is not None:
+            lacking = [m.location for m in self.order.manifests if m.sample_pairs is None]
+            if lacking:
+                raise DataError(
+                    f"{lacking[0]} records no sample_pairs (written by an older prepare): "
+                    "prepare it again, or set data.balance=false"
+                )
+        # the last step's work per (micro-step, DP rank): (in order, as read)
+        self.last_work: tuple[StepWork, StepWork] | None = None
         self.options, self.cache = options, cache
         self.cursor = self.order.start()
         self.tally = MixTally(self.order)
@@ -226,6 +241,31 @@ class ShardStream:
         if self._prefetch is not None:
             self._prefetch.schedule(self.upcoming_shards())
         return samples
+
+    def next_step(self, count: int) -> list[list[PackedSample]]:
+        """This DP rank's ``count`` micro-batches of the next optimizer step: with
+        ``work``, the step's samples spread by their work (:func:`~ulysses_mm.loader.
+        balance.assign`; the same samples, the same cursor after), else in order."""
+        if self.work is None:
+            return [self.next_batch() for _ in range(count)]
+        if self._prefetch is not None and not self._prefetch.busy:
+            self._prefetch.schedule(self.upcoming_shards())
+        src, idx, after = self.order.span(self.cursor, count * self.order.global_batch)
+        tokens = np.array([self.order.manifests[self.order.sources[s].m].seq_len for s in src])
+        pairs = np.array([self._pairs[self.order.sources[s].m][i] for s, i in zip(src, idx)])
+        work = sample_work(pairs, tokens, self.work.linear)
+        dp, mb = self.dp, self.micro_batch
+        plan = assign(work, dp, mb, count) if self.work.balance else in_order(count, dp, mb)
+        self.last_work = (StepWork.of(work, in_order(count, dp, mb)), StepWork.of(work, plan))
+        out = [
+            [self._sample(int(src[p]), int(idx[p])) for p in plan[k, self.dp_rank]]
+            for k in range(count)
+        ]
+        self.cursor = after
+        self.tally.add(src, idx)
+        if self._prefetch is not None:
+            self._prefetch.schedule(self.upcoming_shards())
+        return out
 
     def __iter__(self) -> Iterator[list[PackedSample]]:
         while True:

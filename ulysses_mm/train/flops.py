@@ -81,3 +81,15 @@ def causal_pairs(doc_ids: torch.Tensor) -> float:
         c = counts.double()
         total += float((c * (c + 1) / 2).sum())
     return total
+
+
+def pairs_per_token(model: MultimodalLM) -> float:
+    """The decoder's dense FLOPs per token over its attention FLOPs per (query, key) pair
+    (:func:`train_flops`'s two terms): what a token of linear work weighs in pairs. From
+    the config's dimensions, so a partitioned model (ZeRO-3) gives the same figure."""
+    c = model.config
+    assert c.head_dim is not None
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    d = c.hidden_size
+    per_layer = 2 * d * q + 2 * d * kv + 3 * d * c.intermediate_size + 2 * d
+    return per_layer / (2.0 * q)

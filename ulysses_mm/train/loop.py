@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from tqdm import tqdm
 from ulysses_mm.config import RunConfig, Stage, from_dict, run_stages, stage_of, to_dict
 from ulysses_mm.core.errors import Interrupted, UserError, WorkerError
 from ulysses_mm.core.layout import Layout
+from ulysses_mm.loader.balance import Work
 from ulysses_mm.loader.batch import Batch, samples_batch
 from ulysses_mm.loader.fetch import FetchInterrupted
 from ulysses_mm.loader.node_cache import NodeCache
@@ -41,7 +43,7 @@ from ulysses_mm.parallel.mesh import Mesh, close_world, in_launched_world, open_
 from ulysses_mm.tokenize.table import TokenizerTable
 from ulysses_mm.train import checkpoint
 from ulysses_mm.train.evaluate import EvalResult, evaluate_batches, units_for
-from ulysses_mm.train.flops import causal_pairs, peak_tflops, train_flops
+from ulysses_mm.train.flops import causal_pairs, pairs_per_token, peak_tflops, train_flops
 from ulysses_mm.train.logger import MetricsLogger
 from ulysses_mm.train.metrics import ModalitySums, peak_memory_mb
 from ulysses_mm.train.plan import (
@@ -126,6 +128,7 @@ class Trainer:
             plan.space,
         )
         self.sources, self.windows = plan.stream_sources, plan.windows
+        self.plan_sources = plan.sources
         d = cfg.data
         self.cache = NodeCache(d.cache_dir, d.cache_bytes) if d.cache_dir else None
         self.tokenizers = TokenizerTable.merged(
@@ -209,7 +212,8 @@ class Trainer:
         m, mb = self.mesh, self.stage.cfg.data.micro_batch_size
         stream: Stream
         if not self.windows:
-            stream = ShardStream(sources, m.dp_rank, m.dp, mb, options, self.cache)
+            work = None if eval else self._work()
+            stream = ShardStream(sources, m.dp_rank, m.dp, mb, options, self.cache, work)
         else:
             full = self.eval_manifest if eval and self.eval_manifest else self.manifest
             length = self.stage.cfg.data.seq_len or full.seq_len
@@ -220,10 +224,29 @@ class Trainer:
         stream.set_interrupt(lambda: self.stop.requested)
         return stream
 
+    def _work(self) -> Work | None:
+        """How the training stream weighs samples (:mod:`~ulysses_mm.loader.balance`):
+        balanced steps with dp > 1 and ``data.balance``, measured whenever every manifest
+        records its samples' pairs; None when one does not."""
+        balance = self.stage.cfg.data.balance and self.mesh.dp > 1
+        lacking = [m.location for m, _ in self.plan_sources if m.sample_pairs is None]
+        if lacking:
+            if balance and self.rank0:
+                warnings.warn(
+                    f"{lacking[0]} records no sample_pairs (written by an older prepare): "
+                    "steps are not balanced across DP ranks; prepare it again to balance them",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            return None
+        return Work(pairs_per_token(self.model), balance)
+
     def _fetch(self, stream: Stream, count: int) -> list[Batch] | None:
         """``count`` micro-batches of ``stream`` (None when a signal came while waiting for
         a shard: the run is about to stop, and the batches are not trained)."""
         try:
+            if isinstance(stream, ShardStream):
+                return [samples_batch(b, self.space) for b in stream.next_step(count)]
             return [samples_batch(stream.next_batch(), self.space) for _ in range(count)]
         except FetchInterrupted:
             return None
@@ -264,7 +287,8 @@ class Trainer:
             "kind": "train",
             "stage": self.stage.index,
             "seq_len": int(fulls[0].input_ids.shape[1]),
-            "loss": sum(totals) / len(totals),
+            # the step's token-weighted loss, what its gradient is of (train_step)
+            "loss": totals[0] if len(totals) == 1 else sums.weighted_mean(self.weights.tolist()),
             "lr": lr,
             "grad_norm": result.grad_norm,
             "tokens_per_s": tokens / dt,
@@ -277,6 +301,11 @@ class Trainer:
             "peak_memory_mb": peak_memory_mb(self.device),
             **sums.metrics(targets=True),
         }
+        if isinstance(self.stream, ShardStream) and self.stream.last_work is not None:
+            # the step's slowest-rank work over its mean: as read, and had it been read in order
+            in_order, read = self.stream.last_work
+            metrics["balance/max_over_mean"] = read.max_over_mean
+            metrics["balance/in_order_max_over_mean"] = in_order.max_over_mean
         # each manifest's share of the samples, each weighted modality's of its manifest's tokens
         for label, share in self.stream.mix_shares().items():
             metrics[f"mix/{label}"] = share
