@@ -106,3 +106,40 @@ class StepWork:
     def max_over_mean(self) -> float:
         """≥ 1: how much longer the step is than a perfectly even one (1 when it is)."""
         return self.critical / self.mean if self.mean > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class Imbalance:
+    """Steps drawn at random from a dataset's samples: the mean over them of the slowest
+    rank's work over the mean work (:attr:`StepWork.max_over_mean`), read in order and
+    balanced; their ratio is the speedup balancing gives a step bound by compute."""
+
+    in_order: float
+    balanced: float
+    steps: int
+
+    @property
+    def speedup(self) -> float:
+        return self.in_order / self.balanced
+
+
+def simulate(
+    work: np.ndarray, dp: int, micro_batch: int, count: int, steps: int = 64, seed: int = 0
+) -> Imbalance:
+    """:class:`Imbalance` over ``steps`` steps, each ``count × dp × micro_batch`` samples
+    drawn without replacement from ``work`` (each sample's work), as a shuffled order
+    reads them (with replacement when the dataset holds fewer)."""
+    work = np.asarray(work, dtype=np.float64)
+    S = count * dp * micro_batch
+    rng = np.random.default_rng(seed)
+    order = in_order(count, dp, micro_batch)
+    crit_in = crit_bal = mean = 0.0
+    for _ in range(steps):
+        step = work[rng.choice(len(work), S, replace=len(work) < S)]
+        read = StepWork.of(step, order)
+        crit_in += read.critical
+        crit_bal += StepWork.of(step, assign(step, dp, micro_batch, count)).critical
+        mean += read.mean
+    if mean <= 0:
+        return Imbalance(1.0, 1.0, steps)
+    return Imbalance(crit_in / mean, crit_bal / mean, steps)
