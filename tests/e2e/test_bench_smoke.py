@@ -24,6 +24,7 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_audio.py": [],
     "bench_context_extension.py": ["--ways", "plain"],
     "bench_dna.py": [],
+    "bench_dp_balance.py": [],
     "bench_estimate.py": [],
     "bench_generate.py": ["--device", "cpu"],
     "bench_head_groups.py": [],
