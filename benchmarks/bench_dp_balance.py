@@ -23,10 +23,11 @@ core, and that waiting is larger when both ranks compute at once (balanced) than
 idles in the collective (in order). A fit of the CPU seconds to pairs and tokens gives the
 kernel's own linear weight, beside the FLOP ratio.
 
-Simulated (dp = 8 … 1024): steps of dp·micro_batch·gas samples drawn at random (with
-replacement) from each corpus's per-sample pairs, ``StepWork`` of both plans with the
-linear weight of Llama-3-8B (``configs/llama3-8b.yaml`` through
-``train.flops.pairs_per_token``: 26,625 pairs per token). Corpora: one prepared by
+Simulated (dp = 8 … 1024): ``loader.balance.simulate`` (steps of dp·micro_batch·gas
+samples drawn at random from each corpus's per-sample pairs, ``StepWork`` of both plans;
+max/mean and the speedup over all the steps' work) with the linear weight of Llama-3-8B
+(``configs/llama3-8b.yaml`` through ``train.flops.pairs_per_token``: 26,625 pairs per
+token). Corpora: one prepared by
 ``ulysses-mm prepare`` from ``--data`` (default ``shared/data`` beside the repository when
 present, else ``tests/data``; pipelines/mixed.yaml's tokenizers, N = 32K;
 ``sample_pairs`` from the manifest, or from its shards' segment tables when the manifest
@@ -311,26 +312,18 @@ def prepare(data: Path, N: int, out: Path) -> Path:
 def simulate(
     pairs: np.ndarray, N: int, linear: float, dp: int, mb: int, gas: int, steps: int, seed: int
 ) -> dict:
-    from ulysses_mm.loader.balance import StepWork, assign, in_order, sample_work
+    """``balance.simulate`` over a corpus's samples of N tokens, and attention's share of
+    their work."""
+    from ulysses_mm.loader.balance import sample_work
+    from ulysses_mm.loader.balance import simulate as imbalance
 
-    rng = np.random.default_rng(seed)
-    S = dp * mb * gas
-    before, after, speedup = [], [], []
-    att = tot = 0.0
-    order = in_order(gas, dp, mb)
-    for _ in range(steps):
-        p = pairs[rng.integers(len(pairs), size=S)]
-        work = sample_work(p, N, linear)
-        a, b = StepWork.of(work, order), StepWork.of(work, assign(work, dp, mb, gas))
-        before.append(a.max_over_mean)
-        after.append(b.max_over_mean)
-        speedup.append(a.critical / b.critical)
-        att, tot = att + p.sum(), tot + work.sum()
+    work = sample_work(pairs, N, linear)
+    got = imbalance(work, dp, mb, gas, steps=steps, seed=seed)
     return {
-        "before": float(np.mean(before)),
-        "after": float(np.mean(after)),
-        "speedup": float(np.mean(speedup)),
-        "attention_share": att / tot,
+        "before": got.in_order,
+        "after": got.balanced,
+        "speedup": got.speedup,
+        "attention_share": float(pairs.sum() / work.sum()),
     }
 
 
@@ -443,8 +436,9 @@ def main() -> None:
         )  # fmt: skip
     print(
         f"\nsimulated: StepWork of steps of dp × {args.micro_batch} × {args.gas} samples drawn "
-        f"at random (with replacement); linear = {linear:,.0f} pairs/token (Llama-3-8B, "
-        f"{LLAMA3_8B}); max/mean = critical path over an even split, the mean over steps"
+        f"at random (loader.balance.simulate); linear = {linear:,.0f} pairs/token (Llama-3-8B, "
+        f"{LLAMA3_8B}); max/mean = Σ critical path / Σ even split over the steps; speedup = "
+        f"their ratio"
     )
     rows = []
     for name, pairs, N, line in corpora:
