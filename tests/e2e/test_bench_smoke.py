@@ -26,6 +26,7 @@ SCRIPTS: dict[str, list[str]] = {
     "bench_dna.py": [],
     "bench_dp_balance.py": [],
     "bench_estimate.py": [],
+    "bench_estimate_time.py": [],
     "bench_generate.py": ["--device", "cpu"],
     "bench_head_groups.py": [],
     "bench_hf_backend.py": [],

@@ -35,6 +35,10 @@ class DeviceKind:
     # the peak of attention kernels where it differs from the matmul peak (a measured
     # device: its attention kernel's own rate); 0 = peak_flops
     attention_flops: float = 0.0
+    # the attention kernel's cost per query row beyond its pairs (seconds per token and
+    # query head, forward + backward): loading q, writing the output and its statistics,
+    # the per-block work; 0 on a datasheet row, where long rows make it vanish
+    attention_row_s: float = 0.0
     intra_latency_s: float = 10e-6  # one collective call inside a node
     inter_latency_s: float = 25e-6  # one collective call across nodes
     host_adam_params_s: float = 1.0e9  # CPU Adam (offloaded optimizer), params/s per GPU

@@ -157,6 +157,10 @@ def step_time(
     }
     t_matmul = (executed["dense"] + executed["heads"]) / W / (dev.peak_flops * eff.matmul)
     t_attn = executed["attention"] / W / (dev.attention_peak * eff.attention)
+    if dev.attention_row_s:  # every query row of every query head a rank holds
+        passes = executed["attention"] / attn if attn else 1.0
+        rows = samples * step.seq_len * sh.heads * sh.layers / W
+        t_attn += passes * rows * dev.attention_row_s / eff.attention
     compute = t_matmul + t_attn
 
     sent = est.sent_per_layer
