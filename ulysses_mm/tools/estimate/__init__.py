@@ -17,6 +17,9 @@ be chosen before any GPU is held.
 - ``search.py``: :func:`max_seq_len`, the longest sequence that fits (and
   :func:`best_head_groups`, over every head-group count).
 - ``render.py``: the breakdown as text; ``cli.py``: the command.
+- ``--time``: ``devices.py`` the GPU kinds' datasheet rows and the one efficiency set,
+  ``documents.py`` the documents' attention pairs, ``step_time.py`` the step's time,
+  ``render_time.py`` its lines, ``fastest.py`` ``--best`` over every layout of the world.
 """
 
 from ulysses_mm.tools.estimate.activations import Activations, flex_block_mask_bytes
