@@ -69,7 +69,7 @@ def test_time_grows_with_the_attention_pairs():
     specs = ["512", "lognormal:2048:1", "8192", "full"]
     pairs, steps = [], []
     for spec in specs:
-        _, st = _time(cfg, n, doc_lengths(spec))
+        _, st = _time(cfg, n, doc_lengths(spec), gpus=2)  # dp 1: no rank waits for another
         pairs.append(st.pairs_per_sample)
         steps.append(st.step_s)
     assert pairs == sorted(pairs) and steps == sorted(steps)
@@ -77,6 +77,25 @@ def test_time_grows_with_the_attention_pairs():
     assert pairs[-1] == n * (n + 1) / 2
     with pytest.raises(Exception, match="lognormal:MEDIAN"):
         doc_lengths("lognormal:0")
+
+
+def test_the_slowest_dp_rank_is_counted_and_balancing_shortens_it():
+    """Unequal documents at dp 4 with 4 micro-steps a step: the compute is the slowest
+    rank's, less of it balanced; samples of one document each are equal."""
+    docs = doc_lengths("lognormal:4096:2")
+    n, ga = 1 << 15, "deepspeed.gradient_accumulation_steps=4"
+    _, on = _time(_cfg(ga), n, docs, gpus=8, sp=2)
+    _, off = _time(_cfg(ga, "data.balance=false"), n, docs, gpus=8, sp=2)
+    imb = on.dp_imbalance
+    assert 1.0 < imb["balanced"] < imb["in_order"] and imb["counted"] == imb["balanced"]
+    assert off.dp_imbalance["counted"] == imb["in_order"]
+    assert on.step_s < off.step_s
+    assert on.seconds["attention"] / off.seconds["attention"] == pytest.approx(
+        imb["balanced"] / imb["in_order"]
+    )
+    assert any("balanced (data.balance on; counted)" in note for note in on.notes)
+    _, full = _time(_cfg(ga), n, doc_lengths("full"), gpus=8, sp=2)
+    assert full.dp_imbalance["counted"] == 1.0 and not full.notes
 
 
 def test_all_to_all_bytes_are_comms_and_checkpointing_sends_the_forward_again():

@@ -54,6 +54,13 @@ class DocLengths:
             self._pairs[seq_len] = windows_pairs(self._stream(seq_len), seq_len)
         return self._pairs[seq_len]
 
+    def window_pairs(self, seq_len: int) -> np.ndarray:
+        """The causal pairs of each sample of ``seq_len`` tokens the documents make (one
+        figure for ``full``): how unequal the samples' attention work is."""
+        if self.kind == "full":
+            return np.array([seq_len * (seq_len + 1) / 2])
+        return window_pairs(self._stream(seq_len), seq_len)
+
     def _stream(self, seq_len: int) -> np.ndarray:
         if self.kind == "lognormal":
             rng = np.random.default_rng(_SEED)
@@ -81,13 +88,16 @@ class DocLengths:
 
 def windows_pairs(lengths: np.ndarray, seq_len: int) -> float:
     """The mean causal pairs (``train.flops.causal_pairs``) of the windows of ``seq_len``
-    tokens cut from the document stream ``lengths``: whole windows only, at most
-    :data:`MAX_WINDOWS` and :data:`MAX_TOKENS` tokens; a stream shorter than one window is
-    repeated to fill it."""
-    import torch  # lazy: the memory estimate stays torch-free
+    tokens cut from the document stream ``lengths`` (:func:`window_pairs`)."""
+    return float(window_pairs(lengths, seq_len).mean())
 
-    from ulysses_mm.train.flops import causal_pairs  # lazy: imports torch
 
+def window_pairs(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+    """The causal pairs of each window of ``seq_len`` tokens cut from the document stream
+    ``lengths``: whole windows only, at most :data:`MAX_WINDOWS` and :data:`MAX_TOKENS`
+    tokens; a stream shorter than one window is repeated to fill it. A document that
+    crosses a window's end is two pieces, one in each window."""
+    lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
     if total <= 0:
         raise UserError("the document lengths hold no tokens")
@@ -95,13 +105,14 @@ def windows_pairs(lengths: np.ndarray, seq_len: int) -> float:
         lengths = np.tile(lengths, -(-seq_len // total))
         total = int(lengths.sum())
     windows = max(1, min(total // seq_len, MAX_WINDOWS, MAX_TOKENS // seq_len))
-    # one document id per token of the windows, [windows, seq_len]; a document that crosses
-    # a window's end is two pieces, one in each window
+    span = windows * seq_len
+    # document boundaries and window boundaries cut the stream into pieces
     ends = np.cumsum(lengths)
-    kept = int(np.searchsorted(ends, windows * seq_len)) + 1
-    doc_ids = np.repeat(np.arange(kept), lengths[:kept])[: windows * seq_len]
-    rows = torch.from_numpy(doc_ids.reshape(windows, seq_len))
-    return causal_pairs(rows) / windows
+    cuts = np.union1d(ends[ends < span], np.arange(1, windows) * seq_len)
+    bounds = np.concatenate([[0], cuts, [span]])
+    pieces = np.diff(bounds).astype(np.float64)
+    which = bounds[:-1] // seq_len  # the window each piece starts in (and lies in)
+    return np.bincount(which, weights=pieces * (pieces + 1) / 2, minlength=windows)
 
 
 def sample_doc_lengths(sample: PackedSample) -> list[int]:

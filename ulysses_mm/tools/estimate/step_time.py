@@ -24,8 +24,10 @@ it moves, each over the rate its device reaches (:mod:`.devices`).
 - **Optimizer step** on the device: bound by HBM bandwidth.
 
 Overlappable communication hides behind ``overlap`` × the compute time; what does not is
-the exposed communication. Not modelled: pipeline bubbles (there are none here), stragglers
-among DP ranks with unequal samples (the loader balances them), data loading, kernel launch
+the exposed communication. DP ranks with unequal samples: the compute is that of the
+slowest rank, from steps of samples drawn from the documents
+(:func:`~ulysses_mm.loader.balance.simulate`), balanced when ``data.balance`` is on. Not
+modelled: pipeline bubbles (there are none here), data loading, kernel launch
 gaps, the memory-bound element-wise work outside matmuls and attention (in the matmul
 efficiency).
 """
@@ -37,6 +39,7 @@ from typing import Any
 
 from ulysses_mm.config import RunConfig
 from ulysses_mm.core.tokenspace import TokenSpace
+from ulysses_mm.loader.balance import Imbalance, sample_work, simulate
 from ulysses_mm.tools.estimate.devices import DeviceKind, Efficiency
 from ulysses_mm.tools.estimate.documents import DocLengths
 from ulysses_mm.tools.estimate.result import Estimate
@@ -92,6 +95,8 @@ class StepTime:
     seconds: dict[str, float]  # each part, before overlap
     exposed: dict[str, float]  # each part's time on the critical path
     comm_bytes: dict[str, float] = field(default_factory=dict)  # per rank per step
+    # the slowest DP rank's work over the mean: in order, balanced, the one counted
+    dp_imbalance: dict[str, float] = field(default_factory=dict)
     peak_flops: float = 0.0  # of the world
     notes: list[str] = field(default_factory=list)
 
@@ -115,6 +120,19 @@ class StepTime:
         d = asdict(self)
         d.update(step_s=self.step_s, tokens_per_s=self.tokens_per_s, mfu=self.mfu)
         return d
+
+
+def dp_imbalance(
+    docs: DocLengths, seq_len: int, rates: FlopRates, dp: int, micro_batch: int, count: int
+) -> Imbalance:
+    """How much longer than the mean the slowest of ``dp`` ranks computes, for samples
+    of ``seq_len`` tokens holding ``docs``: :func:`~ulysses_mm.loader.balance.simulate`
+    over the samples' work (their pairs + the dense FLOPs per token in pairs)."""
+    pairs = docs.window_pairs(seq_len)
+    if dp <= 1 or len(pairs) < 2 or not rates.per_pair:
+        return Imbalance(1.0, 1.0, 0)
+    work = sample_work(pairs, seq_len, (rates.per_token + rates.per_target) / rates.per_pair)
+    return simulate(work, dp, micro_batch, count, steps=32)
 
 
 def _link(dev: DeviceKind, ranks: int, span: int, gpus_per_node: int) -> tuple[float, float, bool]:
@@ -161,6 +179,11 @@ def step_time(
         passes = executed["attention"] / attn if attn else 1.0
         rows = samples * step.seq_len * sh.heads * sh.layers / W
         t_attn += passes * rows * dev.attention_row_s / eff.attention
+    # the slowest DP rank: each micro-step waits for it (loader.balance)
+    imbalance = dp_imbalance(docs, step.seq_len, rates, step.dp, step.micro_batch, ga)
+    slowest = imbalance.balanced if cfg.data.balance else imbalance.in_order
+    t_matmul *= slowest
+    t_attn *= slowest
     compute = t_matmul + t_attn
 
     sent = est.sent_per_layer
@@ -245,6 +268,12 @@ def step_time(
         "optimizer": t_optimizer,
     }
     notes = []
+    if imbalance.in_order > 1.0 + 1e-9:
+        notes.append(
+            f"unequal samples across dp {step.dp}: the slowest rank's compute is "
+            f"{imbalance.in_order:.3f} × the mean read in order, {imbalance.balanced:.3f} × "
+            f"balanced (data.balance {'on' if cfg.data.balance else 'off'}; counted)"
+        )
     if U > 1 and _link(dev, U, 1, node)[2]:
         notes.append(
             f"the Ulysses group of {U} spans nodes of {node}: its all-to-all crosses the network"
@@ -255,6 +284,11 @@ def step_time(
         docs=docs.describe(),
         tokens=tokens,
         pairs_per_sample=pairs,
+        dp_imbalance={
+            "in_order": imbalance.in_order,
+            "balanced": imbalance.balanced,
+            "counted": slowest,
+        },
         model_flops=model_flops,
         executed_flops=executed,
         seconds=seconds,
