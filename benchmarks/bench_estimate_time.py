@@ -9,7 +9,10 @@ entry, :class:`ulysses_mm.tools.estimate.devices.DeviceKind`), never fitted to t
   document at two lengths: its rate per pair in model FLOPs (12·h·d per pair, as
   ``train_flops`` counts them) and its cost per query row;
 - gloo all-to-all between two local processes: latency and bandwidth from two sizes;
-- memory bandwidth (a large copy), for the optimizer step.
+- memory bandwidth (a large copy), for the optimizer step;
+- the element-wise work the model does outside matmuls and attention, its own pieces at
+  its shapes: a layer's norms, residual adds, RoPE and SwiGLU gate per token, and the
+  loss's softmax cross-entropy per target and vocabulary entry.
 
 Its efficiencies are :data:`~ulysses_mm.tools.estimate.devices.MEASURED` (the rates are
 achieved rates; communication exposed). Then real training steps
@@ -184,6 +187,44 @@ def calibrate(cfg, ulysses: int = 1) -> dict[str, float]:
         "attention_flops": attn,
         "attention_row_s": row,
         "copy_bytes_s": copy,
+        **elementwise(sh, tokens, fastest),
+    }
+
+
+def elementwise(sh, tokens: int, fastest) -> dict[str, float]:
+    """The model's own element-wise pieces at its shapes, forward + backward on ``tokens``
+    tokens: one layer's two RMSNorms, two residual adds, RoPE on q and k and SwiGLU's gate
+    (seconds per token per layer), and the loss's softmax cross-entropy over the widest
+    head (seconds per target per vocabulary entry)."""
+    import torch
+    import torch.nn.functional as F
+
+    from ulysses_mm.model.llama import RMSNorm
+    from ulysses_mm.model.rope import apply_rope
+
+    d, hd = sh.hidden, sh.head_dim
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(1, tokens, *shape, requires_grad=True)
+
+    x, o, m = leaf(d), leaf(d), leaf(d)
+    q, k = leaf(sh.heads, hd), leaf(sh.kv_heads, hd)
+    gate, up = leaf(sh.inter), leaf(sh.inter)
+    cos, sin = torch.randn(1, tokens, hd), torch.randn(1, tokens, hd)
+    norms = RMSNorm(d, 1e-5), RMSNorm(d, 1e-5)
+
+    def layer() -> None:
+        r = x + o
+        outs = [norms[0](x), norms[1](r), r + m, apply_rope(q, cos, sin), apply_rope(k, cos, sin)]
+        outs.append(F.silu(gate) * up)
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    logits = torch.randn(tokens, sh.widest_head, requires_grad=True)
+    labels = torch.randint(0, sh.widest_head, (tokens,))
+    loss = fastest(lambda: F.cross_entropy(logits, labels, reduction="sum").backward())
+    return {
+        "token_layer_s": fastest(layer) / tokens,
+        "target_vocab_s": loss / (tokens * sh.widest_head),
     }
 
 
@@ -237,6 +278,8 @@ def cpu_entry(rates: dict[str, float], bandwidth: float, latency: float, name: s
         source="benchmarks/bench_estimate_time.py microbenchmarks, one thread a process",
         attention_flops=rates["attention_flops"],
         attention_row_s=rates["attention_row_s"],
+        token_layer_s=rates["token_layer_s"],
+        target_vocab_s=rates["target_vocab_s"],
         intra_latency_s=latency,
         inter_latency_s=latency,
     )
@@ -246,7 +289,9 @@ def _rates_text(rates: dict[str, float]) -> str:
     return (
         f"matmul {rates['matmul_flops'] / 1e9:.1f} GFLOP/s, attention "
         f"{rates['attention_flops'] / 1e9:.1f} GFLOP/s + {rates['attention_row_s'] * 1e6:.2f} µs "
-        f"a row, copy {rates['copy_bytes_s'] / 1e9:.1f} GB/s"
+        f"a row, element-wise {rates['token_layer_s'] * 1e6:.2f} µs a token a layer + "
+        f"{rates['target_vocab_s'] * 1e9:.2f} ns a target a vocabulary entry, copy "
+        f"{rates['copy_bytes_s'] / 1e9:.1f} GB/s"
     )
 
 
@@ -264,8 +309,8 @@ def rows_table(rows, measured, rates, bandwidth, latency, quick) -> str:
         f"gloo all-to-all between the two: {bandwidth / 1e9:.2f} GB/s + {latency * 1e6:.0f} µs a "
         "call",
         f"{'layout':<14} {'seq_len':>8} {'doc_len':>8} {'extra':<24} {'measured s':>11} "
-        f"{'predicted s':>12} {'ratio':>6}   compute / attention / a2a / dp (s); the cpu entry "
-        "measured beside the row",
+        f"{'predicted s':>12} {'ratio':>6}   compute / attention / element-wise / a2a / dp (s); the cpu "
+        "entry measured beside the row",
     ]
     table = []
     for i, (procs, sp, seq_len, doc_len, overrides) in enumerate(rows):
@@ -280,7 +325,8 @@ def rows_table(rows, measured, rates, bandwidth, latency, quick) -> str:
         ratio = st.step_s / measured[i]
         layout = f"dp {procs // sp} × sp {sp}"
         parts = " / ".join(
-            f"{st.exposed[k]:.3f}" for k in ("compute", "attention", "all-to-all", "dp comm")
+            f"{st.exposed[k]:.3f}"
+            for k in ("compute", "attention", "element-wise", "all-to-all", "dp comm")
         )
         extra = ",".join(o.split(".")[-1] for o in overrides) or "-"
         lines.append(

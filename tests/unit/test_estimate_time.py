@@ -195,3 +195,24 @@ def test_llama31_8b_1m_on_8_h100(capsys):
     )
     assert 120 < st.step_s < 1200
     assert st.exposed["attention"] > 0.8 * st.step_s
+
+
+def test_element_wise_work_is_timed_from_a_measured_row_or_moved_over_hbm():
+    from dataclasses import replace
+
+    cfg, n = _cfg(), 1 << 14
+    est = estimate(cfg, n, EstimateOptions(gpus=2, sp=2, space=SPACE))
+    rates, docs, h100 = flop_rates(cfg, SPACE), doc_lengths("full"), GPU_KINDS["h100"]
+    sh, tokens = est.shape, n * cfg.data.micro_batch_size / 2  # a rank's tokens
+    datasheet = step_time(cfg, est, rates, docs, h100, EFFICIENCY)
+    touched = 10 * sh.hidden + 2 * (sh.q_width + sh.kv_width) + 3 * sh.inter
+    hbm = h100.hbm_bytes_s * EFFICIENCY.memory
+    want = tokens * (sh.layers * 3 * touched * 4 + sh.widest_head * 16 * 4 / 3) / hbm
+    assert datasheet.exposed["element-wise"] == pytest.approx(want, rel=1e-9)  # fp32 here
+    timed = replace(h100, token_layer_s=1e-6, target_vocab_s=1e-9)
+    st = step_time(cfg, est, rates, docs, timed, EFFICIENCY)
+    want = tokens * (sh.layers * 1e-6 + sh.widest_head * 1e-9 * 4 / 3)
+    assert st.exposed["element-wise"] == pytest.approx(want, rel=1e-9)
+    assert st.step_s - datasheet.step_s == pytest.approx(
+        st.exposed["element-wise"] - datasheet.exposed["element-wise"], rel=1e-6
+    )

@@ -39,6 +39,11 @@ class DeviceKind:
     # query head, forward + backward): loading q, writing the output and its statistics,
     # the per-block work; 0 on a datasheet row, where long rows make it vanish
     attention_row_s: float = 0.0
+    # element-wise work (norms, RoPE, SwiGLU's gate, residual adds; forward + backward) in
+    # seconds per token per layer, and the loss's softmax per target per vocabulary entry;
+    # 0 on a datasheet row: derived from the bytes it moves over HBM (step_time)
+    token_layer_s: float = 0.0
+    target_vocab_s: float = 0.0
     intra_latency_s: float = 10e-6  # one collective call inside a node
     inter_latency_s: float = 25e-6  # one collective call across nodes
     host_adam_params_s: float = 1.0e9  # CPU Adam (offloaded optimizer), params/s per GPU

@@ -179,12 +179,28 @@ def step_time(
         passes = executed["attention"] / attn if attn else 1.0
         rows = samples * step.seq_len * sh.heads * sh.layers / W
         t_attn += passes * rows * dev.attention_row_s / eff.attention
+    # element-wise work: per token per layer (two norms, two residual adds, RoPE on q and
+    # k, SwiGLU's gate), per target per vocabulary entry (the loss's softmax); forward
+    # + backward. A datasheet row moves their bytes over HBM: forward reads and writes
+    # each tensor once, backward about twice as much.
+    per_token_layer, per_vocab = dev.token_layer_s, dev.target_vocab_s
+    if not per_token_layer:
+        touched = 10 * sh.hidden + 2 * (sh.q_width + sh.kv_width) + 3 * sh.inter
+        per_token_layer = 3 * touched * a / (dev.hbm_bytes_s * eff.memory)
+    if not per_vocab:
+        per_vocab = 4 * 4 / (dev.hbm_bytes_s * eff.memory)  # fp32 logits, 4 passes
+    rank_tokens = tokens / W
+    t_elementwise = rank_tokens * sh.layers * per_token_layer * (4 / 3 if ac else 1.0)
+    t_elementwise += (
+        rank_tokens * sh.widest_head * per_vocab * (4 / 3 if cfg.model.loss_tile_tokens else 1.0)
+    )
     # the slowest DP rank: each micro-step waits for it (loader.balance)
     imbalance = dp_imbalance(docs, step.seq_len, rates, step.dp, step.micro_batch, ga)
     slowest = imbalance.balanced if cfg.data.balance else imbalance.in_order
     t_matmul *= slowest
     t_attn *= slowest
-    compute = t_matmul + t_attn
+    t_elementwise *= slowest
+    compute = t_matmul + t_attn + t_elementwise
 
     sent = est.sent_per_layer
     L = sh.layers
@@ -252,6 +268,7 @@ def step_time(
     exposed = {
         "compute": t_matmul,
         "attention": t_attn,
+        "element-wise": t_elementwise,
         "all-to-all": t_a2a,
         "ring": max(0.0, t_ring - eff.overlap * t_attn),
         "dp comm": max(0.0, t_dp - hide),
@@ -261,6 +278,7 @@ def step_time(
     seconds = {
         "compute": t_matmul,
         "attention": t_attn,
+        "element-wise": t_elementwise,
         "all-to-all": t_a2a,
         "ring": t_ring,
         "dp comm": t_dp,
