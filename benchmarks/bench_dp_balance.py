@@ -108,17 +108,11 @@ DNA_1M = Mixture(
 )
 
 
-def pack(lengths: np.ndarray, N: int, samples: int) -> tuple[np.ndarray, np.ndarray]:
-    """Concatenate documents and cut every N tokens: each piece's length and sample."""
-    ends = np.cumsum(lengths)
-    total = samples * N
-    cuts = np.union1d(ends[ends < total], np.arange(N, total + 1, N, dtype=np.int64))
-    starts = np.concatenate([[0], cuts[:-1]])
-    return cuts - starts, starts // N
-
-
 def pieces_of(lengths: np.ndarray, N: int, samples: int) -> list[list[int]]:
-    length, sample = pack(lengths, N, samples)
+    """Each sample's document pieces: the stream cut at documents' ends and every N tokens."""
+    from ulysses_mm.tools.estimate.documents import window_pieces
+
+    length, sample = window_pieces(lengths, N, samples)
     out: list[list[int]] = [[] for _ in range(samples)]
     for n, s in zip(length.tolist(), sample.tolist()):
         out[s].append(n)
@@ -127,9 +121,9 @@ def pieces_of(lengths: np.ndarray, N: int, samples: int) -> list[list[int]]:
 
 def pairs_of(lengths: np.ndarray, N: int, samples: int) -> np.ndarray:
     """Causal pairs per sample (documents isolated, pieces in one sample counted apart)."""
-    length, sample = pack(lengths, N, samples)
-    n = length.astype(np.float64)
-    return np.bincount(sample, weights=n * (n + 1) / 2, minlength=samples)
+    from ulysses_mm.tools.estimate.documents import window_pairs
+
+    return window_pairs(lengths, N, samples)
 
 
 # ---------------------------------------------------------------------------------------
@@ -328,13 +322,10 @@ def simulate(
 
 
 def llama_linear() -> float:
-    from types import SimpleNamespace
-
     from ulysses_mm.config import RunConfig, load_config
     from ulysses_mm.train.flops import pairs_per_token
 
-    model = load_config(RunConfig, str(REPO / LLAMA3_8B), []).model
-    return pairs_per_token(SimpleNamespace(config=model))  # type: ignore[arg-type]
+    return pairs_per_token(load_config(RunConfig, str(REPO / LLAMA3_8B), []).model)
 
 
 def main() -> None:

@@ -58,15 +58,20 @@ class PackedSample:
         return int(self.segments[:, SEG_LENGTH].sum()) if len(self.segments) else 0
 
 
+def document_lengths(segments: np.ndarray) -> np.ndarray:
+    """int64: the tokens of each document of one packed sample, in order; a document's
+    pieces (one per modality span) counted together, tail padding none."""
+    if len(segments) == 0:
+        return np.zeros(0, dtype=np.int64)
+    docs, first, inverse = np.unique(segments[:, SEG_DOC], return_index=True, return_inverse=True)
+    lengths = np.bincount(inverse, weights=segments[:, SEG_LENGTH], minlength=len(docs))
+    return np.rint(lengths[np.argsort(first)]).astype(np.int64)
+
+
 def sample_pairs(segments: np.ndarray) -> int:
     """The (query, key) pairs causal attention inside documents computes for one packed
-    sample: Σ over its documents of l·(l+1)/2, a document's pieces (one per modality
-    span) counted together; tail padding none."""
-    if len(segments) == 0:
-        return 0
-    docs, inverse = np.unique(segments[:, SEG_DOC], return_inverse=True)
-    lengths = np.bincount(inverse, weights=segments[:, SEG_LENGTH], minlength=len(docs))
-    lengths = np.rint(lengths).astype(np.int64)
+    sample: Σ over its documents (:func:`document_lengths`) of l·(l+1)/2."""
+    lengths = document_lengths(segments)
     return int((lengths * (lengths + 1) // 2).sum())
 
 

@@ -12,7 +12,7 @@ import re
 
 import torch
 
-from ulysses_mm.config import RunConfig
+from ulysses_mm.config import ModelConfig, RunConfig
 from ulysses_mm.model import MultimodalLM
 
 # Dense (no sparsity) peak TFLOP/s of known GPUs, by a pattern of the name
@@ -83,11 +83,10 @@ def causal_pairs(doc_ids: torch.Tensor) -> float:
     return total
 
 
-def pairs_per_token(model: MultimodalLM) -> float:
+def pairs_per_token(c: ModelConfig) -> float:
     """The decoder's dense FLOPs per token over its attention FLOPs per (query, key) pair
     (:func:`train_flops`'s two terms): what a token of linear work weighs in pairs. From
     the config's dimensions, so a partitioned model (ZeRO-3) gives the same figure."""
-    c = model.config
     assert c.head_dim is not None
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     d = c.hidden_size

@@ -239,7 +239,7 @@ class Trainer:
                     stacklevel=2,
                 )
             return None
-        return Work(pairs_per_token(self.model), balance)
+        return Work(pairs_per_token(self.model.config), balance)
 
     def _fetch(self, stream: Stream, count: int) -> list[Batch] | None:
         """``count`` micro-batches of ``stream`` (None when a signal came while waiting for

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ulysses_mm.core.errors import UserError
-from ulysses_mm.core.format import SEG_DOC, SEG_LENGTH, PackedSample
+from ulysses_mm.core.format import document_lengths
 from ulysses_mm.core.storage import Location
 from ulysses_mm.shards.manifest import Manifest
 from ulysses_mm.shards.reader import read_samples
@@ -92,11 +92,11 @@ def windows_pairs(lengths: np.ndarray, seq_len: int) -> float:
     return float(window_pairs(lengths, seq_len).mean())
 
 
-def window_pairs(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+def window_pairs(lengths: np.ndarray, seq_len: int, windows: int = 0) -> np.ndarray:
     """The causal pairs of each window of ``seq_len`` tokens cut from the document stream
-    ``lengths``: whole windows only, at most :data:`MAX_WINDOWS` and :data:`MAX_TOKENS`
-    tokens; a stream shorter than one window is repeated to fill it. A document that
-    crosses a window's end is two pieces, one in each window."""
+    ``lengths`` (:func:`window_pieces`): whole windows only, ``windows`` of them, by
+    default as many as the stream holds up to :data:`MAX_WINDOWS` and :data:`MAX_TOKENS`
+    tokens; a stream shorter than one window is repeated to fill it."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
     if total <= 0:
@@ -104,26 +104,26 @@ def window_pairs(lengths: np.ndarray, seq_len: int) -> np.ndarray:
     if total < seq_len:
         lengths = np.tile(lengths, -(-seq_len // total))
         total = int(lengths.sum())
-    windows = max(1, min(total // seq_len, MAX_WINDOWS, MAX_TOKENS // seq_len))
+    if windows <= 0:
+        windows = max(1, min(total // seq_len, MAX_WINDOWS, MAX_TOKENS // seq_len))
+    pieces, which = window_pieces(lengths, seq_len, windows)
+    n = pieces.astype(np.float64)
+    return np.bincount(which, weights=n * (n + 1) / 2, minlength=windows)
+
+
+def window_pieces(lengths: np.ndarray, seq_len: int, windows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The document stream ``lengths`` cut at every document's end and every ``seq_len``
+    tokens, over its first ``windows`` windows: (each piece's tokens, its window). A
+    document that crosses a window's end is two pieces, one in each window."""
     span = windows * seq_len
-    # document boundaries and window boundaries cut the stream into pieces
-    ends = np.cumsum(lengths)
-    cuts = np.union1d(ends[ends < span], np.arange(1, windows) * seq_len)
+    ends = np.cumsum(np.asarray(lengths, dtype=np.int64))
+    if ends[-1] < span:
+        raise UserError(
+            f"the document lengths hold {ends[-1]:,} tokens, not {windows} windows of {seq_len:,}"
+        )
+    cuts = np.union1d(ends[ends < span], np.arange(1, windows, dtype=np.int64) * seq_len)
     bounds = np.concatenate([[0], cuts, [span]])
-    pieces = np.diff(bounds).astype(np.float64)
-    which = bounds[:-1] // seq_len  # the window each piece starts in (and lies in)
-    return np.bincount(which, weights=pieces * (pieces + 1) / 2, minlength=windows)
-
-
-def sample_doc_lengths(sample: PackedSample) -> list[int]:
-    """The document lengths of one packed sample, in order (a document's pieces, one per
-    modality span, counted together; tail padding none)."""
-    seg = sample.segments
-    if len(seg) == 0:
-        return []
-    docs, first, inverse = np.unique(seg[:, SEG_DOC], return_index=True, return_inverse=True)
-    lengths = np.bincount(inverse, weights=seg[:, SEG_LENGTH], minlength=len(docs))
-    return [int(n) for n in np.rint(lengths[np.argsort(first)])]
+    return np.diff(bounds), bounds[:-1] // seq_len
 
 
 def manifest_doc_lengths(manifest: str, storage_options: dict | None = None) -> DocLengths:
@@ -140,7 +140,7 @@ def manifest_doc_lengths(manifest: str, storage_options: dict | None = None) -> 
     for i in picks:
         where = m.shard_where(int(i))
         for sample in read_samples(where.read_bytes(), str(m.shard_location(int(i)))):
-            lengths += sample_doc_lengths(sample)
+            lengths += document_lengths(sample.segments).tolist()
             read += 1
             if read >= MAX_SAMPLES:
                 break
