@@ -94,6 +94,10 @@ def test_the_manifest_records_each_samples_pairs(mixed, tmp_path):
     bad.write_text(json.dumps(body))
     with pytest.raises(ManifestError, match=r"sample_pairs\[2\] = 65792 is outside"):
         Manifest.load(str(bad))
+    body["sample_pairs"] = "lots"
+    bad.write_text(json.dumps(body))
+    with pytest.raises(ManifestError, match="sample_pairs must be a list of integers, got str"):
+        Manifest.load(str(bad))
     del body["sample_pairs"]  # an older prepare's: still read
     bad.write_text(json.dumps(body))
     assert Manifest.load(str(bad)).sample_pairs is None

@@ -424,6 +424,8 @@ class Manifest:
         except (TypeError, ValueError) as e:
             raise fail(f"modality_runs must be [modality, tokens] pairs: {e!r}") from e
         pairs = data.get("sample_pairs")
+        if pairs is not None and not isinstance(pairs, list):
+            raise fail(f"sample_pairs must be a list of integers, got {type(pairs).__name__}")
         try:
             sample_pairs = None if pairs is None else [_int(p) for p in pairs]
         except (TypeError, ValueError) as e:
