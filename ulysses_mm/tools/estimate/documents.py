@@ -44,22 +44,23 @@ class DocLengths:
     median: float = 0.0
     sigma: float = 0.0
     source: str = ""
-    _pairs: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+    _pairs: dict[int, np.ndarray] = field(default_factory=dict, compare=False, repr=False)
 
     def pairs_per_sample(self, seq_len: int) -> float:
         """The mean causal pairs of one sample of ``seq_len`` tokens."""
-        if self.kind == "full":
-            return seq_len * (seq_len + 1) / 2
-        if seq_len not in self._pairs:
-            self._pairs[seq_len] = windows_pairs(self._stream(seq_len), seq_len)
-        return self._pairs[seq_len]
+        return float(self.window_pairs(seq_len).mean())
 
     def window_pairs(self, seq_len: int) -> np.ndarray:
         """The causal pairs of each sample of ``seq_len`` tokens the documents make (one
-        figure for ``full``): how unequal the samples' attention work is."""
-        if self.kind == "full":
-            return np.array([seq_len * (seq_len + 1) / 2])
-        return window_pairs(self._stream(seq_len), seq_len)
+        figure for ``full``): how unequal the samples' attention work is. Cached by
+        length (``--best`` asks once per layout)."""
+        if seq_len not in self._pairs:
+            self._pairs[seq_len] = (
+                np.array([seq_len * (seq_len + 1) / 2])
+                if self.kind == "full"
+                else window_pairs(self._stream(seq_len), seq_len)
+            )
+        return self._pairs[seq_len]
 
     def _stream(self, seq_len: int) -> np.ndarray:
         if self.kind == "lognormal":
@@ -84,12 +85,6 @@ class DocLengths:
         if self.kind == "lognormal":
             return f"log-normal document lengths, median {self.median:,.0f}, σ {self.sigma:g}"
         return f"document lengths of {len(self.lengths):,} documents from {self.source}"
-
-
-def windows_pairs(lengths: np.ndarray, seq_len: int) -> float:
-    """The mean causal pairs (``train.flops.causal_pairs``) of the windows of ``seq_len``
-    tokens cut from the document stream ``lengths`` (:func:`window_pairs`)."""
-    return float(window_pairs(lengths, seq_len).mean())
 
 
 def window_pairs(lengths: np.ndarray, seq_len: int, windows: int = 0) -> np.ndarray:
